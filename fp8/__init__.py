@@ -1,0 +1,27 @@
+"""fp8: the FP8 engine of fp8lm (pure PyTorch; no Megatron import).
+
+Quick use::
+
+    import fp8
+    model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
+"""
+
+from .cast import dequantize, quantize, quantize_transpose
+from .convert import convert_to_float8_linear
+from .formats import E4M3, E5M2, FP8Format, get_format
+from .gemm import fp8_mm, scaled_mm_supported
+from .initialize import OPT_LEVELS, initialize
+from .linear import Float8Linear, Float8LinearConfig
+from .memory import MEMORY_CATEGORIES, memory_report
+from .scaling import ScalingConfig, ScalingState, compute_scale, update_scales
+from .serialization import safe_globals
+from .tensor import Float8Tensor, to_float8
+
+__all__ = [
+    "E4M3", "E5M2", "FP8Format", "get_format",
+    "ScalingConfig", "ScalingState", "compute_scale", "update_scales",
+    "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
+    "fp8_mm", "scaled_mm_supported",
+    "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",
+    "initialize", "OPT_LEVELS", "memory_report", "MEMORY_CATEGORIES", "safe_globals",
+]

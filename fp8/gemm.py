@@ -1,0 +1,111 @@
+"""FP8 x FP8 GEMM: ``torch._scaled_mm`` where it can run, an exact emulation elsewhere.
+
+``fp8_mm(a, b)`` multiplies ``a`` (M x K) by ``b`` (K x N), both :class:`Float8Tensor`, with fp32
+accumulation. The hardware path follows ``torch._scaled_mm``'s rules as the GPU enforces them
+(CPU is more lenient, so they are checked here on every device): ``a`` row-major, ``b``
+column-major, K and N multiples of 16, not both operands E5M2, and a CPU or a CUDA GPU of compute
+capability >= 8.9. The emulated path dequantizes to fp32 and runs an fp32 matmul; on CPU it
+equals ``_scaled_mm`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .formats import E5M2
+from .tensor import Float8Tensor
+
+__all__ = ["fp8_mm", "scaled_mm_supported", "scaled_mm_problem", "GEMM_BACKENDS"]
+
+logger = logging.getLogger(__name__)
+
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
+"""``auto`` picks ``scaled_mm`` where it can run and ``emulated`` elsewhere; the others force one."""
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 on ``device`` (CPU, or CUDA compute capability >= 8.9)."""
+    if device.type == "cpu":
+        return hasattr(torch, "_scaled_mm")
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return False
+
+
+def scaled_mm_problem(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why ``torch._scaled_mm`` cannot take ``a @ b`` (shape and format rules), or None if it can."""
+    if a.dim() != 2 or b.dim() != 2:
+        return f"operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}"
+    k, n = b.shape
+    if a.shape[1] % 16 or k % 16 or n % 16:
+        return (
+            f"shapes {tuple(a.shape)} @ {tuple(b.shape)}: K and N must be multiples of 16 "
+            f"(pad the layer's dimensions to multiples of 16)"
+        )
+    if a.dtype == E5M2.dtype and b.dtype == E5M2.dtype:
+        return "both operands are E5M2; one must be E4M3"
+    return None
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.stride(0) == t.shape[1]
+
+
+def _col_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _emulated_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    lhs = a.payload.to(torch.float32) * a.scale.reciprocal()
+    rhs = b.payload.to(torch.float32) * b.scale.reciprocal()
+    return torch.mm(lhs, rhs).to(out_dtype)
+
+
+def _hardware_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    lhs, rhs = a.payload, b.payload
+    if not _row_major(lhs):
+        lhs = lhs.contiguous()
+    if not _col_major(rhs):
+        rhs = rhs.t().contiguous().t()
+    return torch._scaled_mm(
+        lhs, rhs, scale_a=a.scale.reciprocal(), scale_b=b.scale.reciprocal(), out_dtype=out_dtype
+    )
+
+
+def fp8_mm(
+    a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto"
+) -> torch.Tensor:
+    """``a @ b`` for FP8 operands ``a`` (M x K) and ``b`` (K x N), accumulated in fp32, in ``out_dtype``.
+
+    ``backend="scaled_mm"`` raises a ``ValueError`` naming the fix when the hardware path cannot
+    run; ``"auto"`` falls back to the emulated path then (logged once per reason).
+    """
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
+        raise TypeError("fp8_mm takes two Float8Tensor operands; quantize with fp8.to_float8 first")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_mm: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if backend == "emulated":
+        return _emulated_mm(a, b, out_dtype)
+    problem = scaled_mm_problem(a.payload, b.payload)
+    if problem is None and not scaled_mm_supported(a.device):
+        problem = (
+            f"torch._scaled_mm has no FP8 support on {a.device} (needs a CPU or a CUDA GPU of compute "
+            f"capability >= 8.9, e.g. H100/H200/L40/RTX 4090); use gemm_backend='emulated'"
+        )
+    if problem is None:
+        return _hardware_mm(a, b, out_dtype)
+    if backend == "scaled_mm":
+        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
+    _log_fallback(problem)
+    return _emulated_mm(a, b, out_dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(problem: str) -> None:
+    logger.info("fp8_mm: using the emulated GEMM: %s", problem)

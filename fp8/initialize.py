@@ -1,0 +1,80 @@
+"""``fp8.initialize``: turn any PyTorch / Hugging Face model and its optimizer into FP8 ones."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .convert import ModuleFilter, convert_to_float8_linear
+from .gemm import scaled_mm_supported
+from .linear import Float8LinearConfig
+from .optim.master_weights import MasterWeightOptimizer
+
+__all__ = ["initialize", "OPT_LEVELS"]
+
+logger = logging.getLogger(__name__)
+
+OPT_LEVELS = ("O0", "O1")
+"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline) and ``O1``."""
+
+_PLANNED_LEVELS = ("O2", "O3")
+
+
+def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
+    devices = {p.device for p in model.parameters()}
+    for device in devices:
+        if scaled_mm_supported(device):
+            continue
+        message = (
+            f"{device} has no FP8 GEMM support (torch._scaled_mm needs a CPU or a CUDA GPU of compute "
+            f"capability >= 8.9, e.g. H100/H200/L40/RTX 4090)"
+        )
+        if config.gemm_backend == "scaled_mm":
+            raise RuntimeError(f"{message}; use gemm_backend='auto' or 'emulated' to emulate FP8 GEMMs")
+        logger.warning("fp8: %s; FP8 GEMMs will be emulated (correct numerics, no speed-up)", message)
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    opt_level: str = "O1",
+    *,
+    config: Float8LinearConfig | None = None,
+    module_filter_fn: ModuleFilter | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
+
+    - ``"O0"``: returns both unchanged (the high-precision baseline).
+    - ``"O1"``: every eligible ``nn.Linear`` becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
+      with their scales, FP8 GEMMs, FP8 weight gradients); ``module_filter_fn(module, fqn)`` returning
+      False keeps a layer in high precision, and layers with dimensions not multiple of 16 or tied
+      weights are kept with a logged reason. The optimizer is wrapped in a
+      :class:`fp8.optim.MasterWeightOptimizer`: it keeps the original high-precision weights as masters,
+      steps them on the dequantized FP8 gradients and refreshes the FP8 copies after each step.
+
+    Call it after moving the model to its device and dtype, before wrapping it for data
+    parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
+    """
+    if opt_level in _PLANNED_LEVELS:
+        raise NotImplementedError(
+            f"opt_level {opt_level!r} (FP8 optimizer states) is not implemented in this version; "
+            f"available levels: {OPT_LEVELS}"
+        )
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"opt_level must be one of {OPT_LEVELS + _PLANNED_LEVELS}, got {opt_level!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, MasterWeightOptimizer):
+        raise ValueError("this optimizer is already FP8-initialized; call fp8.initialize once per model")
+    if opt_level == "O0":
+        return model, optimizer
+    config = config or Float8LinearConfig()
+    _check_hardware(model, config)
+    model, converted = convert_to_float8_linear(model, config, module_filter_fn)
+    if optimizer is None:
+        return model, None
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pairs = [(c.original_weight, c.module.weight) for c in converted if id(c.original_weight) in in_optimizer]
+    return model, MasterWeightOptimizer(optimizer, pairs, model)

@@ -1,0 +1,181 @@
+"""FP8 linear layer: FP8 weights, FP8 activations, FP8 GEMMs in all three passes, FP8 weight gradients.
+
+Forward: input cast to E4M3 (its own scaling state), weight held as an E4M3 :class:`Float8Tensor`,
+``y = x @ W^T`` in FP8 with fp32 accumulation, bias added in high precision.
+Backward: output gradient cast to E5M2 (its own scaling state, quantized once with its transpose),
+``dX = dY @ W`` and ``dW = dY^T @ X`` in FP8 with fp32 accumulation; ``dW`` is stored as an E4M3
+:class:`Float8Tensor` with its own current power-of-two scale. Gradient accumulation over
+micro-batches adds in fp32 and re-quantizes with the scale of the sum, so it cannot overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .cast import quantize, quantize_transpose
+from .formats import get_format
+from .gemm import GEMM_BACKENDS, fp8_mm
+from .scaling import ScalingConfig, ScalingState
+from .tensor import Float8Tensor, to_float8
+
+__all__ = ["Float8LinearConfig", "Float8Linear", "fp8_dims_problem"]
+
+
+def _default_input() -> ScalingConfig:
+    return ScalingConfig(fmt="e4m3", kind="delayed")
+
+
+def _default_grad_output() -> ScalingConfig:
+    return ScalingConfig(fmt="e5m2", kind="delayed")
+
+
+@dataclass(frozen=True)
+class Float8LinearConfig:
+    """Formats and scaling of an FP8 linear's tensor roles, and its GEMM backend.
+
+    ``input`` and ``grad_output`` are scaled per :class:`ScalingConfig` (delayed by default, history
+    16); the weight (``weight_fmt``) is re-quantized from its master copy with a current scale after
+    every optimizer step; the weight gradient (``weight_grad_fmt``) gets a current scale from its
+    amax. ``gemm_backend`` is one of ``"auto"``, ``"scaled_mm"``, ``"emulated"``.
+    """
+
+    input: ScalingConfig = field(default_factory=_default_input)
+    grad_output: ScalingConfig = field(default_factory=_default_grad_output)
+    weight_fmt: str = "e4m3"
+    weight_grad_fmt: str = "e4m3"
+    gemm_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        get_format(self.weight_fmt)
+        get_format(self.weight_grad_fmt)
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
+        if self.input.fmt == "e5m2" and self.weight_fmt == "e5m2":
+            raise ValueError("input and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
+        if self.grad_output.fmt == "e5m2" and self.weight_fmt == "e5m2":
+            raise ValueError("grad_output and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
+
+
+def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
+    """Why a linear of these dimensions cannot run its GEMMs in FP8, or None if it can."""
+    if in_features % 16 or out_features % 16:
+        return (
+            f"in_features={in_features} and out_features={out_features} must both be multiples of 16 "
+            f"for FP8 GEMMs (pad the layer)"
+        )
+    return None
+
+
+class _Float8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, input_state, grad_output_state, config):
+        if not isinstance(weight, Float8Tensor):
+            raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
+        lead_shape = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        x_scale = input_state.scale_for(x2d)
+        x8 = Float8Tensor(quantize(x2d, x_scale, input_state.format), x_scale, x.dtype)
+        out = fp8_mm(x8, weight.t(), out_dtype=x.dtype, backend=config.gemm_backend)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(x8, weight)
+        ctx.grad_output_state = grad_output_state
+        ctx.config = config
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        return out.reshape(*lead_shape, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x8, weight = ctx.saved_tensors
+        config = ctx.config
+        state = ctx.grad_output_state
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g_scale = state.scale_for(g2d)
+        g_data, g_data_t = quantize_transpose(g2d, g_scale, state.format)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            g8 = Float8Tensor(g_data, g_scale, grad_out.dtype)
+            grad_x = fp8_mm(g8, weight, out_dtype=grad_out.dtype, backend=config.gemm_backend)
+            grad_x = grad_x.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            g8_t = Float8Tensor(g_data_t, g_scale, grad_out.dtype)
+            grad_w32 = fp8_mm(g8_t, x8, out_dtype=torch.float32, backend=config.gemm_backend)
+            grad_w = to_float8(grad_w32, config.weight_grad_fmt)
+            grad_w = Float8Tensor(grad_w.payload, grad_w.scale, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2d.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class Float8Linear(nn.Module):
+    """Drop-in for ``nn.Linear`` computing in FP8 (see the module docstring for the formats).
+
+    ``weight`` is an ``nn.Parameter`` holding an E4M3 :class:`Float8Tensor` (1 byte per element
+    plus its scale); ``bias`` stays in high precision. ``input_scaling`` and ``grad_output_scaling``
+    hold the scaling state of the activations and output gradients; call ``fp8.update_scales(model)``
+    once per optimizer step (the optimizer returned by ``fp8.initialize`` does it for you).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        config: Float8LinearConfig | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        problem = fp8_dims_problem(in_features, out_features)
+        if problem:
+            raise ValueError(f"Float8Linear: {problem}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.config = config or Float8LinearConfig()
+        weight = torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        self.weight = nn.Parameter(to_float8(weight, self.config.weight_fmt))
+        if bias:
+            bound = 1 / math.sqrt(in_features)
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=weight.dtype).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+        self.input_scaling = ScalingState(self.config.input, device=weight.device)
+        self.grad_output_scaling = ScalingState(self.config.grad_output, device=weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
+        """An FP8 linear with ``linear``'s weight quantized (current scale) and ``linear``'s own bias
+        ``Parameter`` (so an optimizer holding it keeps stepping it)."""
+        problem = fp8_dims_problem(linear.in_features, linear.out_features)
+        if problem:
+            raise ValueError(f"Float8Linear.from_linear: {problem}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.config = config or Float8LinearConfig()
+        weight = linear.weight
+        new.weight = nn.Parameter(to_float8(weight.detach(), new.config.weight_fmt), requires_grad=weight.requires_grad)
+        new.bias = linear.bias
+        new.input_scaling = ScalingState(new.config.input, device=weight.device)
+        new.grad_output_scaling = ScalingState(new.config.grad_output, device=weight.device)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Float8Linear: expected input with last dim {self.in_features}, got {tuple(x.shape)}")
+        return _Float8LinearFunction.apply(
+            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"weight={self.config.weight_fmt}, input={self.config.input.fmt}/{self.config.input.kind}, "
+            f"grad_output={self.config.grad_output.fmt}/{self.config.grad_output.kind}"
+        )

@@ -1,0 +1,74 @@
+"""``memory_report``: bytes of model state actually held, by category."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .scaling import ScalingState
+from .tensor import Float8Tensor
+
+__all__ = ["memory_report", "MEMORY_CATEGORIES"]
+
+MEMORY_CATEGORIES = ("weights", "master weights", "weight gradients", "optimizer states", "FP8 scaling metadata")
+"""Keys of :func:`memory_report` (plus ``"total"``)."""
+
+
+class _Ledger:
+    """Sums tensor bytes per category, counting each storage once."""
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, category: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            return
+        if isinstance(tensor, Float8Tensor):
+            self.add(category, tensor.payload)
+            self.add("FP8 scaling metadata", tensor.scale)
+            return
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if storage.data_ptr() != 0 and key in self._seen:
+            return
+        self._seen.add(key)
+        self.bytes[category] += storage.nbytes()
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes held by ``model``'s parameters, gradients and FP8 scaling state and by ``optimizer``'s
+    state, per category of :data:`MEMORY_CATEGORIES`, plus ``"total"``.
+
+    FP8 weights count 1 byte per element (their scales go to ``"FP8 scaling metadata"``); master
+    weights are the high-precision copies an FP8 optimizer keeps; each storage is counted once.
+    """
+    ledger = _Ledger()
+    for param in model.parameters():
+        ledger.add("weights", param)
+    # Masters before gradients: a master's transient .grad is a gradient, the master a master weight.
+    inner = optimizer
+    for master in getattr(optimizer, "master_weights", []):
+        ledger.add("master weights", master)
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    for param in model.parameters():
+        ledger.add("weight gradients", param.grad)
+    for master in getattr(optimizer, "master_weights", []):
+        ledger.add("weight gradients", master.grad)
+    if inner is not None:
+        for group in inner.param_groups:
+            for param in group["params"]:
+                ledger.add("weights", param)  # optimizer-only parameters; already-counted ones are skipped
+                ledger.add("weight gradients", param.grad)
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    ledger.add("optimizer states", value)
+    for module in model.modules():
+        if isinstance(module, ScalingState):
+            for buffer in module.buffers(recurse=False):
+                ledger.add("FP8 scaling metadata", buffer)
+    report = dict(ledger.bytes)
+    report["total"] = sum(ledger.bytes.values())
+    return report

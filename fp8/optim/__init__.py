@@ -1,0 +1,5 @@
+"""FP8-aware optimizers."""
+
+from .master_weights import MasterWeightOptimizer
+
+__all__ = ["MasterWeightOptimizer"]

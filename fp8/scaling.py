@@ -1,0 +1,150 @@
+"""Tensor-wise scaling: power-of-two scales from an amax, current and delayed scaling state.
+
+Convention used throughout the engine: ``fp8 = cast(clamp(x * scale))`` and ``x ~= fp8 / scale``.
+Scales are fp32 powers of two, so multiplying by a scale or by its reciprocal is exact and
+rescaling never adds rounding error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .formats import FP8Format, get_format
+
+__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "update_scales"]
+
+# Exponent range of a scale: 2**126 and 2**-126 and their reciprocals stay normal fp32 numbers.
+_MAX_SCALE_EXPONENT = 126.0
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of ``x`` as a 0-d fp32 tensor on ``x``'s device (no host sync)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def compute_scale(
+    amax: torch.Tensor, fmt: FP8Format | str, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Power-of-two scale ``2**floor(log2(fmt.max / amax)) * 2**-margin`` as a 0-d fp32 tensor.
+
+    An amax of 0, inf or NaN cannot define a scale: the ``previous`` scale is kept (1.0 when there
+    is none). Computed on device, without a host synchronisation.
+    """
+    fmt = get_format(fmt)
+    amax = amax.to(torch.float32)
+    exponent = torch.floor(torch.log2(fmt.max / amax)) - margin
+    exponent = exponent.clamp(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+    scale = torch.exp2(exponent)
+    if previous is None:
+        previous = torch.ones((), dtype=torch.float32, device=amax.device)
+    usable = torch.isfinite(amax) & (amax > 0)
+    return torch.where(usable, scale, previous.to(torch.float32))
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How one tensor role (input, weight, output gradient) is scaled.
+
+    ``kind="current"`` takes the scale from the amax of the tensor being cast; ``kind="delayed"``
+    takes it from the largest amax seen over the last ``history_len`` steps (the current step's
+    amax is recorded and used from the next step on). ``margin`` lowers the scale by ``2**margin``.
+    """
+
+    fmt: str = "e4m3"
+    kind: str = "delayed"
+    history_len: int = 16
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        get_format(self.fmt)
+        if self.kind not in ("current", "delayed"):
+            raise ValueError(f"scaling kind must be 'current' or 'delayed', got {self.kind!r}")
+        if self.history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+        if not 0 <= self.margin <= 32:
+            raise ValueError(f"margin must be in [0, 32], got {self.margin}")
+
+    @property
+    def format(self) -> FP8Format:
+        """The :class:`FP8Format` this role is cast to."""
+        return get_format(self.fmt)
+
+
+class ScalingState(nn.Module):
+    """Scaling state of one tensor role, kept on device as buffers (saved in ``state_dict``).
+
+    Buffers: ``amax_history`` (``history_len`` fp32 values, slot 0 is the step in progress) and
+    ``scale`` (fp32, the delayed scale for the step in progress), ``has_history`` (bool, whether a
+    step with a recorded amax has been closed). ``scale_for(x)`` returns the
+    scale to cast ``x`` with and records its amax; ``update()`` closes a step. An optional process
+    group makes every rank use the same scale (amax all-reduced with MAX).
+    """
+
+    def __init__(self, config: ScalingConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.amax_reduce_group: dist.ProcessGroup | None = None
+        self.register_buffer("amax_history", torch.zeros(config.history_len, dtype=torch.float32, device=device))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("has_history", torch.zeros((), dtype=torch.bool, device=device))
+
+    @property
+    def format(self) -> FP8Format:
+        """The FP8 format this role is cast to."""
+        return self.config.format
+
+    def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        if self.amax_reduce_group is not None and dist.is_initialized():
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduce_group)
+        return amax
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        """Scale (0-d fp32) to cast ``x`` with; records ``x``'s amax in the history.
+
+        Current scaling computes it from ``x`` (amax agreed across the group, if one is set).
+        Delayed scaling returns the stored scale, except before any amax was recorded, where it
+        falls back to current scaling so the first step cannot overflow.
+        """
+        amax = amax_of(x)
+        with torch.no_grad():
+            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        cfg = self.config
+        if cfg.kind == "current":
+            return compute_scale(self._reduce_amax(amax), cfg.fmt, cfg.margin, self.scale)
+        if self.amax_reduce_group is not None:
+            # The first-step fallback must agree across ranks too.
+            amax = self._reduce_amax(amax)
+        return torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
+
+    @torch.no_grad()
+    def update(self, reduce: bool = True) -> None:
+        """Close a step: agree on the step's amax across the group, recompute the scale from the
+        window's max, and start a new history slot. Runs on device without a host sync."""
+        if reduce and self.amax_reduce_group is not None:
+            self.amax_history[0] = self._reduce_amax(self.amax_history[0])
+        cfg = self.config
+        window_amax = self.amax_history.amax()
+        self.scale.copy_(compute_scale(window_amax, cfg.fmt, cfg.margin, self.scale))
+        self.has_history.logical_or_(window_amax > 0)
+        self.amax_history.copy_(torch.roll(self.amax_history, 1))
+        self.amax_history[0] = 0.0
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"fmt={c.fmt}, kind={c.kind}, history_len={c.history_len}, margin={c.margin}"
+
+
+@torch.no_grad()
+def update_scales(module: nn.Module) -> None:
+    """Close the step for every :class:`ScalingState` in ``module``: per role, agree on the step's amax
+    across its process group, compute the next delayed scale, roll the history. No host sync."""
+    for state in module.modules():
+        if isinstance(state, ScalingState):
+            state.update()
