@@ -1,0 +1,18 @@
+"""fp8lm: FP8 mixed-precision training for GPT-style language models (PyTorch-native, megatron-core)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fp8lm",
+    version="0.1.0",
+    description="FP8 mixed-precision training for GPT-style language models: FP8 GEMMs, weights, gradients",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fp8", "fp8.*"]),
+    install_requires=["torch>=2.6"],
+    extras_require={
+        "test": ["pytest>=8", "transformers==5.24.0"],
+    },
+    license="Apache-2.0",
+)

@@ -1,0 +1,29 @@
+"""Shared test fixtures: a fresh random seed per run (reported, overridable with FP8LM_TEST_SEED)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+_SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"fp8lm test seed: {_SEED} (rerun with FP8LM_TEST_SEED={_SEED})"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (run seed mixed with the test name); torch's global RNG is seeded with it."""
+    value = (_SEED + sum(map(ord, request.node.nodeid))) % 2**31
+    torch.manual_seed(value)
+    return value
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    """A torch.Generator seeded with :func:`seed`."""
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,170 @@
+"""Tests for the Shakespeare corpus tools and the TinyGPT example model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
+from tools.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text  # noqa: E402
+
+SMALL = GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return shakespeare_text()
+
+
+def test_corpus_is_real_plain_english(text: str) -> None:
+    assert len(text.encode("utf-8")) > 4_000_000
+    assert "To be, or not to be" in text
+    assert "HAMLET\nTo be, or not to be: that is the question:\n" in text
+    for markup in ("**", "__", "\\[", "\n#", "  \n"):
+        assert markup not in text
+
+
+def test_corpus_is_deterministic(text: str) -> None:
+    assert shakespeare_text() == text
+    assert text.startswith("A Midsummer Night's Dream\n")  # comedies/ sorts first
+
+
+def test_clean_markdown() -> None:
+    md = "# Title\n\n### SCENE I.\n\n_Enter IAGO_\n\n**IAGO**  \nO, __\\[Aside]_ beware\\--  \n"
+    assert clean_markdown(md) == "Title\n\nSCENE I.\n\nEnter IAGO\n\nIAGO\nO, [Aside] beware--\n"
+
+
+def test_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer()
+    s = "O Romeo, Romeo! wherefore art thou Romeo? — ½"
+    ids = tok.encode(s)
+    assert tok.vocab_size == 256
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == s
+    t = tok.encode_tensor(s)
+    assert t.dtype == torch.long and t.tolist() == ids
+    assert tok.decode(t) == s
+    assert tok.encode_tensor("").numel() == 0
+
+
+def test_load_corpus_split() -> None:
+    train, val = load_corpus(val_fraction=0.05)
+    assert train.dtype == val.dtype == torch.long
+    assert 0.045 < len(val) / (len(train) + len(val)) < 0.055
+    assert int(torch.cat([train, val]).max()) < 256
+    with pytest.raises(ValueError):
+        load_corpus(val_fraction=0.0)
+
+
+def test_get_batch_shapes_shift_and_determinism() -> None:
+    data = torch.arange(1000)
+    x, y = get_batch(data, 8, 16, torch.Generator().manual_seed(3))
+    assert x.shape == y.shape == (8, 16)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, x + 1)  # data is arange, so the target is the next element
+    x2, y2 = get_batch(data, 8, 16, torch.Generator().manual_seed(3))
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    x3, _ = get_batch(data, 8, 16, torch.Generator().manual_seed(4))
+    assert not torch.equal(x, x3)
+    with pytest.raises(ValueError):
+        get_batch(torch.arange(16), 2, 16, torch.Generator())
+
+
+def test_get_batch_covers_the_end() -> None:
+    data = torch.arange(10)
+    x, y = get_batch(data, 256, 9, torch.Generator().manual_seed(0))
+    assert int(y.max()) == 9  # the last token is reachable as a target
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"d_model": 130, "n_head": 4}, "divisible by n_head"),
+        ({"n_layer": 0}, "n_layer must be a positive int"),
+        ({"vocab_size": -1}, "vocab_size must be a positive int"),
+        ({"d_ff": 0}, "d_ff must be a positive int"),
+        ({"seq_len": 1.5}, "seq_len must be a positive int"),
+        ({"dropout": 1.0}, "dropout must be in"),
+    ],
+)
+def test_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kwargs)
+
+
+def test_config_defaults() -> None:
+    cfg = GPTConfig()
+    assert (cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.n_head) == (256, 128, 4, 128, 4)
+    assert cfg.d_ff == 512 and cfg.dropout == 0.0
+    assert GPTConfig(d_model=64, n_head=2).d_ff == 256
+    with pytest.raises(AttributeError):
+        cfg.d_model = 64  # type: ignore[misc]
+
+
+def test_model_structure() -> None:
+    model = TinyGPT(GPTConfig())
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is nn.Linear for m in linears)
+    assert len(linears) == 4 * 4 + 1  # qkv, attn proj, fc, mlp proj per block + lm_head
+    assert model.lm_head.bias is None
+    assert model.lm_head.weight.data_ptr() != model.tok_emb.weight.data_ptr()
+    assert model.blocks[0].attn.qkv.weight.shape == (384, 128)
+    assert torch.all(model.blocks[0].mlp.fc.bias == 0)
+    assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.002
+
+
+def test_forward_shapes_and_loss() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    idx = torch.randint(0, 256, (3, 20))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 20, 256) and loss is None
+    logits, loss = model(idx, idx)
+    assert loss is not None and loss.shape == ()
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.2  # near-uniform at init
+    with pytest.raises(ValueError, match="exceeds"):
+        model(torch.zeros(1, SMALL.seq_len + 1, dtype=torch.long))
+
+
+def test_adamw_steps_reduce_loss() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    x, y = get_batch(torch.randint(0, 256, (500,)), 4, SMALL.seq_len, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for _ in range(10):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_causality() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL).eval()
+    idx = torch.randint(0, 256, (2, SMALL.seq_len))
+    changed = idx.clone()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_generate_extends_sequence() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL).eval()
+    out = model.generate(torch.zeros(1, 40, dtype=torch.long), 5, top_k=10,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 45) and int(out.max()) < 256
