@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
-from tools.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text  # noqa: E402
+from examples.tiny_gpt import GPTConfig, TinyGPT
+from tools.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4)
 
@@ -102,7 +95,13 @@ def test_config_validation(kwargs: dict, match: str) -> None:
 
 def test_config_defaults() -> None:
     cfg = GPTConfig()
-    assert (cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.n_head) == (256, 128, 4, 128, 4)
+    assert (cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.n_head) == (
+        256,
+        128,
+        4,
+        128,
+        4,
+    )
     assert cfg.d_ff == 512 and cfg.dropout == 0.0
     assert GPTConfig(d_model=64, n_head=2).d_ff == 256
     with pytest.raises(AttributeError):
@@ -137,7 +136,9 @@ def test_forward_shapes_and_loss() -> None:
 def test_adamw_steps_reduce_loss() -> None:
     torch.manual_seed(0)
     model = TinyGPT(SMALL)
-    x, y = get_batch(torch.randint(0, 256, (500,)), 4, SMALL.seq_len, torch.Generator().manual_seed(0))
+    x, y = get_batch(
+        torch.randint(0, 256, (500,)), 4, SMALL.seq_len, torch.Generator().manual_seed(0)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for _ in range(10):
@@ -165,6 +166,10 @@ def test_causality() -> None:
 def test_generate_extends_sequence() -> None:
     torch.manual_seed(0)
     model = TinyGPT(SMALL).eval()
-    out = model.generate(torch.zeros(1, 40, dtype=torch.long), 5, top_k=10,
-                         generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        torch.zeros(1, 40, dtype=torch.long),
+        5,
+        top_k=10,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.shape == (1, 45) and int(out.max()) < 256

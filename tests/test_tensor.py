@@ -1,0 +1,122 @@
+"""Float8Tensor: payload + scale behaving as a torch.Tensor (views, autograd leaves, save/load)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import fp8
+from fp8 import Float8Tensor
+
+
+def _fp8(gen, shape=(32, 48), fmt="e4m3"):
+    return fp8.to_float8(torch.randn(shape, generator=gen) * 3, fmt)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.payload.view(torch.uint8), b.payload.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+
+
+def test_holds_one_byte_per_element_and_reports_high_precision(gen):
+    x = torch.randn(32, 48, generator=gen)
+    t = fp8.to_float8(x)
+    assert isinstance(t, Float8Tensor) and t.dtype == torch.float32 and t.shape == x.shape
+    assert t.payload.dtype == torch.float8_e4m3fn and t.payload.untyped_storage().nbytes() == x.numel()
+    assert t.scale.dtype == torch.float32 and t.scale.dim() == 0
+    assert torch.equal(t.dequantize(), fp8.dequantize(t.payload, t.scale))
+    assert t.dequantize(torch.float64).dtype == torch.float64
+
+
+def test_views_share_payload_and_scale(gen):
+    t = _fp8(gen)
+    for view in (t.detach(), t.t(), t.transpose(0, 1), t.view(16, 96), t[2:10], t[3], t.unsqueeze(0)):
+        assert isinstance(view, Float8Tensor) and view.scale is t.scale
+    assert torch.equal(t.t().dequantize(), t.dequantize().t())
+    assert torch.equal(t[2:10].dequantize(), t.dequantize()[2:10])
+    assert torch.equal(t.reshape(-1).dequantize(), t.dequantize().reshape(-1))
+    clone = t.clone()
+    assert _same_bits(clone, t) and clone.scale is not t.scale
+
+
+def test_to_device_keeps_fp8_and_dtype_change_dequantizes(gen):
+    t = _fp8(gen)
+    moved = t.to("cpu", copy=True)
+    assert isinstance(moved, Float8Tensor) and _same_bits(moved, t)
+    as64 = t.to(torch.float64)
+    assert type(as64) is torch.Tensor and torch.equal(as64, t.dequantize(torch.float64))
+
+
+def test_ops_without_fp8_meaning_run_on_the_value(gen):
+    t = _fp8(gen)
+    y = torch.randn(32, 48, generator=gen)
+    out = t + y
+    assert type(out) is torch.Tensor and torch.equal(out, t.dequantize() + y)
+    assert torch.equal(t.sum(), t.dequantize().sum())
+    assert torch.equal(torch.nn.functional.relu(t), torch.relu(t.dequantize()))
+
+
+def test_inplace_ops_requantize_with_fresh_scale(gen):
+    t = _fp8(gen)
+    value = t.dequantize()
+    t.mul_(1000.0)  # would overflow E4M3 with the old scale
+    assert isinstance(t, Float8Tensor)
+    assert torch.isfinite(t.dequantize()).all()
+    rel = ((t.dequantize() - value * 1000).abs() / (value * 1000).abs()).max()
+    assert rel <= fp8.E4M3.max_relative_error
+    a, b = _fp8(gen), _fp8(gen)
+    expected = a.dequantize(torch.float64) + b.dequantize(torch.float64)
+    a.add_(b)
+    assert ((a.dequantize(torch.float64) - expected).abs() <= expected.abs() * 2**-4 + 1e-6).all()
+
+
+def test_foreach_inplace_reaches_fp8_members(gen):
+    grads = [_fp8(gen), torch.randn(8, generator=gen), _fp8(gen)]
+    before = [g.dequantize() if isinstance(g, Float8Tensor) else g.clone() for g in grads]
+    torch._foreach_mul_(grads, 0.5)
+    for g, b in zip(grads, before):
+        value = g.dequantize() if isinstance(g, Float8Tensor) else g
+        assert torch.equal(value, b * 0.5)  # halving is exact in FP8 with a power-of-two rescale
+
+
+def test_copy_into_fp8(gen):
+    t = _fp8(gen)
+    src = _fp8(gen)
+    t.copy_(src)
+    assert _same_bits(t, src) and t.scale is not src.scale
+    plain = torch.randn(32, 48, generator=gen) * 1e4
+    t.copy_(plain)
+    assert _same_bits(t, fp8.to_float8(plain))
+
+
+def test_parameter_and_autograd_leaf(gen):
+    p = torch.nn.Parameter(_fp8(gen))
+    assert isinstance(p, torch.nn.Parameter) and isinstance(p, Float8Tensor) and p.requires_grad
+    module = torch.nn.Module()
+    module.weight = p
+    assert dict(module.named_parameters())["weight"] is p
+    deep = copy.deepcopy(module)
+    assert isinstance(deep.weight, Float8Tensor) and _same_bits(deep.weight, p) and deep.weight is not p
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_torch_save_load_round_trip(gen, weights_only):
+    state = {"w": _fp8(gen), "g": _fp8(gen, fmt="e5m2"), "plain": torch.randn(3, generator=gen)}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals(fp8.safe_globals()):
+        loaded = torch.load(buffer, weights_only=weights_only)
+    assert _same_bits(loaded["w"], state["w"]) and _same_bits(loaded["g"], state["g"])
+    assert loaded["g"].format is fp8.E5M2 and torch.equal(loaded["plain"], state["plain"])
+
+
+def test_constructor_validation(gen):
+    with pytest.raises(ValueError, match="float8"):
+        Float8Tensor(torch.randn(4), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="one tensor-wise scale"):
+        Float8Tensor(torch.randn(4).to(torch.float8_e4m3fn), torch.ones(2))
+    with pytest.raises(TypeError, match="floating-point"):
+        fp8.to_float8(torch.arange(4))
