@@ -70,7 +70,9 @@ class Float8Tensor(torch.Tensor):
         if scale.numel() != 1:
             raise ValueError(f"Float8Tensor takes one tensor-wise scale, got shape {tuple(scale.shape)}")
         self._data = data
-        self._scale = scale.reshape(()).to(device=data.device, dtype=torch.float32)
+        if scale.dim() != 0:
+            scale = scale.reshape(())
+        self._scale = scale.to(device=data.device, dtype=torch.float32)
 
     # -- public accessors -------------------------------------------------------------------
     @property
@@ -132,11 +134,11 @@ class Float8Tensor(torch.Tensor):
             targets = _as_list(args[0])
             if any(isinstance(t, Float8Tensor) for t in targets):
                 # In-place op (also _foreach_*_) on FP8: compute in high precision, re-quantize into the payloads.
-                func(*plain_args, **plain_kwargs)
+                returned = func(*plain_args, **plain_kwargs)
                 for target, result in zip(targets, _as_list(plain_args[0])):
                     if isinstance(target, Float8Tensor):
                         _assign(target, result)
-                return args[0]
+                return None if returned is None else args[0]
         if "out" in kwargs and any(isinstance(t, Float8Tensor) for t in _as_list(kwargs["out"])):
             raise NotImplementedError(f"{func} with a Float8Tensor as out= is not supported; write to a plain tensor")
         return func(*plain_args, **plain_kwargs)
