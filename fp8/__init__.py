@@ -13,13 +13,13 @@ from .gemm import fp8_mm, scaled_mm_supported
 from .initialize import OPT_LEVELS, initialize
 from .linear import Float8Linear, Float8LinearConfig
 from .memory import MEMORY_CATEGORIES, memory_report
-from .scaling import ScalingConfig, ScalingState, compute_scale, update_scales
+from .scaling import ScalingConfig, ScalingState, compute_scale, set_amax_reduction_group, update_scales
 from .serialization import safe_globals
 from .tensor import Float8Tensor, to_float8
 
 __all__ = [
     "E4M3", "E5M2", "FP8Format", "get_format",
-    "ScalingConfig", "ScalingState", "compute_scale", "update_scales",
+    "ScalingConfig", "ScalingState", "compute_scale", "update_scales", "set_amax_reduction_group",
     "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",

@@ -15,7 +15,7 @@ from torch import nn
 
 from .formats import FP8Format, get_format
 
-__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "update_scales"]
+__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "update_scales", "set_amax_reduction_group"]
 
 # Exponent range of a scale: 2**126 and 2**-126 and their reciprocals stay normal fp32 numbers.
 _MAX_SCALE_EXPONENT = 126.0
@@ -143,8 +143,26 @@ class ScalingState(nn.Module):
 
 @torch.no_grad()
 def update_scales(module: nn.Module) -> None:
-    """Close the step for every :class:`ScalingState` in ``module``: per role, agree on the step's amax
-    across its process group, compute the next delayed scale, roll the history. No host sync."""
+    """Close the step for every :class:`ScalingState` in ``module``: agree on the step's amaxes across
+    each state's process group (one MAX all-reduce per group), compute the next delayed scales and
+    roll the histories. No host sync."""
+    states = [m for m in module.modules() if isinstance(m, ScalingState)]
+    by_group: dict[int, list[ScalingState]] = {}
+    for state in states:
+        if state.amax_reduce_group is not None and dist.is_initialized():
+            by_group.setdefault(id(state.amax_reduce_group), []).append(state)
+    for members in by_group.values():
+        amaxes = torch.stack([state.amax_history[0] for state in members])
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=members[0].amax_reduce_group)
+        for state, amax in zip(members, amaxes):
+            state.amax_history[0] = amax
+    for state in states:
+        state.update(reduce=False)
+
+
+def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every :class:`ScalingState` in ``module`` agree on its amax across ``group`` (MAX), so all
+    ranks cast with the same scales; ``None`` turns agreement off. Call on every rank of the group."""
     for state in module.modules():
         if isinstance(state, ScalingState):
-            state.update()
+            state.amax_reduce_group = group
