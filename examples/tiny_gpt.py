@@ -147,7 +147,7 @@ class TinyGPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuations of ``idx`` (``[B, T]``); returns ``[B, T + new]``."""
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[B, T]``; return ``[B, T + n]``."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.cfg.seq_len :])
             logits = logits[:, -1, :].float() / max(temperature, 1e-8)

