@@ -10,7 +10,6 @@ equals ``_scaled_mm`` bit for bit.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -26,7 +25,6 @@ GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 """``auto`` picks ``scaled_mm`` where it can run and ``emulated`` elsewhere; the others force one."""
 
 
-@functools.lru_cache(maxsize=None)
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on ``device`` (CPU, or CUDA compute capability >= 8.9)."""
     if device.type == "cpu":
@@ -106,6 +104,10 @@ def fp8_mm(
     return _emulated_mm(a, b, out_dtype)
 
 
-@functools.lru_cache(maxsize=64)
+_LOGGED_FALLBACKS: set[str] = set()
+
+
 def _log_fallback(problem: str) -> None:
-    logger.info("fp8_mm: using the emulated GEMM: %s", problem)
+    if problem not in _LOGGED_FALLBACKS:
+        _LOGGED_FALLBACKS.add(problem)
+        logger.info("fp8_mm: using the emulated GEMM: %s", problem)
