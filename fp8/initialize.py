@@ -10,16 +10,19 @@ from torch import nn
 from .convert import ModuleFilter, convert_to_float8_linear
 from .gemm import scaled_mm_supported
 from .linear import Float8LinearConfig
+from .optim.base import FP8Optimizer
+from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
+from .optim.precision import OptimizerPrecision
 
 __all__ = ["initialize", "OPT_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
-OPT_LEVELS = ("O0", "O1")
-"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline) and ``O1``."""
+OPT_LEVELS = ("O0", "O1", "O2")
+"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline), ``O1`` and ``O2``."""
 
-_PLANNED_LEVELS = ("O2", "O3")
+_PLANNED_LEVELS = ("O3",)
 
 
 def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
@@ -43,6 +46,7 @@ def initialize(
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
+    precision: OptimizerPrecision | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -53,6 +57,11 @@ def initialize(
       weights are kept with a logged reason. The optimizer is wrapped in a
       :class:`fp8.optim.MasterWeightOptimizer`: it keeps the original high-precision weights as masters,
       steps them on the dequantized FP8 gradients and refreshes the FP8 copies after each step.
+    - ``"O2"``: O1's model, and the given ``torch.optim.Adam``/``AdamW``/``SGD`` is replaced by its
+      :mod:`fp8.optim` counterpart (hyper-parameters and param groups carried over) storing the first
+      moment in E4M3, the second moment in FP16 and the master weights in FP16, each with a per-tensor
+      scale; ``precision=fp8.optim.OptimizerPrecision(...)`` overrides that (ablations). Other
+      optimizers are refused with a clear error.
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
@@ -66,15 +75,25 @@ def initialize(
         raise ValueError(f"opt_level must be one of {OPT_LEVELS + _PLANNED_LEVELS}, got {opt_level!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, MasterWeightOptimizer):
+    if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
         raise ValueError("this optimizer is already FP8-initialized; call fp8.initialize once per model")
+    if precision is not None and opt_level != "O2":
+        raise ValueError(f"precision= applies to opt_level 'O2', not {opt_level!r}")
     if opt_level == "O0":
         return model, optimizer
     config = config or Float8LinearConfig()
     _check_hardware(model, config)
+    if opt_level == "O2" and optimizer is not None:
+        check_convertible(optimizer)  # before the model is touched
     model, converted = convert_to_float8_linear(model, config, module_filter_fn)
     if optimizer is None:
         return model, None
+    if opt_level == "O2":
+        replace = {id(c.original_weight): c.module.weight for c in converted}
+        masters = {c.module.weight: c.original_weight for c in converted}
+        fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
+        fp8_optimizer.scaling_module = model
+        return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [(c.original_weight, c.module.weight) for c in converted if id(c.original_weight) in in_optimizer]
     return model, MasterWeightOptimizer(optimizer, pairs, model)

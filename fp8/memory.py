@@ -36,6 +36,16 @@ class _Ledger:
         self.bytes[category] += storage.nbytes()
 
 
+def _state_category(key: str) -> str:
+    """Category of an optimizer state entry: FP8 optimizers keep masters under ``master`` and
+    per-tensor scales under ``<name>_scale``."""
+    if key == "master":
+        return "master weights"
+    if key.endswith("_scale"):
+        return "FP8 scaling metadata"
+    return "optimizer states"
+
+
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes held by ``model``'s parameters, gradients and FP8 scaling state and by ``optimizer``'s
     state, per category of :data:`MEMORY_CATEGORIES`, plus ``"total"``.
@@ -62,9 +72,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 ledger.add("weights", param)  # optimizer-only parameters; already-counted ones are skipped
                 ledger.add("weight gradients", param.grad)
         for state in inner.state.values():
-            for value in state.values():
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    ledger.add("optimizer states", value)
+                    ledger.add(_state_category(key), value)
     for module in model.modules():
         if isinstance(module, ScalingState):
             for buffer in module.buffers(recurse=False):

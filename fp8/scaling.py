@@ -15,7 +15,8 @@ from torch import nn
 
 from .formats import FP8Format, get_format
 
-__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "update_scales", "set_amax_reduction_group"]
+__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
+           "set_amax_reduction_group", "discard_step_amaxes"]
 
 # Exponent range of a scale: 2**126 and 2**-126 and their reciprocals stay normal fp32 numbers.
 _MAX_SCALE_EXPONENT = 126.0
@@ -36,9 +37,16 @@ def compute_scale(
     An amax of 0, inf or NaN cannot define a scale: the ``previous`` scale is kept (1.0 when there
     is none). Computed on device, without a host synchronisation.
     """
-    fmt = get_format(fmt)
+    return power_of_two_scale(amax, get_format(fmt).max, margin, previous)
+
+
+def power_of_two_scale(
+    amax: torch.Tensor, fmax: float, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Power-of-two scale mapping ``amax`` into ``(fmax / 2, fmax]`` (lowered by ``2**margin``) for any
+    storage format with largest finite value ``fmax``; 0-d fp32; keeps ``previous`` on a bad amax."""
     amax = amax.to(torch.float32)
-    exponent = torch.floor(torch.log2(fmt.max / amax)) - margin
+    exponent = torch.floor(torch.log2(fmax / amax)) - margin
     exponent = exponent.clamp(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
     scale = torch.exp2(exponent)
     if previous is None:
@@ -166,3 +174,12 @@ def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None)
     for state in module.modules():
         if isinstance(state, ScalingState):
             state.amax_reduce_group = group
+
+
+@torch.no_grad()
+def discard_step_amaxes(module: nn.Module) -> None:
+    """Forget the amaxes recorded in the step in progress (e.g. a step skipped for non-finite
+    gradients), so they never enter a scaling history."""
+    for state in module.modules():
+        if isinstance(state, ScalingState):
+            state.amax_history[0] = 0.0

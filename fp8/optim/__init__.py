@@ -1,5 +1,14 @@
-"""FP8-aware optimizers."""
+"""FP8-aware optimizers with precision decoupling, the O1 wrapper, and gradient clipping."""
 
+from .adam import Adam, AdamW
+from .base import FP8Optimizer, grads_are_finite
+from .clip import clip_grad_norm_
+from .convert import convert_optimizer
 from .master_weights import MasterWeightOptimizer
+from .precision import PRECISION_PRESETS, OptimizerPrecision
+from .sgd import SGD
 
-__all__ = ["MasterWeightOptimizer"]
+__all__ = [
+    "Adam", "AdamW", "SGD", "FP8Optimizer", "MasterWeightOptimizer", "OptimizerPrecision", "PRECISION_PRESETS",
+    "clip_grad_norm_", "convert_optimizer", "grads_are_finite",
+]

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..scaling import update_scales
 from ..tensor import Float8Tensor
+from .base import grads_are_finite, skip_step
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -42,6 +43,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.pairs = pairs
         self.model = model
+        self.skipped_steps = 0
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -102,11 +104,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             fp8_weight.copy_(master)
 
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        """One optimizer step on the masters, then refreshed FP8 weights and closed scaling step."""
+        """One optimizer step on the masters, then refreshed FP8 weights and closed scaling step.
+        Skipped (counted in ``skipped_steps``, logged) if any gradient is not finite."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [w for _, w in self.pairs] + [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not grads_are_finite(params):
+            skip_step(self, self.model)
+            return loss
         self._load_master_grads()
         self.optimizer.step()
         self.refresh_fp8_weights()

@@ -1,0 +1,192 @@
+"""``FP8Optimizer``: the base of the precision-decoupled optimizers (Adam, AdamW, SGD).
+
+Each parameter's state is stored compressed per :class:`OptimizerPrecision`: a payload in the role's
+storage dtype plus an fp32 power-of-two scale (keys ``<role>`` and ``<role>_scale``). Parameters that
+cannot carry their own master value, FP8 weights (:class:`Float8Tensor`) and 16-bit parameters, get a
+master copy in ``state["master"]``; FP32 parameters are their own master. The update runs in fp32;
+new scales come from the updated values; after the step each FP8 weight is re-quantized from its
+master. A step whose gradients hold inf or NaN is skipped without touching any state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..scaling import discard_step_amaxes, update_scales
+from ..tensor import Float8Tensor
+from .precision import OptimizerPrecision, decode, encode
+
+__all__ = ["FP8Optimizer", "grads_are_finite", "grad_value", "skip_step"]
+
+logger = logging.getLogger(__name__)
+
+
+def grad_value(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as an fp32 tensor (FP8 gradients dequantized)."""
+    if isinstance(grad, Float8Tensor):
+        return grad.dequantize(torch.float32)
+    return grad.to(torch.float32)
+
+
+def skip_step(optimizer: torch.optim.Optimizer, scaling_module: nn.Module | None) -> None:
+    """Record a step skipped for non-finite gradients: count it in ``optimizer.skipped_steps``, log it,
+    and drop the step's amaxes from ``scaling_module``'s scaling histories."""
+    optimizer.skipped_steps += 1
+    logger.warning("fp8: non-finite gradient, optimizer step skipped (%d skipped so far)", optimizer.skipped_steps)
+    if scaling_module is not None:
+        discard_step_amaxes(scaling_module)
+
+
+def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
+    """Whether every gradient of ``params`` is finite (FP8 payloads and scales included).
+
+    One host synchronisation for all tensors together.
+    """
+    flags = []
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, Float8Tensor):
+            flags.append(torch.isfinite(grad.payload.to(torch.float32)).all() & torch.isfinite(grad.scale))
+        else:
+            flags.append(torch.isfinite(grad).all())
+    return not flags or bool(torch.stack(flags).all())
+
+
+class FP8Optimizer(torch.optim.Optimizer):
+    """Base class: compressed states, master weights, skip on non-finite gradients, exact checkpoints.
+
+    Subclasses define ``_moment_roles(group)`` (state keys and their precision role) and ``_update(w, g,
+    state, group)`` which updates the fp32 master value ``w`` in place given the fp32 gradient ``g``.
+    ``skipped_steps`` counts steps skipped for non-finite gradients. If ``scaling_module`` is set
+    (``fp8.initialize`` sets it to the model), each step also closes its delayed-scaling step.
+    """
+
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        precision: OptimizerPrecision | str = "O2",
+        initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.precision = OptimizerPrecision.preset(precision) if isinstance(precision, str) else precision
+        super().__init__(params, defaults)
+        self.skipped_steps = 0
+        self.scaling_module: nn.Module | None = None
+        initial_masters = initial_masters or {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p, group, initial_masters.get(p))
+
+    # -- state layout ---------------------------------------------------------------------------
+    @staticmethod
+    def needs_master(p: torch.Tensor) -> bool:
+        """Whether ``p`` keeps a separate master copy (FP8 weights and 16-bit parameters)."""
+        return isinstance(p, Float8Tensor) or p.dtype in (torch.float16, torch.bfloat16)
+
+    def _store(self, state: dict, key: str, role: str, value: torch.Tensor) -> None:
+        previous = state.get(f"{key}_scale")
+        state[key], state[f"{key}_scale"] = encode(value, self.precision.format(role), previous)
+
+    @staticmethod
+    def _load(state: dict, key: str) -> torch.Tensor:
+        return decode(state[key], state[f"{key}_scale"])
+
+    def _moment_roles(self, group: dict) -> dict[str, str]:
+        """State keys holding moments in ``group`` and the precision role each is stored in."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _init_state(self, p: torch.Tensor, group: dict, initial_master: torch.Tensor | None = None) -> None:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        for key, role in self._moment_roles(group).items():
+            self._store(state, key, role, zeros)
+        if self.needs_master(p):
+            if initial_master is None:
+                initial_master = p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p
+            self._store(state, "master", "master", initial_master.detach().to(torch.float32))
+            self._refresh_param(p, state)
+
+    def _refresh_param(self, p: torch.Tensor, state: dict) -> None:
+        """Write the stored master into the model parameter (FP8: re-quantized, current scale)."""
+        p.copy_(self._load(state, "master"))
+
+    def master_value(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master value of parameter ``p`` (its own value for FP32 parameters)."""
+        state = self.state[p]
+        return self._load(state, "master") if "master" in state else p.detach().to(torch.float32)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """One update of every parameter with a gradient; skipped (and counted) if any gradient is
+        not finite. Costs one host synchronisation (the finiteness check)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads_are_finite(params):
+            skip_step(self, self.scaling_module)
+            return loss
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, group)
+                g = grad_value(p.grad)
+                if group.get("maximize", False):
+                    g = -g
+                has_master = "master" in state
+                w = self._load(state, "master") if has_master else p
+                state["step"] += 1
+                self._update(w, g, state, group)
+                if has_master:
+                    self._store(state, "master", "master", w)
+                    self._refresh_param(p, state)
+        if self.scaling_module is not None:
+            update_scales(self.scaling_module)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (FP8 gradients included)."""
+        for p in chain.from_iterable(group["params"] for group in self.param_groups):
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore hyper-parameters and states, keeping each state's stored dtype (payloads and scales
+        are restored bit for bit), and re-quantize the FP8 weights from the restored masters."""
+        saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = chain.from_iterable(group["params"] for group in self.param_groups)
+        id_to_param = dict(zip(saved_ids, params))
+        super().load_state_dict(state_dict)  # validates groups, restores hyper-parameters
+        with torch.no_grad():
+            for saved_id, saved_state in state_dict["state"].items():
+                p = id_to_param[saved_id]
+                self.state[p] = {
+                    k: v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in saved_state.items()
+                }
+                if "master" in self.state[p]:
+                    self._refresh_param(p, self.state[p])

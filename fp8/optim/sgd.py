@@ -1,0 +1,53 @@
+"""FP8-aware SGD with momentum, the momentum buffer stored per the ``exp_avg`` precision."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import FP8Optimizer
+from .precision import OptimizerPrecision
+
+__all__ = ["SGD"]
+
+
+class SGD(FP8Optimizer):
+    """SGD (``torch.optim.SGD`` semantics: momentum, dampening, Nesterov, L2 weight decay) whose
+    momentum buffer is stored per ``precision.exp_avg`` and master weights per ``precision.master``."""
+
+    def _moment_roles(self, group: dict) -> dict[str, str]:
+        return {"momentum_buffer": "exp_avg"} if group["momentum"] else {}
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        precision: OptimizerPrecision | str = "O2",
+        initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        if not lr >= 0.0 or not momentum >= 0.0 or not weight_decay >= 0.0:
+            raise ValueError(f"invalid lr {lr}, momentum {momentum} or weight_decay {weight_decay}: must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, precision, initial_masters)
+
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        momentum, dampening = group["momentum"], group["dampening"]
+        if group["weight_decay"]:
+            g = g.add(w, alpha=group["weight_decay"])
+        if momentum:
+            previous = self._load(state, "momentum_buffer")
+            # First step: the buffer starts as the gradient itself (torch semantics).
+            buf = torch.where(state["step"] == 1, g, previous.mul_(momentum).add_(g, alpha=1 - dampening))
+            self._store(state, "momentum_buffer", "exp_avg", buf)
+            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+        w.add_(g, alpha=-group["lr"])
