@@ -53,9 +53,9 @@ class Adam(FP8Optimizer):
                 g = g.add(w, alpha=weight_decay)
         exp_avg = self._load(state, "exp_avg").lerp_(g, 1 - beta1)
         exp_avg_sq = self._load(state, "exp_avg_sq").mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step = state["step"]
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step).sqrt()
+        step = state["step"].to(torch.float64)  # 1 - beta**step cancels: float64 keeps it exact to fp32 rounding
+        bias_correction1 = (1 - beta1**step).to(torch.float32)
+        bias_correction2_sqrt = (1 - beta2**step).sqrt().to(torch.float32)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         w.sub_(exp_avg / denom * (lr / bias_correction1))
         self._store(state, "exp_avg", "exp_avg", exp_avg)

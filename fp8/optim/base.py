@@ -2,8 +2,9 @@
 
 Each parameter's state is stored compressed per :class:`OptimizerPrecision`: a payload in the role's
 storage dtype plus an fp32 power-of-two scale (keys ``<role>`` and ``<role>_scale``). Parameters that
-cannot carry their own master value, FP8 weights (:class:`Float8Tensor`) and 16-bit parameters, get a
-master copy in ``state["master"]``; FP32 parameters are their own master. The update runs in fp32;
+cannot carry their own master value get a master copy in ``state["master"]``: FP8 weights
+(:class:`Float8Tensor`) in the ``master`` precision, 16-bit parameters in fp32; FP32 parameters are
+their own master. The update runs in fp32;
 new scales come from the updated values; after the step each FP8 weight is re-quantized from its
 master. A step whose gradients hold inf or NaN is skipped without touching any state.
 """
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
-from .precision import OptimizerPrecision, decode, encode
+from .precision import STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, encode
 
 __all__ = ["FP8Optimizer", "grads_are_finite", "grad_value", "skip_step"]
 
@@ -92,9 +93,16 @@ class FP8Optimizer(torch.optim.Optimizer):
         """Whether ``p`` keeps a separate master copy (FP8 weights and 16-bit parameters)."""
         return isinstance(p, Float8Tensor) or p.dtype in (torch.float16, torch.bfloat16)
 
-    def _store(self, state: dict, key: str, role: str, value: torch.Tensor) -> None:
+    def _store(self, state: dict, key: str, role: str, value: torch.Tensor, fmt: StorageFormat | None = None) -> None:
         previous = state.get(f"{key}_scale")
-        state[key], state[f"{key}_scale"] = encode(value, self.precision.format(role), previous)
+        state[key], state[f"{key}_scale"] = encode(value, fmt or self.precision.format(role), previous)
+
+    def _store_master(self, p: torch.Tensor, state: dict, value: torch.Tensor) -> None:
+        # FP8 weights keep their master in the configured precision; the few 16-bit high-precision
+        # parameters (norms, embeddings, biases) keep an fp32 master, since their values near 1 would
+        # lose small updates in 16 bits.
+        fmt = None if isinstance(p, Float8Tensor) else STORAGE_FORMATS["fp32"]
+        self._store(state, "master", "master", value, fmt)
 
     @staticmethod
     def _load(state: dict, key: str) -> torch.Tensor:
@@ -114,7 +122,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         if self.needs_master(p):
             if initial_master is None:
                 initial_master = p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p
-            self._store(state, "master", "master", initial_master.detach().to(torch.float32))
+            self._store_master(p, state, initial_master.detach().to(torch.float32))
             self._refresh_param(p, state)
 
     def _refresh_param(self, p: torch.Tensor, state: dict) -> None:
@@ -157,7 +165,7 @@ class FP8Optimizer(torch.optim.Optimizer):
                 state["step"] += 1
                 self._update(w, g, state, group)
                 if has_master:
-                    self._store(state, "master", "master", w)
+                    self._store_master(p, state, w)
                     self._refresh_param(p, state)
         if self.scaling_module is not None:
             update_scales(self.scaling_module)

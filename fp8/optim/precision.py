@@ -50,7 +50,8 @@ _ALLOWED = {
 @dataclass(frozen=True)
 class OptimizerPrecision:
     """Storage format per optimizer role: ``exp_avg`` (first moment / momentum), ``exp_avg_sq``
-    (second moment) and ``master`` (master copy of each FP8 weight and of 16-bit parameters).
+    (second moment) and ``master`` (master copy of each FP8 weight; 16-bit high-precision
+    parameters always keep an fp32 master).
 
     ``PRECISION_PRESETS["O1"]`` is fp32/fp32/fp32; ``PRECISION_PRESETS["O2"]`` is the FP8-LM recipe
     e4m3/fp16/fp16 (each with a per-tensor scale).
