@@ -4,12 +4,15 @@ Every opt level trains from the same seed on the same batches, is evaluated on
 the same fixed validation batches, and reports its losses, wall time and the
 FP8 engine's memory report.  Run from the repository root::
 
-    python examples/quickstart.py [--steps 300] [--levels O0,O1] [--json out.json]
+    python examples/quickstart.py [--steps 300] [--levels O0,O1,O2] [--json out.json]
+
+A level may carry optimizer-precision overrides for ablations, e.g. ``O2:exp_avg_sq=e4m3``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -46,6 +49,7 @@ class LevelResult:
     step_s: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
     diverged_at: int | None = None
+    skipped_steps: int = 0
     sample: str | None = None
 
 
@@ -65,8 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--levels",
         type=parse_levels,
-        default=["O0", "O1"],
-        help="comma-separated opt levels, e.g. O0,O1",
+        default=["O0", "O1", "O2"],
+        help="comma-separated opt levels, e.g. O0,O1,O2; O2:exp_avg_sq=e4m3 overrides a precision role",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a JSON summary")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -91,7 +95,36 @@ def parse_levels(text: str) -> list[str]:
     levels = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     if not levels:
         raise argparse.ArgumentTypeError("expected at least one opt level, e.g. O0,O1")
+    for level in levels:
+        try:
+            split_level(level)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
     return levels
+
+
+def split_level(spec: str) -> tuple[str, fp8.optim.OptimizerPrecision | None]:
+    """``"O2:exp_avg_sq=e4m3,master=fp32"`` -> ``("O2", OptimizerPrecision(...))``; plain levels give None."""
+    level, _, overrides = spec.partition(":")
+    if not overrides:
+        return level, None
+    fields = {}
+    for item in overrides.split(";") if ";" in overrides else [overrides]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad precision override {item!r} in {spec!r}; use role=format, e.g. exp_avg_sq=e4m3")
+        fields[key.strip()] = value.strip()
+    base = fp8.optim.PRECISION_PRESETS.get(level, fp8.optim.PRECISION_PRESETS["O2"])
+    try:
+        return level, dataclasses.replace(base, **fields)
+    except TypeError as error:
+        raise ValueError(f"unknown optimizer role in {spec!r}: {error}") from error
+
+
+def initialize_level(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str):
+    """``fp8.initialize`` for a level spec as accepted by ``--levels``."""
+    level, precision = split_level(spec)
+    return fp8.initialize(model, optimizer, opt_level=level, precision=precision)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:
@@ -130,7 +163,7 @@ def train_level(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1
     )
-    model, optimizer = fp8.initialize(model, optimizer, opt_level=level)
+    model, optimizer = initialize_level(model, optimizer, level)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(warmup=max(1, args.steps // 20), total=args.steps)
     )
@@ -165,7 +198,7 @@ def train_level(
             result.memory = dict(fp8.memory_report(model, optimizer))
             print(f"[{level}] non-finite loss {loss_value} at step {step}; stopping", flush=True)
             break
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        fp8.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step == args.steps:  # after the last update, before zero_grad: grads are counted
             result.memory = dict(fp8.memory_report(model, optimizer))
@@ -183,6 +216,7 @@ def train_level(
         result.final_val_loss = result.history[-1]["val_loss"]
     else:
         result.final_train_loss = loss_value
+    result.skipped_steps = getattr(optimizer, "skipped_steps", 0)
     result.step_s = step_time / max(1, steps_done)
     result.wall_s = time.perf_counter() - start
     if args.sample > 0:
@@ -197,10 +231,10 @@ def _warm_up(cfg: GPTConfig, levels: Sequence[str], batch: Batch) -> None:
     """
     for level in levels:
         model = TinyGPT(cfg)
-        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+        model, optimizer = initialize_level(model, torch.optim.AdamW(model.parameters()), level)
         _, loss = model(*batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        fp8.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         evaluate(model, [batch])
 
@@ -233,6 +267,8 @@ def format_summary(results: Sequence[LevelResult], n_params: int) -> str:
     ]
     for r in results:
         status = "ok" if r.diverged_at is None else f"diverged at step {r.diverged_at}"
+        if r.skipped_steps:
+            status += f", {r.skipped_steps} steps skipped (non-finite gradients)"
         gap = gap_pct(r, baseline)
         gap_str = f"{gap:+.2f}%" if math.isfinite(gap) else "n/a"
         lines.append(

@@ -93,16 +93,17 @@ def test_o1_converts_eligible_linears_and_logs_the_rest(seed, caplog):
     assert len(optimizer.master_weights) == len(names) - 4
 
 
-def test_o1_gpt_tracks_fp32_on_the_corpus(corpus, seed):
+def test_o1_and_o2_gpt_track_fp32_on_the_corpus(corpus, seed):
     batches = _batches(corpus, 120, seed)
     losses = {}
-    for level in ("O0", "O1"):
+    for level in ("O0", "O1", "O2"):
         model = _tiny_gpt(seed)
         model, optimizer = fp8.initialize(model, _adamw(model), opt_level=level)
         losses[level] = _train(model, optimizer, batches, _gpt_loss)
-    fp32, o1 = _mean_tail(losses["O0"]), _mean_tail(losses["O1"])
+    fp32 = _mean_tail(losses["O0"])
     assert fp32 < 0.6 * losses["O0"][0]  # it learned something (from ~5.5 nats at init)
-    assert abs(o1 - fp32) / fp32 < TRACKING_BOUND, (fp32, o1)
+    for level in ("O1", "O2"):
+        assert abs(_mean_tail(losses[level]) - fp32) / fp32 < TRACKING_BOUND, (level, fp32, _mean_tail(losses[level]))
 
 
 def test_o1_resume_from_state_dict_is_bit_identical(corpus, seed):
@@ -148,13 +149,14 @@ def test_o1_resume_from_state_dict_is_bit_identical(corpus, seed):
         assert torch.equal(a, b)
 
 
-def test_lr_scheduler_drives_the_wrapped_optimizer(seed):
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_lr_scheduler_drives_the_fp8_optimizer(seed, level):
     model = _tiny_gpt(seed)
-    model, optimizer = fp8.initialize(model, _adamw(model), "O1")
+    model, optimizer = fp8.initialize(model, _adamw(model), level)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     optimizer.step()
     scheduler.step()
-    assert optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5)
 
 
 def test_fp8_weights_follow_their_masters(corpus, seed):
@@ -192,6 +194,22 @@ def test_memory_report_counts_what_is_held(corpus, seed):
     baseline = _tiny_gpt(seed)
     base_opt = _adamw(baseline)
     assert fp8.memory_report(baseline, base_opt)["master weights"] == 0
+
+
+def test_memory_report_o2(corpus, seed):
+    model = _tiny_gpt(seed)
+    model, optimizer = fp8.initialize(model, _adamw(model), "O2")
+    n_fp8 = sum(p.numel() for p in model.parameters() if isinstance(p, fp8.Float8Tensor))
+    n_other = sum(p.numel() for p in model.parameters() if not isinstance(p, fp8.Float8Tensor))
+    x, y = _batches(corpus, 1, seed)[0]
+    model(x, y)[1].backward()
+    report = fp8.memory_report(model, optimizer)
+    # FP8 weights: 1 (weight) + 2 (FP16 master) + 1 (FP8 grad) + 1 (E4M3 m) + 2 (FP16 v) = 7 bytes.
+    # FP32 parameters are their own master: 4 + 4 (grad) + 1 + 2 = 11 bytes.
+    assert report["weights"] == n_fp8 + 4 * n_other
+    assert report["master weights"] == 2 * n_fp8
+    assert report["weight gradients"] == n_fp8 + 4 * n_other
+    assert report["optimizer states"] == 3 * (n_fp8 + n_other) + 4 * len(optimizer.state)  # + fp32 step counters
 
 
 def test_errors_name_the_fix(seed):
