@@ -12,7 +12,7 @@ from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
 from .initialize import OPT_LEVELS, initialize
 from .linear import Float8Linear, Float8LinearConfig
-from . import optim
+from . import distributed, optim
 from .memory import MEMORY_CATEGORIES, memory_report
 from .optim.clip import clip_grad_norm_
 from .scaling import ScalingConfig, ScalingState, compute_scale, set_amax_reduction_group, update_scales
@@ -25,5 +25,5 @@ __all__ = [
     "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",
-    "initialize", "OPT_LEVELS", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim",
+    "initialize", "OPT_LEVELS", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]

@@ -1,0 +1,28 @@
+"""fp8.distributed: FP8 data parallelism on stock PyTorch collectives (gloo and NCCL).
+
+- :func:`scaled_all_reduce`: average a list of gradients over a process group as 1-byte FP8 values
+  with a scale shared by all ranks and the automatic scaling factor mu of FP8-LM
+  (:class:`AutoScaleConfig`, :class:`AutoScaleState`).
+- :class:`DistributedDataParallel`: drop-in for ``torch.nn.parallel.DistributedDataParallel`` that
+  syncs FP8 weight gradients with the scaled FP8 all-reduce and other gradients in their own dtype,
+  overlapping communication with backward.
+- :class:`CommBytesCounter`, :func:`ring_bytes`, :func:`counting_allreduce_hook`: bytes on the wire,
+  counted at the collective calls.
+
+Usage::
+
+    model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
+    model = fp8.distributed.DistributedDataParallel(model)
+"""
+
+from .auto_scale import AutoScaleConfig, AutoScaleState
+from .bytes_counter import CommBytesCounter, CountingHookState, counting_allreduce_hook, ring_bytes
+from .collectives import Collectives
+from .ddp import DistributedDataParallel
+from .scaled_allreduce import DEFAULT_BUCKET_BYTES, scaled_all_reduce
+
+__all__ = [
+    "AutoScaleConfig", "AutoScaleState", "scaled_all_reduce", "DEFAULT_BUCKET_BYTES",
+    "DistributedDataParallel", "Collectives",
+    "CommBytesCounter", "CountingHookState", "counting_allreduce_hook", "ring_bytes",
+]

@@ -1,0 +1,245 @@
+"""``DistributedDataParallel``: torch DDP's contract, with FP8 weight gradients sent as 1-byte values.
+
+Gradients come out averaged over the process group, as with ``torch.nn.parallel.DistributedDataParallel``.
+FP8 weight gradients (``fp8.Float8Tensor`` ``.grad`` of ``Float8Tensor`` parameters) are reduced with
+the scaled FP8 all-reduce and stay ``Float8Tensor`` (payload + scale); every other gradient is
+all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
+parameter marks it ready, full buckets are launched in a fixed order with asynchronous collectives,
+and a callback queued on the autograd engine finishes them all at the end of backward, then closes
+the step of the scaling factor mu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..scaling import ScalingState
+from ..tensor import Float8Tensor
+from .auto_scale import AutoScaleConfig, AutoScaleState
+from .bucketing import GradBucket, plain_bucket_reduction, plan_buckets
+from .bytes_counter import CommBytesCounter
+from .collectives import Collectives, require_process_group
+from .pipeline import ReductionPipeline
+from .scaled_allreduce import DEFAULT_BUCKET_BYTES, fp8_bucket_reduction
+
+__all__ = ["DistributedDataParallel"]
+
+
+@dataclass
+class _Backward:
+    """Progress of the reduction during one backward pass."""
+
+    task: int
+    pending: list[int]
+    pipeline: ReductionPipeline
+    next_bucket: int = 0
+    launched_in_backward: int = 0
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper of an FP8 model (``fp8.initialize`` first, then this).
+
+    - ``module``: the model; every rank must hold the same parameters (same seed or checkpoint).
+    - ``process_group``: the data-parallel group (``None``: the default group). gloo or NCCL.
+    - ``bucket_bytes``: bucket capacity in bytes on the wire (FP8: 1 byte per element; others: their
+      element size); default 25 MiB like torch DDP.
+    - ``scaling``: :class:`AutoScaleConfig`, the rule of the scaling factor mu (``grad_scaling``
+      holds its state, saved in ``state_dict()``).
+    - ``broadcast_buffers``: broadcast the module's buffers from rank 0 before each forward, as torch
+      DDP does, except the FP8 scaling states (amax histories are each rank's own statistics; call
+      ``fp8.set_amax_reduction_group(model, group)`` to make ranks agree on those scales).
+    - ``counter``: a :class:`CommBytesCounter` recording every byte this wrapper sends.
+
+    Every rank must produce gradients for the same parameters in each backward (as torch DDP with
+    ``find_unused_parameters=False``); parameters without a gradient at the end of backward are
+    reduced as zeros, so all ranks stay identical. ``no_sync()`` accumulates micro-batches locally.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        scaling: AutoScaleConfig | None = None,
+        broadcast_buffers: bool = True,
+        counter: CommBytesCounter | None = None,
+    ) -> None:
+        super().__init__()
+        require_process_group("fp8.distributed.DistributedDataParallel")
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            raise ValueError("module is already wrapped for data parallelism; wrap the bare model once")
+        self.module = module
+        self.process_group = process_group
+        self._comm = Collectives(process_group, counter)
+        self.broadcast_buffers = broadcast_buffers
+        params = list(module.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        self.grad_scaling = AutoScaleState(scaling, self._comm.world_size, device)
+        self._param_ids = tuple(id(p) for p in params)
+        trained = [p for p in params if p.requires_grad]
+        self._buckets: list[GradBucket] = plan_buckets(trained, bucket_bytes)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._sync_buffers = [
+            b for m in module.modules() if not isinstance(m, ScalingState) for b in m.buffers(recurse=False)
+        ]
+        self._require_sync = True
+        self._backward: _Backward | None = None
+        self.last_backward_stats: dict[str, int] = {}
+        self._check_same_structure(params)
+        self._sync_module_states(params)
+        self._hook_handles = self._register_hooks(trained)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _check_same_structure(self, params: list[nn.Parameter]) -> None:
+        local = torch.tensor(
+            [len(params), sum(p.numel() for p in params), sum(isinstance(p, Float8Tensor) for p in params)],
+            dtype=torch.int64, device=self.grad_scaling.log2_mu_steps.device,
+        )
+        high, low = local.clone(), local.clone()
+        self._comm.all_reduce(high, op=dist.ReduceOp.MAX, tag="init").wait()
+        self._comm.all_reduce(low, op=dist.ReduceOp.MIN, tag="init").wait()
+        if not torch.equal(high, low):
+            raise ValueError(
+                "ranks hold different models (parameter count, elements or FP8 parameters differ); build the same "
+                "model and call fp8.initialize with the same opt_level and module filter on every rank"
+            )
+
+    @torch.no_grad()
+    def _sync_module_states(self, params: list[nn.Parameter]) -> None:
+        """Broadcast plain parameters and buffers from rank 0; check FP8 weights already agree."""
+        plain = [p for p in params if not isinstance(p, Float8Tensor)] + self._sync_buffers
+        self._broadcast(plain, tag="init")
+        fp8_params = [p for p in params if isinstance(p, Float8Tensor)]
+        if not fp8_params:
+            return
+        mine = [p.payload.reshape(-1).view(torch.uint8) for p in fp8_params] + [
+            torch.stack([p.scale for p in fp8_params]).reshape(-1).view(torch.uint8)
+        ]
+        local = torch.cat(mine)
+        reference = local.clone()
+        self._comm.broadcast(reference, tag="init").wait()
+        differs = torch.tensor([int(not torch.equal(local, reference))], device=local.device)
+        self._comm.all_reduce(differs, op=dist.ReduceOp.MAX, tag="init").wait()
+        if int(differs) != 0:
+            raise ValueError(
+                "FP8 weights differ across ranks; their high-precision masters live in the optimizer, which DDP "
+                "cannot broadcast. Seed every rank identically before building the model (torch.manual_seed), "
+                "or load the same checkpoint on every rank, before fp8.initialize"
+            )
+
+    def _broadcast(self, tensors: list[torch.Tensor], tag: str) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._comm.broadcast(flat, tag=tag).wait()
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.detach().copy_(part.view(t.shape))
+
+    def _register_hooks(self, params: list[nn.Parameter]) -> list[Any]:
+        this = weakref.ref(self)
+
+        def grad_ready(param: nn.Parameter) -> None:
+            ddp = this()
+            if ddp is not None:
+                ddp._grad_ready(param)
+
+        return [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (after broadcasting its buffers from rank 0, if enabled)."""
+        if tuple(id(p) for p in self.module.parameters()) != self._param_ids:
+            raise RuntimeError(
+                "the module's parameters changed after it was wrapped; call fp8.initialize(model, optimizer) before "
+                "fp8.distributed.DistributedDataParallel(model), and rebuild the wrapper after changing parameters"
+            )
+        if self.broadcast_buffers and self._sync_buffers and self._require_sync:
+            with torch.no_grad():
+                self._broadcast(self._sync_buffers, tag="buffers")
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this context gradients accumulate locally (no communication); the first backward
+        after it reduces the accumulated gradients."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # -- backward: hooks, buckets, end-of-backward callback ------------------------------------
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._require_sync:
+            return
+        task = torch._C._current_graph_task_id()
+        state = self._backward
+        if state is None or state.task != task:
+            state = self._backward = _Backward(
+                task, [len(b.params) for b in self._buckets], ReductionPipeline()
+            )
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        index = self._bucket_of[id(param)]
+        state.pending[index] -= 1
+        while state.next_bucket < len(self._buckets) and state.pending[state.next_bucket] <= 0:
+            self._launch(state, state.next_bucket)
+            state.next_bucket += 1
+            state.launched_in_backward += 1
+
+    def _launch(self, state: _Backward, index: int) -> None:
+        bucket = self._buckets[index]
+        if bucket.fp8:
+            grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
+            reduction = fp8_bucket_reduction(grads, self.grad_scaling, self._comm, average=True)
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            reduction = plain_bucket_reduction(grads, self._comm, average=True)
+        state.pipeline.launch(reduction, eager=bucket.fp8, on_done=partial(self._write_back, bucket))
+
+    @torch.no_grad()
+    def _write_back(self, bucket: GradBucket, reduced: list[torch.Tensor]) -> None:
+        for param, grad in zip(bucket.params, reduced):
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.copy_(grad)  # Float8Tensor.copy_ of a Float8Tensor: payload and scale
+
+    def _finish_backward(self) -> None:
+        state, self._backward = self._backward, None
+        if state is None:
+            return
+        while state.next_bucket < len(self._buckets):
+            self._launch(state, state.next_bucket)
+            state.next_bucket += 1
+        state.pipeline.drain()
+        if any(b.fp8 for b in self._buckets):
+            self.grad_scaling.update()
+        self.last_backward_stats = {"buckets": len(self._buckets), "launched_in_backward": state.launched_in_backward}
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[GradBucket]:
+        """The gradient buckets, in launch order."""
+        return list(self._buckets)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the data-parallel group."""
+        return self._comm.world_size
+
+    def extra_repr(self) -> str:
+        n_fp8 = sum(b.fp8 for b in self._buckets)
+        return f"world_size={self.world_size}, buckets={len(self._buckets)} ({n_fp8} FP8)"
