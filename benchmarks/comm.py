@@ -29,7 +29,8 @@ import fp8.distributed as fd  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from tools.corpus import get_batch, load_corpus  # noqa: E402
 
-VARIANTS = ("torch DDP FP32", "torch DDP BF16 grads", "fp8 DDP (ours)")
+VARIANTS = ("torch DDP FP32", "torch DDP BF16 grads", "fp8 DDP (ours)", "fp8 O3 (ours)")
+WEIGHT_TAGS = ("fp8 weights", "fp8 weight scales", "weights")
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,6 +60,10 @@ def wrap(model: torch.nn.Module, optimizer, variant: str, counter: fd.CommBytesC
     if variant == "fp8 DDP (ours)":
         model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
         return fd.DistributedDataParallel(model, counter=counter, scaling=scaling), optimizer
+    if variant == "fp8 O3 (ours)":  # sharded FP8 optimizer: reduce-to-owner + FP8 weight all-gather
+        model, optimizer = fp8.initialize(model, optimizer, opt_level="O3")
+        optimizer.counter = counter
+        return fd.DistributedDataParallel(model, counter=counter, scaling=scaling), optimizer
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     dtype = torch.bfloat16 if "BF16" in variant else None
     ddp.register_comm_hook(fd.CountingHookState(counter, dtype=dtype), fd.counting_allreduce_hook)
@@ -68,7 +73,10 @@ def wrap(model: torch.nn.Module, optimizer, variant: str, counter: fd.CommBytesC
 def train_step(model, optimizer, x, y) -> torch.Tensor:
     _, loss = model(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if isinstance(optimizer, fp8.optim.ShardedFP8Optimizer):  # gradients live on their owners
+        optimizer.clip_grad_norm_(1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
@@ -105,15 +113,33 @@ def measure_bytes(args, world: int, rank: int) -> dict:
             "elements": sum(p.numel() for p in params),
             "fp8_elements": sum(p.numel() for p in params if isinstance(p, fp8.Float8Tensor)),
         }
-        if variant == "fp8 DDP (ours)":
+        if variant in ("fp8 DDP (ours)", "fp8 O3 (ours)"):
             row["mu"] = model.grad_scaling.mu.item()
             row["buckets"] = len(model.buckets)
+        if variant == "fp8 O3 (ours)":
+            row["weight_allgather"] = weight_allgather_bytes(optimizer, row["by_tag"])
         out[variant] = row
         del model, optimizer
-    fp32, bf16, ours = (out[v]["bytes_per_step"] for v in VARIANTS)
+    fp32, bf16, ours = (out[v]["bytes_per_step"] for v in VARIANTS[:3])
     out["reduction_vs_fp32_pct"] = 100 * (1 - ours / fp32)
     out["reduction_vs_bf16_pct"] = 100 * (1 - ours / bf16)
     return out
+
+
+def weight_allgather_bytes(optimizer, by_tag: dict) -> dict:
+    """Bytes per rank per step of O3's weight all-gather: measured (FP8 payloads + scales, other
+    parameters in fp32) and the same all-gather with the FP8 weights in BF16, counted the same way."""
+    from fp8.distributed.collectives import Collectives
+    from fp8.distributed.gather import start_owner_gather
+
+    counter = fd.CommBytesCounter()
+    comm = Collectives(optimizer.process_group, counter)
+    weights = [p for p in optimizer.sharded_params if isinstance(p, fp8.Float8Tensor)]
+    start_owner_gather([p.dequantize(torch.bfloat16) for p in weights], [optimizer.owner(p) for p in weights],
+                       comm, "bf16 weights")()
+    fp8_bytes = by_tag.get("fp8 weights", 0.0) + by_tag.get("fp8 weight scales", 0.0)
+    return {"fp8_weights": fp8_bytes, "bf16_weights": counter.total, "plain_weights": by_tag.get("weights", 0.0),
+            "fp8_vs_bf16_pct": 100 * (1 - fp8_bytes / counter.total)}
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -191,6 +217,7 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
+    dist.barrier()  # no rank tears its connections down while a peer still finishes a collective
     dist.destroy_process_group()
 
 
@@ -208,6 +235,10 @@ def report(result: dict) -> None:
         parts = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(row["by_tag"].items()))
         print(f"{variant:<22} {row['bytes_per_step']:>14,.0f} {100 * (1 - row['bytes_per_step'] / fp32):>8.2f}% "
               f"{100 * (1 - row['bytes_per_step'] / bf16):>8.2f}%   {parts}")
+    o3 = b["fp8 O3 (ours)"]["weight_allgather"]
+    print(f"O3 weight all-gather per rank per step: FP8 payloads + scales {o3['fp8_weights']:,.0f} bytes vs the same "
+          f"all-gather in BF16 {o3['bf16_weights']:,.0f} ({o3['fp8_vs_bf16_pct']:.2f}% less); other parameters "
+          f"(fp32) {o3['plain_weights']:,.0f}")
     if "curve" in result:
         c = result["curve"]
         print(f"\nloss curve, {world}-way data parallel (val loss every {result['args']['eval_interval']} steps)")

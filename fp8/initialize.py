@@ -14,15 +14,15 @@ from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
+from .optim.sharded import convert_to_sharded, register_sharded_optimizer
 
 __all__ = ["initialize", "OPT_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
-OPT_LEVELS = ("O0", "O1", "O2")
-"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline), ``O1`` and ``O2``."""
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline), ``O1``, ``O2`` and ``O3``."""
 
-_PLANNED_LEVELS = ("O3",)
 
 
 def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
@@ -47,6 +47,7 @@ def initialize(
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
     precision: OptimizerPrecision | None = None,
+    process_group=None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -62,36 +63,46 @@ def initialize(
       moment in E4M3, the second moment in FP16 and the master weights in FP16, each with a per-tensor
       scale; ``precision=fp8.optim.OptimizerPrecision(...)`` overrides that (ablations). Other
       optimizers are refused with a clear error.
+    - ``"O3"``: O2 sharded over the data-parallel ``process_group`` (None: the default group; needs an
+      initialized process group): each rank owns whole tensors and keeps their master weights and
+      moments only (:class:`fp8.optim.sharded.ShardedFP8Optimizer`); wrapping the model in
+      :class:`fp8.distributed.DistributedDataParallel` afterwards reduces each gradient to its owner,
+      and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
-    if opt_level in _PLANNED_LEVELS:
-        raise NotImplementedError(
-            f"opt_level {opt_level!r} (FP8 optimizer states) is not implemented in this version; "
-            f"available levels: {OPT_LEVELS}"
-        )
     if opt_level not in OPT_LEVELS:
-        raise ValueError(f"opt_level must be one of {OPT_LEVELS + _PLANNED_LEVELS}, got {opt_level!r}")
+        raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
         raise ValueError("this optimizer is already FP8-initialized; call fp8.initialize once per model")
-    if precision is not None and opt_level != "O2":
-        raise ValueError(f"precision= applies to opt_level 'O2', not {opt_level!r}")
+    if precision is not None and opt_level not in ("O2", "O3"):
+        raise ValueError(f"precision= applies to opt_levels 'O2' and 'O3', not {opt_level!r}")
+    if process_group is not None and opt_level != "O3":
+        raise ValueError(f"process_group= applies to opt_level 'O3' (the sharded optimizer), not {opt_level!r}")
+    if opt_level == "O3":
+        from .distributed.collectives import require_process_group
+
+        require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
     if opt_level == "O0":
         return model, optimizer
     config = config or Float8LinearConfig()
     _check_hardware(model, config)
-    if opt_level == "O2" and optimizer is not None:
+    if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
     model, converted = convert_to_float8_linear(model, config, module_filter_fn)
     if optimizer is None:
         return model, None
-    if opt_level == "O2":
+    if opt_level in ("O2", "O3"):
         replace = {id(c.original_weight): c.module.weight for c in converted}
         masters = {c.module.weight: c.original_weight for c in converted}
-        fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
+        if opt_level == "O2":
+            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
+        else:
+            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group)
+            register_sharded_optimizer(model, fp8_optimizer)
         fp8_optimizer.scaling_module = model
         return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}

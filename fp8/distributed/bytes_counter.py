@@ -6,6 +6,8 @@ full tensor: the all-reduced buffer, the gathered output, the scattered input):
 - all-reduce: ``2 (N-1)/N * B`` (ring reduce-scatter then ring all-gather)
 - all-gather, reduce-scatter, all-to-all, broadcast: ``(N-1)/N * B``
 - send: ``B``
+- all-to-all with uneven splits (``all_to_all_v``, the O3 reduce-to-owner): ``B`` is given as the bytes
+  this rank sends to the other ranks (its own chunk excluded), counted once
 
 :class:`CommBytesCounter` accumulates these per tag and per collective; :func:`counting_allreduce_hook`
 is a ``torch.nn.parallel.DistributedDataParallel`` comm hook that counts and performs its bucket's
@@ -28,6 +30,7 @@ RING_FACTORS = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "send": lambda n: 1.0,
+    "all_to_all_v": lambda n: 1.0,
 }
 """Bytes each rank sends per byte of the full tensor, as a function of the group size ``N``."""
 

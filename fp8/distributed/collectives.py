@@ -73,6 +73,18 @@ class Collectives:
         self._count("all_to_all", _nbytes(input), tag)
         return dist.all_to_all_single(_wire(output), _wire(input), group=self.group, async_op=True)
 
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int], tag: str
+    ) -> dist.Work:
+        """All-to-all with uneven splits (1-d tensors): ``input_splits[j]`` elements go to rank ``j``,
+        ``output_splits[j]`` elements come from rank ``j``. Counted as the bytes sent to other ranks."""
+        sent = (sum(input_splits) - input_splits[self.rank]) * input.element_size()
+        self._count("all_to_all_v", sent, tag)
+        return dist.all_to_all_single(
+            _wire(output), _wire(input), output_split_sizes=list(output_splits),
+            input_split_sizes=list(input_splits), group=self.group, async_op=True,
+        )
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str) -> dist.Work:
         """``output`` (``world_size`` times ``input``) gets every rank's ``input`` in rank order.
         Counted on the full ``output``."""

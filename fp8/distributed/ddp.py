@@ -7,6 +7,12 @@ all-reduced in its own dtype. Communication overlaps backward: a post-accumulate
 parameter marks it ready, full buckets are launched in a fixed order with asynchronous collectives,
 and a callback queued on the autograd engine finishes them all at the end of backward, then closes
 the step of the scaling factor mu.
+
+Owner mode (opt level O3): when ``fp8.initialize(..., opt_level="O3")`` registered a sharded optimizer
+for the wrapped module (:func:`fp8.optim.sharded.sharded_optimizer_of`), each bucket is reduced to the
+owners of its gradients only (:mod:`fp8.distributed.owner_reduce`, same FP8 recipe and mu, no
+all-gather): after backward a rank holds the averaged gradients of the parameters it owns and ``None``
+for the others; the optimizer step all-gathers the updated weights.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from .auto_scale import AutoScaleConfig, AutoScaleState
 from .bucketing import GradBucket, plain_bucket_reduction, plan_buckets
 from .bytes_counter import CommBytesCounter
 from .collectives import Collectives, require_process_group
+from .owner_reduce import agree_overflow_statistic, fp8_owner_reduction, plain_owner_reduction
 from .pipeline import ReductionPipeline
 from .scaled_allreduce import DEFAULT_BUCKET_BYTES, fp8_bucket_reduction
 
@@ -95,11 +102,37 @@ class DistributedDataParallel(nn.Module):
         self._require_sync = True
         self._backward: _Backward | None = None
         self.last_backward_stats: dict[str, int] = {}
+        self._owners = self._owner_plan(trained)
         self._check_same_structure(params)
         self._sync_module_states(params)
         self._hook_handles = self._register_hooks(trained)
 
     # -- set-up ------------------------------------------------------------------------------
+    def _owner_plan(self, trained: list[nn.Parameter]) -> dict[int, int] | None:
+        """Owner rank per trained parameter id when an O3 optimizer is registered for the module."""
+        from ..optim.sharded import sharded_optimizer_of  # lazy: fp8.optim imports fp8.distributed
+
+        optimizer = sharded_optimizer_of(self.module)
+        if optimizer is None:
+            return None
+        mine = dist.get_process_group_ranks(self._comm.group)
+        theirs = dist.get_process_group_ranks(optimizer._comm.group)
+        if mine != theirs:
+            raise ValueError(
+                f"the O3 optimizer is sharded over ranks {theirs} but this wrapper's process group is {mine}; pass the "
+                f"same group as fp8.initialize(..., opt_level='O3', process_group=...)"
+            )
+        owners = {}
+        for p in trained:
+            try:
+                owners[id(p)] = optimizer.owner(p)
+            except KeyError:
+                raise ValueError(
+                    "a trainable parameter of the module is not in the O3 optimizer; give the optimizer every "
+                    "parameter with requires_grad=True (or freeze it) before fp8.initialize"
+                ) from None
+        return owners
+
     def _check_same_structure(self, params: list[nn.Parameter]) -> None:
         local = torch.tensor(
             [len(params), sum(p.numel() for p in params), sum(isinstance(p, Float8Tensor) for p in params)],
@@ -201,7 +234,15 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, state: _Backward, index: int) -> None:
         bucket = self._buckets[index]
-        if bucket.fp8:
+        if self._owners is not None:
+            owners = [self._owners[id(p)] for p in bucket.params]
+            if bucket.fp8:
+                grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
+                reduction = fp8_owner_reduction(grads, owners, self.grad_scaling, self._comm, average=True)
+            else:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+                reduction = plain_owner_reduction(grads, owners, self._comm, average=True)
+        elif bucket.fp8:
             grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
             reduction = fp8_bucket_reduction(grads, self.grad_scaling, self._comm, average=True)
         else:
@@ -212,7 +253,9 @@ class DistributedDataParallel(nn.Module):
     @torch.no_grad()
     def _write_back(self, bucket: GradBucket, reduced: list[torch.Tensor]) -> None:
         for param, grad in zip(bucket.params, reduced):
-            if param.grad is None:
+            if grad is None:  # owner mode, not this rank's parameter: free its gradient
+                param.grad = None
+            elif param.grad is None:
                 param.grad = grad.clone()
             else:
                 param.grad.copy_(grad)  # Float8Tensor.copy_ of a Float8Tensor: payload and scale
@@ -226,6 +269,8 @@ class DistributedDataParallel(nn.Module):
             state.next_bucket += 1
         state.pipeline.drain()
         if any(b.fp8 for b in self._buckets):
+            if self._owners is not None:
+                agree_overflow_statistic(self.grad_scaling, self._comm)
             self.grad_scaling.update()
         self.last_backward_stats = {"buckets": len(self._buckets), "launched_in_backward": state.launched_in_backward}
 
@@ -234,6 +279,11 @@ class DistributedDataParallel(nn.Module):
     def buckets(self) -> list[GradBucket]:
         """The gradient buckets, in launch order."""
         return list(self._buckets)
+
+    @property
+    def owner_mode(self) -> bool:
+        """Whether gradients are reduced to their owners only (an O3 optimizer is registered)."""
+        return self._owners is not None
 
     @property
     def world_size(self) -> int:

@@ -1,4 +1,4 @@
-"""FP8-aware optimizers with precision decoupling, the O1 wrapper, and gradient clipping."""
+"""FP8-aware optimizers with precision decoupling, the O1 wrapper, the O3 sharded optimizer, and gradient clipping."""
 
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_are_finite
@@ -7,8 +7,11 @@ from .convert import convert_optimizer
 from .master_weights import MasterWeightOptimizer
 from .precision import PRECISION_PRESETS, OptimizerPrecision
 from .sgd import SGD
+from .partition import ParamPartition, partition_by_size
+from .sharded import ShardedAdam, ShardedAdamW, ShardedFP8Optimizer, ShardedSGD
 
 __all__ = [
     "Adam", "AdamW", "SGD", "FP8Optimizer", "MasterWeightOptimizer", "OptimizerPrecision", "PRECISION_PRESETS",
     "clip_grad_norm_", "convert_optimizer", "grads_are_finite",
+    "ParamPartition", "partition_by_size", "ShardedFP8Optimizer", "ShardedAdam", "ShardedAdamW", "ShardedSGD",
 ]

@@ -1,0 +1,214 @@
+"""Sharded, resumable checkpoints of FP8 training (opt levels O2 and O3) through
+``torch.distributed.checkpoint`` (DCP), written atomically.
+
+Layout (flat DCP keys; every tensor is stored under its parameter's FQN, so a checkpoint written at
+one data-parallel size loads at another):
+
+- ``model/<fqn>``: high-precision parameters; ``model/<fqn>/payload`` (``uint8`` bytes of the FP8
+  payload) and ``model/<fqn>/scale`` for FP8 weights; ``buffers/<fqn>``: other module buffers.
+  Identical on every rank: DCP writes them once.
+- ``optim/<fqn>/<key>``: the optimizer state of each parameter (``master``, ``exp_avg``,
+  ``exp_avg_sq``, ``momentum_buffer`` payloads, FP8 ones as ``uint8``, their ``*_scale``, ``step``),
+  written by its owner only (O3), or once (O2).
+- ``scaling/rank<r>/<fqn>``: each rank's delayed-scaling state (amax histories and scales are each
+  rank's own statistics); a rank beyond the saved world size takes rank ``r % saved_world``'s.
+- ``mu/<name>``: the DDP wrapper's :class:`~fp8.distributed.AutoScaleState` (mu, counts).
+- ``meta`` (JSON bytes): format version, world size, hyper-parameters of the param groups, skipped steps, dtypes.
+
+Atomicity: every rank writes into ``<path>.partial``; only after all ranks finished does rank 0 move
+the previous checkpoint aside (``<path>.old``), rename ``.partial`` to ``<path>`` and delete the old
+one. A write that fails on any rank (DCP raises on every rank) leaves ``<path>`` untouched; if the
+process dies between the two renames, :func:`load_checkpoint` falls back to ``<path>.old``. Ranks must
+share the filesystem.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .distributed.collectives import FP8_DTYPES
+from .optim.base import FP8Optimizer
+from .optim.sharded import ShardedFP8Optimizer
+from .scaling import ScalingState
+from .tensor import Float8Tensor
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_VERSION"]
+
+CHECKPOINT_VERSION = 1
+"""Layout version written in ``meta``."""
+
+_PARTIAL, _OLD = ".partial", ".old"
+
+
+def _split(model: nn.Module):
+    """(bare module, mu state or None) for a bare model or an ``fp8.distributed.DistributedDataParallel``."""
+    from .distributed.ddp import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model.grad_scaling
+    return model, None
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor DCP can store and load into in place (FP8 as its ``uint8`` bytes)."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup | None,
+           scaling_rank: int) -> dict[str, Any]:
+    """The flat state dict of this rank; its tensors share storage with the live ones (in-place load)."""
+    module, mu = _split(model)
+    if not isinstance(optimizer, FP8Optimizer):
+        raise TypeError(
+            f"fp8.checkpoint saves the FP8 optimizers of opt levels O2 and O3, got {type(optimizer).__name__}; "
+            f"use torch.distributed.checkpoint with get_state_dict for other optimizers"
+        )
+    out: dict[str, Any] = {}
+    names = {}
+    for name, p in module.named_parameters():
+        names[id(p)] = name
+        if isinstance(p, Float8Tensor):
+            out[f"model/{name}/payload"] = _wire(p.payload)
+            out[f"model/{name}/scale"] = p.scale
+        else:
+            out[f"model/{name}"] = p.detach()
+    for mod_name, mod in module.named_modules():
+        for buf_name, buf in mod.named_buffers(recurse=False):
+            if buf is None:
+                continue
+            fqn = f"{mod_name}.{buf_name}" if mod_name else buf_name
+            prefix = f"scaling/rank{scaling_rank}" if isinstance(mod, ScalingState) else "buffers"
+            out[f"{prefix}/{fqn}"] = buf
+    owns = optimizer.owns if isinstance(optimizer, ShardedFP8Optimizer) else (lambda p: True)
+    for group_ in optimizer.param_groups:
+        for p in group_["params"]:
+            if id(p) not in names:
+                raise ValueError("the optimizer holds a parameter that is not in the model; checkpoint the model it trains")
+            if not p.requires_grad or not owns(p):
+                continue
+            state = optimizer.state[p]
+            if not state:
+                optimizer._init_state(p, group_)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim/{names[id(p)]}/{key}"] = _wire(value)
+    if mu is not None:
+        for name, buf in mu.named_buffers():
+            out[f"mu/{name}"] = buf
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    raise TypeError(f"param group value {value!r} cannot be stored in the checkpoint's meta")
+
+
+def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    params = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    fp8_dtypes = {n: str(p.payload.dtype).removeprefix("torch.") for n, p in module.named_parameters()
+                  if isinstance(p, Float8Tensor) and id(p) in params}
+    return {"version": CHECKPOINT_VERSION, "world_size": world, "param_groups": groups,
+            "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes}
+
+
+def save_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write ``model`` (bare, or its ``fp8.distributed.DistributedDataParallel`` wrapper: mu included)
+    and ``optimizer`` (O2 or O3) to the directory ``path``, atomically (module docstring). Call on
+    every rank of ``process_group`` (the data-parallel group; None: the default group). A failure on
+    any rank raises ``RuntimeError`` on every rank and keeps the previous checkpoint."""
+    path = Path(path)
+    rank, world = _group_info(process_group)
+    partial, old = path.with_name(path.name + _PARTIAL), path.with_name(path.name + _OLD)
+    distributed = world > 1 or (dist.is_available() and dist.is_initialized())
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if distributed:
+        dist.barrier(group=process_group)
+    state = _state(model, optimizer, process_group, rank)
+    state["meta"] = io.BytesIO(json.dumps(_meta(_split(model)[0], optimizer, world), default=_jsonable).encode())
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=process_group,
+                 no_dist=not distributed)
+    except BaseException as error:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(error, CheckpointException):  # a BaseException raised on every rank by DCP
+            causes = {r: e[0] if isinstance(e, tuple) else e for r, e in error.failures.items()}
+            failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in causes.items())
+            raise RuntimeError(f"checkpoint write to {path} failed ({failures}); the previous checkpoint is "
+                               f"kept") from error
+        raise
+    if distributed:
+        dist.barrier(group=process_group)  # every rank's files are complete
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        dist.barrier(group=process_group)
+
+
+def _resolve(path: Path) -> Path:
+    if path.exists():
+        return path
+    old = path.with_name(path.name + _OLD)
+    if old.exists():  # interrupted between the two renames of save_checkpoint
+        return old
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Restore ``model`` (bare or DDP-wrapped) and ``optimizer`` from ``path`` in place, bit for bit,
+    at any data-parallel size: each rank reads the states of the parameters it owns now. Build them as
+    for training (``fp8.initialize``, the wrapper) first; the precision must match the saved one.
+    Returns the checkpoint's ``meta`` (world size it was written at, hyper-parameters)."""
+    path = _resolve(Path(path))
+    rank, world = _group_info(process_group)
+    distributed = dist.is_available() and dist.is_initialized()
+    reader = dcp.FileSystemReader(str(path))
+    meta_holder: dict[str, Any] = {"meta": io.BytesIO()}
+    dcp.load(meta_holder, storage_reader=reader, process_group=process_group, no_dist=not distributed)
+    meta = json.loads(meta_holder["meta"].getvalue().decode())
+    if meta.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{path}: checkpoint layout version {meta.get('version')}, expected {CHECKPOINT_VERSION}")
+    saved_world = int(meta["world_size"])
+    state = _state(model, optimizer, process_group, rank % saved_world)
+    loaded = {k: v for k, v in state.items() if not k.startswith("scaling/")}
+    loaded.update({k: v for k, v in state.items() if k.startswith("scaling/")})
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)), process_group=process_group,
+             no_dist=not distributed)
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"{path}: {len(meta['param_groups'])} param groups saved, the optimizer has "
+                         f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    optimizer.skipped_steps = int(meta["skipped_steps"])
+    return meta

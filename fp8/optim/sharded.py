@@ -1,0 +1,262 @@
+"""The FP8 distributed optimizer of opt level O3: ZeRO-1-style sharding of the O2 optimizer over the
+data-parallel group, by whole tensors.
+
+Every rank keeps all parameters (FP8 weights with their scales, the few high-precision ones) for the
+forward and backward, but the optimizer state, i.e. FP16 master + scale, E4M3 first moment + scale,
+FP16 second moment + scale, step, only for the parameters it owns (:mod:`fp8.optim.partition`).
+:class:`fp8.distributed.DistributedDataParallel` finds the partition of the model (registered here
+by ``fp8.initialize``) and reduces each gradient to its owner only, freeing the others; the step
+updates the owned parameters, then all-gathers the updated FP8 payloads (``uint8``) with their scales,
+and the other parameters in their own dtype, from their owners to every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.bytes_counter import CommBytesCounter
+from ..distributed.collectives import Collectives, require_process_group
+from ..distributed.gather import start_owner_gather
+from ..tensor import Float8Tensor
+from .adam import Adam, AdamW
+from .base import FP8Optimizer, grads_are_finite, skip_step
+from .clip import _norm
+from .convert import _PERFORMANCE_FLAGS, _UNSUPPORTED_FLAGS, _constructor_args, check_convertible
+from .partition import ParamPartition, partition_by_size
+from .precision import OptimizerPrecision
+from .sgd import SGD
+
+__all__ = [
+    "ShardedFP8Optimizer", "ShardedAdam", "ShardedAdamW", "ShardedSGD", "convert_to_sharded",
+    "register_sharded_optimizer", "sharded_optimizer_of",
+]
+
+_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, ShardedFP8Optimizer]" = weakref.WeakKeyDictionary()
+
+
+def register_sharded_optimizer(model: nn.Module, optimizer: "ShardedFP8Optimizer") -> None:
+    """Link ``model`` to its O3 optimizer, so the DDP wrapper reduces each gradient to its owner only
+    (``fp8.initialize(..., opt_level="O3")`` does this). Held weakly: no reference cycle, no leak."""
+    _REGISTRY[model] = optimizer
+
+
+def sharded_optimizer_of(model: nn.Module) -> "ShardedFP8Optimizer | None":
+    """The O3 optimizer registered for ``model``, or None."""
+    return _REGISTRY.get(model)
+
+
+def _normalize_groups(params) -> list[dict[str, Any]]:
+    groups = list(params)
+    if not groups:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for group in groups:
+        group = dict(group)
+        ps = group["params"]
+        group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        out.append(group)
+    return out
+
+
+class ShardedFP8Optimizer(FP8Optimizer):
+    """Mixin over an :class:`FP8Optimizer` (Adam, AdamW, SGD): states for owned parameters only.
+
+    ``process_group`` is the data-parallel group (None: the default group); ``counter`` (a
+    :class:`fp8.distributed.CommBytesCounter`) records the weight all-gather's bytes. ``partition``
+    (:class:`ParamPartition`) and ``owned_params`` describe the ownership; ``param_groups`` hold all
+    parameters (hyper-parameters and LR schedulers work as usual). The step needs each parameter's
+    gradient on its owner only: at world size > 1 a gradient on a non-owner means the model was not
+    wrapped in ``fp8.distributed.DistributedDataParallel``, and raises.
+    """
+
+    def __init__(self, params, *args: Any, process_group: dist.ProcessGroup | None = None,
+                 counter: CommBytesCounter | None = None, **kwargs: Any) -> None:
+        require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
+        groups = _normalize_groups(params)
+        self.process_group = process_group
+        self._comm = Collectives(process_group, counter)
+        seen: dict[int, torch.Tensor] = {}
+        for group in groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        self._sharded_params = list(seen.values())
+        self.partition: ParamPartition = partition_by_size([p.numel() for p in self._sharded_params],
+                                                           self._comm.world_size)
+        self._owner = {id(p): o for p, o in zip(self._sharded_params, self.partition.owners)}
+        super().__init__(groups, *args, **kwargs)
+        self.gather_params()
+
+    # -- ownership -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank in the data-parallel group."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Size of the data-parallel group."""
+        return self._comm.world_size
+
+    @property
+    def counter(self) -> CommBytesCounter | None:
+        """The byte counter of the weight all-gather (settable)."""
+        return self._comm.counter
+
+    @counter.setter
+    def counter(self, counter: CommBytesCounter | None) -> None:
+        self._comm.counter = counter
+
+    def owner(self, p: torch.Tensor) -> int:
+        """Rank owning parameter ``p``."""
+        return self._owner[id(p)]
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank owns ``p`` (holds its optimizer state and receives its gradient)."""
+        return self._owner.get(id(p), -1) == self._comm.rank
+
+    @property
+    def owned_params(self) -> list[torch.Tensor]:
+        """The parameters this rank owns, in parameter order."""
+        return [p for p in self._sharded_params if self.owns(p)]
+
+    @property
+    def sharded_params(self) -> list[torch.Tensor]:
+        """Every trained parameter, in the partition's order."""
+        return list(self._sharded_params)
+
+    @torch.no_grad()
+    def _init_state(self, p: torch.Tensor, group: dict, initial_master: torch.Tensor | None = None) -> None:
+        if self.owns(p):
+            super()._init_state(p, group, initial_master)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _check_grads_reduced(self) -> None:
+        if self.world_size == 1:
+            return
+        stray = [p for p in self._sharded_params if p.grad is not None and not self.owns(p)]
+        if stray:
+            raise RuntimeError(
+                f"{len(stray)} parameter(s) this rank does not own have gradients: with opt_level 'O3', wrap the "
+                f"model in fp8.distributed.DistributedDataParallel(model) after fp8.initialize, which reduces each "
+                f"gradient to its owner (and call the optimizer step after a synced backward, not inside no_sync)"
+            )
+
+    def _all_finite(self) -> bool:
+        flag = torch.tensor([int(grads_are_finite(self.owned_params))], dtype=torch.int32)
+        self._comm.all_reduce(flag, op=dist.ReduceOp.MIN, tag="finite").wait()
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """Update the owned parameters (skipped on every rank if any rank's gradients are not finite),
+        then all-gather every updated parameter from its owner (FP8 weights: payload + scale)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads_reduced()
+        if not self._all_finite():
+            skip_step(self, self.scaling_module)
+            return loss
+        super().step()
+        self.gather_params()
+        return loss
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Copy every parameter from its owner to all ranks: FP8 weights as ``uint8`` payload plus fp32
+        scale (tags ``"fp8 weights"``, ``"fp8 weight scales"``), others in their own dtype (``"weights"``)."""
+        if self.world_size == 1:
+            return
+        fp8 = [p for p in self._sharded_params if isinstance(p, Float8Tensor)]
+        plain: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._sharded_params:
+            if not isinstance(p, Float8Tensor):
+                plain.setdefault(p.dtype, []).append(p)
+        finishers = []
+        by_payload: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in fp8:
+            by_payload.setdefault(p.payload.dtype, []).append(p)
+        for ps in by_payload.values():
+            owners = [self.owner(p) for p in ps]
+            finishers.append(start_owner_gather([p.payload for p in ps], owners, self._comm, "fp8 weights"))
+            finishers.append(start_owner_gather([p.scale for p in ps], owners, self._comm, "fp8 weight scales"))
+        for ps in plain.values():
+            finishers.append(start_owner_gather(ps, [self.owner(p) for p in ps], self._comm, "weights"))
+        for finish in finishers:
+            finish()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients (held by their owners) to a global ``norm_type`` norm (2 or inf) of at
+        most ``max_norm``; returns the global norm before clipping, identical on every rank."""
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"O3 clips with norm_type 2 or inf, got {norm_type}")
+        grads = [p.grad for p in self.owned_params if p.grad is not None]
+        norms = [_norm(g, float(norm_type)) for g in grads]
+        if norm_type == 2.0:
+            local = torch.stack([n.square() for n in norms]).sum() if norms else torch.zeros(())
+            self._comm.all_reduce(local, tag="grad norm").wait()
+            total = local.sqrt()
+        else:
+            local = torch.stack(norms).max() if norms else torch.zeros(())
+            self._comm.all_reduce(local, op=dist.ReduceOp.MAX, tag="grad norm").wait()
+            total = local
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            if isinstance(g, Float8Tensor):
+                g.scale.div_(coef)
+            else:
+                g.mul_(coef.to(g.dtype))
+        return total
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """This rank's own state dict (same world size); re-gathers the parameters afterwards. For
+        checkpoints that reshard across world sizes use :mod:`fp8.checkpoint`."""
+        super().load_state_dict(state_dict)
+        self.gather_params()
+
+
+class ShardedAdam(ShardedFP8Optimizer, Adam):
+    """:class:`fp8.optim.Adam` with its states sharded over the data-parallel group (O3)."""
+
+
+class ShardedAdamW(ShardedFP8Optimizer, AdamW):
+    """:class:`fp8.optim.AdamW` with its states sharded over the data-parallel group (O3)."""
+
+
+class ShardedSGD(ShardedFP8Optimizer, SGD):
+    """:class:`fp8.optim.SGD` with its states sharded over the data-parallel group (O3)."""
+
+
+_SHARDED = {Adam: ShardedAdam, AdamW: ShardedAdamW, SGD: ShardedSGD}
+
+
+def convert_to_sharded(
+    optimizer: torch.optim.Optimizer,
+    replace: dict[int, torch.Tensor],
+    precision: OptimizerPrecision | str,
+    initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> ShardedFP8Optimizer:
+    """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
+    :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``."""
+    target = check_convertible(optimizer)
+    groups = []
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
+        new["params"] = [replace.get(id(p), p) for p in group["params"]]
+        groups.append(new)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
+    defaults.pop("decoupled_weight_decay", None)
+    return _SHARDED[target](groups, **_constructor_args(target, defaults), precision=precision,
+                            initial_masters=initial_masters, process_group=process_group)
