@@ -170,7 +170,7 @@ def loss_curve(args, world: int, rank: int, variant: str, data, eval_batches) ->
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, args.curve_steps, max(1, args.curve_steps // 20)))
     gen = torch.Generator().manual_seed(args.seed * 1000 + 17 + rank)
-    history, window, mus = [], [], []
+    history, window = [], []
     start = time.perf_counter()
     for step in range(1, args.curve_steps + 1):
         x, y = get_batch(data, args.curve_batch, args.seq_len, gen)

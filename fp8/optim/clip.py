@@ -8,7 +8,7 @@ import torch
 
 from ..tensor import Float8Tensor
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "scale_grads_to_norm_"]
 
 
 def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -44,10 +44,16 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
             f"pass error_if_nonfinite=False to let the optimizer skip the step instead"
         )
+    scale_grads_to_norm_(grads, total, max_norm)
+    return total
+
+
+def scale_grads_to_norm_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Multiply ``grads`` (whose global norm is ``total``) by ``min(1, max_norm / total)`` in place:
+    FP8 gradients exactly, through their scale; others with an in-place multiply."""
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         if isinstance(g, Float8Tensor):
             g.scale.div_(coef)
         else:
             g.mul_(coef.to(g.dtype))
-    return total

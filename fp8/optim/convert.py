@@ -9,7 +9,7 @@ from .base import FP8Optimizer
 from .precision import OptimizerPrecision
 from .sgd import SGD
 
-__all__ = ["convert_optimizer", "check_convertible"]
+__all__ = ["convert_optimizer", "check_convertible", "converted_arguments"]
 
 _UNSUPPORTED_FLAGS = {"amsgrad": False, "differentiable": False}
 _PERFORMANCE_FLAGS = ("foreach", "fused", "capturable")  # torch implementation choices, not semantics
@@ -40,6 +40,22 @@ def check_convertible(optimizer: torch.optim.Optimizer) -> type[FP8Optimizer]:
     return target
 
 
+def converted_arguments(
+    optimizer: torch.optim.Optimizer, replace: dict[int, torch.Tensor]
+) -> tuple[type[FP8Optimizer], list[dict], dict]:
+    """``(fp8_class, param_groups, constructor_kwargs)`` equivalent to ``optimizer``, with each
+    parameter whose ``id`` is in ``replace`` swapped for its FP8 version; raises if not convertible."""
+    target = check_convertible(optimizer)
+    dropped = set(_PERFORMANCE_FLAGS) | set(_UNSUPPORTED_FLAGS)
+    groups = []
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k not in dropped}
+        new["params"] = [replace.get(id(p), p) for p in group["params"]]
+        groups.append(new)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in dropped and k != "decoupled_weight_decay"}
+    return target, groups, _constructor_args(target, defaults)
+
+
 def convert_optimizer(
     optimizer: torch.optim.Optimizer,
     replace: dict[int, torch.Tensor],
@@ -49,15 +65,8 @@ def convert_optimizer(
     """The FP8-aware optimizer equivalent to ``optimizer``: same class of update, same param groups and
     hyper-parameters, with each parameter whose ``id`` is in ``replace`` swapped for its FP8 version
     (whose master starts from ``initial_masters[new_param]``). Refuses optimizers that already stepped."""
-    target = check_convertible(optimizer)
-    groups = []
-    for group in optimizer.param_groups:
-        new = {k: v for k, v in group.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
-        new["params"] = [replace.get(id(p), p) for p in group["params"]]
-        groups.append(new)
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
-    defaults.pop("decoupled_weight_decay", None)
-    return target(groups, **_constructor_args(target, defaults), precision=precision, initial_masters=initial_masters)
+    target, groups, kwargs = converted_arguments(optimizer, replace)
+    return target(groups, **kwargs, precision=precision, initial_masters=initial_masters)
 
 
 def _constructor_args(target: type[FP8Optimizer], defaults: dict) -> dict:

@@ -26,8 +26,8 @@ from ..distributed.gather import start_owner_gather
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_are_finite, skip_step
-from .clip import _norm
-from .convert import _PERFORMANCE_FLAGS, _UNSUPPORTED_FLAGS, _constructor_args, check_convertible
+from .clip import _norm, scale_grads_to_norm_
+from .convert import converted_arguments
 from .partition import ParamPartition, partition_by_size
 from .precision import OptimizerPrecision
 from .sgd import SGD
@@ -211,12 +211,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
             local = torch.stack(norms).max() if norms else torch.zeros(())
             self._comm.all_reduce(local, op=dist.ReduceOp.MAX, tag="grad norm").wait()
             total = local
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            if isinstance(g, Float8Tensor):
-                g.scale.div_(coef)
-            else:
-                g.mul_(coef.to(g.dtype))
+        scale_grads_to_norm_(grads, total, max_norm)
         return total
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -250,13 +245,6 @@ def convert_to_sharded(
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
     :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``."""
-    target = check_convertible(optimizer)
-    groups = []
-    for group in optimizer.param_groups:
-        new = {k: v for k, v in group.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
-        new["params"] = [replace.get(id(p), p) for p in group["params"]]
-        groups.append(new)
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _PERFORMANCE_FLAGS and k not in _UNSUPPORTED_FLAGS}
-    defaults.pop("decoupled_weight_decay", None)
-    return _SHARDED[target](groups, **_constructor_args(target, defaults), precision=precision,
-                            initial_masters=initial_masters, process_group=process_group)
+    target, groups, kwargs = converted_arguments(optimizer, replace)
+    return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
+                            process_group=process_group)
