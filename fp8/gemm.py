@@ -41,8 +41,9 @@ def scaled_mm_problem(a: torch.Tensor, b: torch.Tensor) -> str | None:
     k, n = b.shape
     if a.shape[1] % 16 or k % 16 or n % 16:
         return (
-            f"shapes {tuple(a.shape)} @ {tuple(b.shape)}: K and N must be multiples of 16 "
-            f"(pad the layer's dimensions to multiples of 16)"
+            f"shapes {tuple(a.shape)} @ {tuple(b.shape)}: K and N must be multiples of 16 (for a linear "
+            f"layer: its in/out features, and for its weight-gradient GEMM the number of tokens, batch x "
+            f"sequence; pad them to multiples of 16)"
         )
     if a.dtype == E5M2.dtype and b.dtype == E5M2.dtype:
         return "both operands are E5M2; one must be E4M3"

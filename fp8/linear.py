@@ -58,6 +58,10 @@ class Float8LinearConfig:
             raise ValueError("input and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
         if self.grad_output.fmt == "e5m2" and self.weight_fmt == "e5m2":
             raise ValueError("grad_output and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
+        if self.grad_output.fmt == "e5m2" and self.input.fmt == "e5m2":
+            raise ValueError(
+                "grad_output and input cannot both be E5M2: the weight-gradient GEMM needs one E4M3 operand"
+            )
 
 
 def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
@@ -72,12 +76,12 @@ def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
 
 class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, input_state, grad_output_state, config):
+    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record):
         if not isinstance(weight, Float8Tensor):
             raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
         lead_shape = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
-        x_scale = input_state.scale_for(x2d)
+        x_scale = input_state.scale_for(x2d, record=record)
         x8 = Float8Tensor(quantize(x2d, x_scale, input_state.format), x_scale, x.dtype)
         out = fp8_mm(x8, weight.t(), out_dtype=x.dtype, backend=config.gemm_backend)
         if bias is not None:
@@ -109,7 +113,7 @@ class _Float8LinearFunction(torch.autograd.Function):
             grad_w = Float8Tensor(grad_w.payload, grad_w.scale, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class Float8Linear(nn.Module):
@@ -169,8 +173,10 @@ class Float8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Float8Linear: expected input with last dim {self.in_features}, got {tuple(x.shape)}")
+        # Only passes that can train record activation amaxes: evaluation leaves the scaling history alone.
+        record = torch.is_grad_enabled()
         return _Float8LinearFunction.apply(
-            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config
+            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record
         )
 
     def extra_repr(self) -> str:

@@ -113,23 +113,31 @@ class ScalingState(nn.Module):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduce_group)
         return amax
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        """Scale (0-d fp32) to cast ``x`` with; records ``x``'s amax in the history.
+    def scale_for(self, x: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """Scale (0-d fp32) to cast ``x`` with; records ``x``'s amax in the history if ``record``
+        (training passes; evaluation passes leave the history alone).
 
         Current scaling computes it from ``x`` (amax agreed across the group, if one is set).
         Delayed scaling returns the stored scale, except before any amax was recorded, where it
-        falls back to current scaling so the first step cannot overflow.
+        falls back to current scaling so the first step cannot overflow. If ``x`` holds inf or NaN the
+        scale is NaN, so the cast carries the non-finite values on (clamping would hide them as
+        finite maxima and the step would not be skipped); non-finite amaxes are never recorded.
         """
         amax = amax_of(x)
-        with torch.no_grad():
-            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        finite = torch.isfinite(amax)
+        if record:
+            with torch.no_grad():
+                recorded = torch.where(finite, amax, torch.zeros_like(amax))
+                self.amax_history[0] = torch.maximum(self.amax_history[0], recorded)
         cfg = self.config
         if cfg.kind == "current":
-            return compute_scale(self._reduce_amax(amax), cfg.fmt, cfg.margin, self.scale)
-        if self.amax_reduce_group is not None:
-            # The first-step fallback must agree across ranks too.
-            amax = self._reduce_amax(amax)
-        return torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
+            scale = compute_scale(self._reduce_amax(amax), cfg.fmt, cfg.margin, self.scale)
+        else:
+            if self.amax_reduce_group is not None:
+                # The first-step fallback must agree across ranks too.
+                amax = self._reduce_amax(amax)
+            scale = torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
+        return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
     @torch.no_grad()
     def update(self, reduce: bool = True) -> None:

@@ -6,8 +6,9 @@ an ``nn.Parameter``, a ``.grad``, go through ``.detach()``, ``.to(device)``, vie
 plus a 0-d fp32 ``scale`` that the tensor owns; its value is ``payload / scale``.
 
 Operations without an FP8 meaning run on the dequantized value and return ordinary tensors;
-in-place operations on a ``Float8Tensor`` re-quantize the result into it with a fresh
-power-of-two scale taken from the result's amax (current scaling), so nothing overflows.
+in-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize the result into it with a
+fresh power-of-two scale taken from the result's amax (current scaling), so nothing overflows; an
+in-place write to a partial view (a slice, a row) keeps the scale it shares with the whole tensor.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ _PAYLOAD_VIEW_OPS = {
     aten.unsqueeze.default,
     aten.squeeze.dim,
     aten.expand.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
 }
 # Ops that copy the payload: the result gets its own copy of the scale.
-_PAYLOAD_COPY_OPS = {aten.clone.default, aten.split.Tensor, aten.cat.default, aten.stack.default}
+_PAYLOAD_COPY_OPS = {aten.clone.default, aten.cat.default, aten.stack.default}
 
 
 class Float8Tensor(torch.Tensor):
@@ -52,6 +56,7 @@ class Float8Tensor(torch.Tensor):
 
     _data: torch.Tensor
     _scale: torch.Tensor
+    _shares_scale: bool = False  # a view: its scale object is shared with the tensor it views
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -115,7 +120,11 @@ class Float8Tensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _PAYLOAD_VIEW_OPS:
             src = args[0]
-            return Float8Tensor(func(src._data, *args[1:], **kwargs), src._scale, src.dtype)
+            out = func(src._data, *args[1:], **kwargs)
+            views = [Float8Tensor(o, src._scale, src.dtype) for o in _as_list(out)]
+            for view in views:
+                view._shares_scale = True
+            return views if isinstance(out, (list, tuple)) else views[0]
         if func in _PAYLOAD_COPY_OPS:
             result = _payload_copy(func, args, kwargs)
             if result is not None:
@@ -133,7 +142,11 @@ class Float8Tensor(torch.Tensor):
         if args and _is_inplace(func):
             targets = _as_list(args[0])
             if any(isinstance(t, Float8Tensor) for t in targets):
-                # In-place op (also _foreach_*_) on FP8: compute in high precision, re-quantize into the payloads.
+                # In-place op (also _foreach_*_) on FP8: compute in fp32, re-quantize into the payloads.
+                def unwrap32(t):
+                    return t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t
+
+                plain_args, plain_kwargs = tree_map(unwrap32, args), tree_map(unwrap32, kwargs)
                 returned = func(*plain_args, **plain_kwargs)
                 for target, result in zip(targets, _as_list(plain_args[0])):
                     if isinstance(target, Float8Tensor):
@@ -187,12 +200,18 @@ def _to_copy(src: Float8Tensor, dtype=None, device=None, **kwargs):
 @torch.no_grad()
 def _assign(dst: Float8Tensor, src: torch.Tensor) -> None:
     """Write ``src`` into ``dst`` in place: payload and scale when ``src`` is FP8 of the same format,
-    otherwise re-quantized with a current power-of-two scale from ``src``'s amax."""
-    if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype:
+    otherwise re-quantized with a current power-of-two scale from ``src``'s amax. A partial view
+    (a slice or row of a larger FP8 tensor) shares its scale with the rest of the payload, so it is
+    written with that scale (values beyond its range saturate) instead of re-scaling what it does not cover."""
+    partial_view = dst._shares_scale and dst._data.numel() != dst._data.untyped_storage().nbytes()
+    if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype and not partial_view:
         dst._data.copy_(src._data)
         dst._scale.copy_(src._scale)
         return
     value = src.dequantize(torch.float32) if isinstance(src, Float8Tensor) else src
+    if partial_view:
+        dst._data.copy_(quantize(value, dst._scale, dst.format))
+        return
     scale = compute_scale(amax_of(value), dst.format, previous=dst._scale)
     dst._data.copy_(quantize(value, scale, dst.format))
     dst._scale.copy_(scale)

@@ -146,3 +146,33 @@ def test_dimension_and_weight_errors(gen):
     linear = torch.nn.Linear(32, 32)
     converted = fp8.Float8Linear.from_linear(linear)
     assert converted.bias is linear.bias
+
+
+def test_non_finite_output_gradient_reaches_the_weight_gradient(gen):
+    """An inf in dY must not be clamped into finite FP8 maxima (the step would not be skipped), and must
+    not enter the amax history (it would freeze the scale)."""
+    linear = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 32, bias=False))
+    model, optimizer = fp8.initialize(linear, torch.optim.SGD(linear.parameters(), lr=0.1), "O2")
+    before = [p.payload.clone() for p in model.parameters()]
+    g = torch.randn(16, 32, generator=gen)
+    g[3, 5] = float("inf")
+    model(torch.randn(16, 32, generator=gen)).backward(g)
+    assert not torch.isfinite(model[2].weight.grad.dequantize()).all()
+    assert torch.isfinite(model[2].grad_output_scaling.amax_history).all()
+    optimizer.step()
+    assert optimizer.skipped_steps == 1
+    assert all(torch.equal(a.view(torch.uint8), p.payload.view(torch.uint8)) for a, p in zip(before, model.parameters()))
+
+
+def test_evaluation_passes_leave_the_scaling_history_alone(gen):
+    _, layer, x, _ = _setup(gen)
+    with torch.no_grad():
+        layer(x * 1000)
+    assert layer.input_scaling.amax_history.max() == 0
+    layer(x)
+    assert layer.input_scaling.amax_history[0] == x.abs().max()
+
+
+def test_config_needs_an_e4m3_operand_in_every_gemm():
+    with pytest.raises(ValueError, match="grad_output and input"):
+        fp8.Float8LinearConfig(input=fp8.ScalingConfig(fmt="e5m2"))

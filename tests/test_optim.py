@@ -247,6 +247,7 @@ def test_o2_state_dict_resume_is_bit_identical(gen):
 
     model, opt = build()
     run(model, opt, data[:5])
+    opt.skipped_steps = 2  # as if two steps had been skipped: the count is part of the checkpoint
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     run(model, opt, data[5:])
@@ -257,6 +258,7 @@ def test_o2_state_dict_resume_is_bit_identical(gen):
     resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["optimizer"])
     assert resumed_opt.state[resumed[0].weight]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert resumed_opt.skipped_steps == opt.skipped_steps
     run(resumed, resumed_opt, data[5:])
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         if isinstance(a, fp8.Float8Tensor):

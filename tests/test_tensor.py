@@ -120,3 +120,15 @@ def test_constructor_validation(gen):
         Float8Tensor(torch.randn(4).to(torch.float8_e4m3fn), torch.ones(2))
     with pytest.raises(TypeError, match="floating-point"):
         fp8.to_float8(torch.arange(4))
+
+
+def test_inplace_write_to_a_partial_view_keeps_the_rest_intact(gen):
+    t = fp8.to_float8(torch.tensor([[1.0, 100.0], [2.0, 3.0]]))
+    before = t.dequantize()
+    t[0, 0:1].mul_(1.0)  # a slice shares the scale of the whole tensor: no re-scaling
+    assert torch.equal(t.dequantize(), before)
+    t[1].copy_(torch.tensor([0.5, 0.25]))
+    assert torch.equal(t.dequantize()[0], before[0])
+    assert torch.equal(t.dequantize()[1], torch.tensor([0.5, 0.25]))
+    chunks = t.split(1)
+    assert all(isinstance(c, Float8Tensor) and c.scale is t.scale for c in chunks)

@@ -84,7 +84,9 @@ class FP8Optimizer(torch.optim.Optimizer):
         initial_masters = initial_masters or {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
+                # Parameters given a master start from it even if frozen now (unfrozen later, the
+                # master must be the high-precision original, not the FP8-rounded weight).
+                if p.requires_grad or p in initial_masters:
                     self._init_state(p, group, initial_masters.get(p))
 
     # -- state layout ---------------------------------------------------------------------------
@@ -182,6 +184,12 @@ class FP8Optimizer(torch.optim.Optimizer):
                 p.grad.zero_()
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's optimizer state dict plus ``skipped_steps``."""
+        state = super().state_dict()
+        state["skipped_steps"] = self.skipped_steps
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore hyper-parameters and states, keeping each state's stored dtype (payloads and scales
         are restored bit for bit), and re-quantize the FP8 weights from the restored masters."""
@@ -189,6 +197,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))
         super().load_state_dict(state_dict)  # validates groups, restores hyper-parameters
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
         with torch.no_grad():
             for saved_id, saved_state in state_dict["state"].items():
                 p = id_to_param[saved_id]

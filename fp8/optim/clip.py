@@ -28,8 +28,9 @@ def clip_grad_norm_(
     """Scale all gradients so their global ``norm_type`` norm is at most ``max_norm``; return the norm
     before clipping (fp32), as ``torch.nn.utils.clip_grad_norm_`` does.
 
-    FP8 gradients are scaled exactly by dividing their scale by the clip coefficient (no
-    re-quantization, so no added rounding); high-precision gradients are multiplied in place.
+    FP8 gradients are scaled by dividing their scale by the clip coefficient (no re-quantization:
+    only the fp32 scale is rounded, and it is no longer a power of two); high-precision gradients are
+    multiplied in place.
     No host synchronisation unless ``error_if_nonfinite``.
     """
     if isinstance(parameters, torch.Tensor):

@@ -127,8 +127,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Wrapped optimizer state plus the master weights (in model order)."""
-        return {"optimizer": self.optimizer.state_dict(), "master_weights": [m.detach() for m in self.master_weights]}
+        """Wrapped optimizer state, the master weights (in model order) and ``skipped_steps``."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master_weights": [m.detach() for m in self.master_weights],
+            "skipped_steps": self.skipped_steps,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -140,6 +144,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"load it into a model converted with the same opt_level and module filter"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
         for (master, _), saved in zip(self.pairs, masters):
             master.copy_(saved)
         self.refresh_fp8_weights()
