@@ -4,7 +4,6 @@ scales a single process computes from the ranks' combined data."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -12,14 +11,9 @@ import torch.multiprocessing as mp
 
 import fp8
 from fp8.scaling import ScalingConfig, ScalingState, amax_of, compute_scale
+from tests.spawn import free_port
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_data(seed: int, rank: int):
@@ -51,7 +45,7 @@ def _worker(rank: int, port: int, seed: int, out_dir: str) -> None:
 
 
 def test_scales_agree_across_ranks(tmp_path, seed):
-    mp.spawn(_worker, args=(_free_port(), seed, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), seed, str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     data = [_rank_data(seed, r) for r in range(WORLD)]
     x_amax = torch.stack([amax_of(x) for x, _ in data]).max()

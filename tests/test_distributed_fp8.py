@@ -24,16 +24,15 @@ from __future__ import annotations
 import io
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8
 import fp8.distributed as fd
 from examples.tiny_gpt import GPTConfig, TinyGPT
+from tests.spawn import CachedLaunch
 from fp8.distributed.scaled_allreduce import coalesce
 from fp8_bounds import quantization_error_bound
 
@@ -297,29 +296,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_LAUNCHED: dict[int, tuple[int, list[dict]] | BaseException] = {}
-
-
-def _launch(world: int, seed: int, tmp_path_factory) -> tuple[int, list[dict]]:
-    """Per-rank results of one launch at ``world``, cached (one launch per world size per session, with
-    the seed of the first test that asks; a failed launch fails every test that needs it, once)."""
-    if world not in _LAUNCHED:
-        out_dir = tmp_path_factory.mktemp(f"world{world}")
-        try:
-            mp.spawn(_worker, args=(world, _free_port(), seed, str(out_dir)), nprocs=world, join=True)
-            _LAUNCHED[world] = (seed, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)])
-        except Exception as error:  # noqa: BLE001 - reported by every dependent test
-            _LAUNCHED[world] = error
-    launched = _LAUNCHED[world]
-    if isinstance(launched, BaseException):
-        raise RuntimeError(f"the {world}-process launch failed (seed {seed})") from launched
-    return launched
+_launch = CachedLaunch(_worker, "fp8-ddp")
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"world{w}")

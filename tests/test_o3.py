@@ -22,18 +22,17 @@ compare them with references computed here. What is compared, and how exactly:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8
 import fp8.distributed as fd
 from examples.tiny_gpt import GPTConfig, TinyGPT
+from tests.spawn import CachedLaunch
 from fp8.checkpoint import load_checkpoint, save_checkpoint
 from fp8.optim import partition_by_size
 
@@ -266,27 +265,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_LAUNCHED: dict = {}
-
-
-def _launch(world, seed, tmp_path_factory):
-    if world not in _LAUNCHED:
-        out_dir = tmp_path_factory.mktemp(f"o3_world{world}")
-        try:
-            mp.spawn(_worker, args=(world, _free_port(), seed, str(out_dir)), nprocs=world, join=True)
-            _LAUNCHED[world] = (seed, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)])
-        except Exception as error:  # noqa: BLE001 - reported by every dependent test
-            _LAUNCHED[world] = error
-    launched = _LAUNCHED[world]
-    if isinstance(launched, BaseException):
-        raise RuntimeError(f"the {world}-process launch failed (seed {seed})") from launched
-    return launched
+_launch = CachedLaunch(_worker, "o3")
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"world{w}")
