@@ -109,8 +109,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g8_t = Float8Tensor(g_data_t, g_scale, grad_out.dtype)
             grad_w32 = fp8_mm(g8_t, x8, out_dtype=torch.float32, backend=config.gemm_backend)
-            grad_w = to_float8(grad_w32, config.weight_grad_fmt)
-            grad_w = Float8Tensor(grad_w.payload, grad_w.scale, weight.dtype)
+            grad_w = to_float8(grad_w32, config.weight_grad_fmt, dtype=weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None

@@ -222,11 +222,12 @@ def to_float8(
     fmt: FP8Format | str = "e4m3",
     scale: torch.Tensor | None = None,
     margin: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> Float8Tensor:
     """Quantize ``x`` into a :class:`Float8Tensor` of format ``fmt``.
 
     With ``scale=None`` the scale is the current power-of-two scale from ``x``'s amax. The result
-    reports ``x``'s dtype and owns a copy of the scale.
+    reports ``dtype`` (default: ``x``'s dtype) and owns a copy of the scale.
     """
     fmt = get_format(fmt)
     if isinstance(x, Float8Tensor):
@@ -237,4 +238,4 @@ def to_float8(
         scale = compute_scale(amax_of(x), fmt, margin)
     else:
         scale = scale.detach().to(device=x.device, dtype=torch.float32).clone()
-    return Float8Tensor(quantize(x.detach(), scale, fmt), scale, x.dtype)
+    return Float8Tensor(quantize(x.detach(), scale, fmt), scale, dtype or x.dtype)
