@@ -15,9 +15,10 @@ from fp8.optim import SGD, Adam, AdamW, OptimizerPrecision
 
 STEPS = 200
 # Stated bound on |w - w_ref| / |w_ref - w_0| (error relative to the distance travelled) after 200 steps,
-# as the sum of a contribution per role format (measured maxima over seeds in parentheses, bounds ~1.5-2x).
+# as the sum of a contribution per role format (measured maxima over seeds in parentheses, bounds ~1.5-2x;
+# over 63 combinations x 8 seeds the largest error was 0.70 of its bound).
 CONTRIBUTION = {
-    ("exp_avg", "e4m3"): 0.08,  # (0.067)
+    ("exp_avg", "e4m3"): 0.08,  # (0.057 over 30 seeds)
     ("exp_avg", "bf16"): 0.01,  # (0.006)
     ("exp_avg_sq", "bf16"): 0.03,  # (0.017)
     ("exp_avg_sq", "fp16"): 0.003,  # (0.0014)
@@ -48,8 +49,8 @@ def test_matches_torch_optim_in_float64(name, combo, gen):
     ours_cls, ref_cls, kwargs = OPTIMIZERS[name]
     precision = OptimizerPrecision(*combo)
     w0 = torch.randn(64, 64, generator=gen, dtype=torch.float64) * 0.02
-    v0 = torch.randn(64, generator=gen, dtype=torch.float64)
-    b0 = torch.randn(32, generator=gen, dtype=torch.float64).to(torch.bfloat16).to(torch.float64)
+    v0 = torch.randn(1024, generator=gen, dtype=torch.float64)  # large enough for a stable statistic
+    b0 = torch.randn(512, generator=gen, dtype=torch.float64).to(torch.bfloat16).to(torch.float64)
     weight = torch.nn.Parameter(fp8.to_float8(w0.float()))
     vector = torch.nn.Parameter(v0.float())
     half = torch.nn.Parameter(b0.to(torch.bfloat16))
@@ -59,8 +60,8 @@ def test_matches_torch_optim_in_float64(name, combo, gen):
     for _ in range(STEPS):
         magnitude = torch.exp(torch.empty(64, 64, dtype=torch.float64).uniform_(-9, 0, generator=gen))
         g_weight = fp8.to_float8((torch.randn(64, 64, generator=gen, dtype=torch.float64) * magnitude).float())
-        g_vector = torch.randn(64, generator=gen, dtype=torch.float64).float()
-        g_half = torch.randn(32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+        g_vector = torch.randn(1024, generator=gen, dtype=torch.float64).float()
+        g_half = torch.randn(512, generator=gen, dtype=torch.float64).to(torch.bfloat16)
         weight.grad, vector.grad, half.grad = g_weight, g_vector, g_half
         for ref, g in zip(refs, (g_weight.dequantize(torch.float64), g_vector, g_half)):
             ref.grad = g.to(torch.float64)
