@@ -1,0 +1,397 @@
+"""Column- and row-parallel linears with megatron-core's constructor and forward contract, in FP8.
+
+Constructors take megatron-core's arguments (``input_size, output_size, *, config, init_method, bias,
+gather_output / input_is_parallel, skip_bias_add, stride, tp_group, ...``); ``config`` is read for
+``sequence_parallel``, ``params_dtype`` and ``perform_initialization`` only, so any object with those
+attributes works (megatron-core's ``TransformerConfig`` in practice). ``forward`` returns
+``(output, bias)`` with ``bias`` None unless ``skip_bias_add``. Weights carry megatron's tensor-parallel
+attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``); biases added after a
+sequence-parallel reduce-scatter carry ``sequence_parallel=True`` (their gradients must be summed over
+the tensor-parallel group, as for sequence-parallel norms).
+
+``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) computes like
+:class:`fp8.Float8Linear`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
+gradient, FP8 GEMMs with fp32 accumulation and an E4M3 weight gradient. Communication:
+
+===========================  =========================================  ==========================================
+layer / pass                 sequence parallel                          tensor parallel only
+===========================  =========================================  ==========================================
+column, forward              all-gather of the E4M3 input (1 B/value)   none (input replicated)
+column, backward             FP8 reduce-scatter of dX (E5M2, fp32 sum)  all-reduce of dX (high precision)
+row, forward                 FP8 reduce-scatter of Y (E4M3, fp32 sum)   all-reduce of Y (high precision)
+row, backward                all-gather of the E5M2 dY (1 B/value)      none (dY replicated)
+===========================  =========================================  ==========================================
+
+Every scale of a tensor that crosses the group or is sharded across it is agreed over the group (amax
+all-reduced with MAX), so all ranks cast with the scale the single-process layer would use.
+``fp8=None`` is the high-precision baseline: the same layers, the same collectives in high precision,
+counted the same way.
+
+The initial high-precision weight shard of an FP8 layer is kept as ``initial_master`` until the
+optimizer takes it (:func:`take_initial_masters`), so master weights start from the exact initial
+values, not from their FP8 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..cast import quantize, quantize_transpose
+from ..distributed.bytes_counter import CommBytesCounter
+from ..gemm import fp8_mm
+from ..linear import Float8LinearConfig
+from ..scaling import ScalingConfig, ScalingState
+from ..tensor import Float8Tensor, to_float8
+from .comm import TensorParallelComm
+from .init import initialize_sharded_weight
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "FP8ColumnParallelLinear", "FP8RowParallelLinear",
+    "take_initial_masters",
+]
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); choose a "
+            f"tensor-parallel size that divides it"
+        )
+    return numerator // denominator
+
+
+class _ParallelLinearBase(nn.Module):
+    """Shared set-up of the column- and row-parallel linears."""
+
+    partition_dim: int
+
+    def __init__(
+        self, input_size: int, output_size: int, *, config: Any, init_method: Callable | None, bias: bool,
+        skip_bias_add: bool, stride: int, tp_group: dist.ProcessGroup | None, fp8: Float8LinearConfig | None,
+        counter: CommBytesCounter | None,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self.fp8 = fp8
+        self.comm = TensorParallelComm(tp_group, counter)
+        tp = self.comm.world_size
+        self.tp_size = tp
+        if self.sequence_parallel and tp == 1:
+            self.sequence_parallel = False
+        params_dtype = getattr(config, "params_dtype", torch.float32)
+        full_shape = (output_size, input_size)
+        local_out = output_size // tp if self.partition_dim == 0 else output_size
+        local_in = input_size // tp if self.partition_dim == 1 else input_size
+        _divide(full_shape[self.partition_dim], tp, "output_size" if self.partition_dim == 0 else "input_size")
+        if fp8 is not None and (local_in % 16 or local_out % 16):
+            raise ValueError(
+                f"{type(self).__name__}: the weight shard is {local_out} x {local_in} (full {output_size} x "
+                f"{input_size} over tensor-parallel size {tp}); FP8 GEMMs need both dimensions of the shard to be "
+                f"multiples of 16: pick hidden/FFN sizes that are multiples of 16 x the tensor-parallel size"
+            )
+        init = init_method if getattr(config, "perform_initialization", True) else None
+        weight = initialize_sharded_weight(full_shape, self.partition_dim, self.comm.rank, tp, init, stride,
+                                           torch.float32)
+        if fp8 is None:
+            self.weight = nn.Parameter(weight.to(params_dtype))
+            self.initial_master = None
+        else:
+            self.weight = nn.Parameter(to_float8(weight, fp8.weight_fmt, dtype=params_dtype))
+            self.initial_master = weight
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = self.partition_dim
+        self.weight.partition_stride = stride
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local_out if self.partition_dim == 0 else output_size,
+                                                 dtype=params_dtype))
+        else:
+            self.register_parameter("bias", None)
+        if fp8 is not None:
+            agreed = self.comm.group if tp > 1 else None
+            self.input_scaling = ScalingState(fp8.input)
+            self.grad_output_scaling = ScalingState(fp8.grad_output)
+            for state in (self.input_scaling, self.grad_output_scaling):
+                state.amax_reduce_group = agreed
+
+    def _scatter_scaling(self, fmt: str) -> ScalingState:
+        """Scaling state of an FP8 reduce-scatter: current scaling, agreed over the group."""
+        state = ScalingState(ScalingConfig(fmt=fmt, kind="current"))
+        state.amax_reduce_group = self.comm.group
+        return state
+
+    def set_counter(self, counter: CommBytesCounter | None) -> None:
+        """Count this layer's collectives in ``counter``."""
+        self.comm.counter = counter
+
+    def extra_repr(self) -> str:
+        precision = "high precision" if self.fp8 is None else f"fp8 weight={self.fp8.weight_fmt}"
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}, bias={self.bias is not None}, {precision}"
+        )
+
+
+def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+class _ColumnFunction(torch.autograd.Function):
+    """Y_shard = gather(X) @ W_shard^T (+ b_shard); backward reduces dX over the group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, record):
+        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+        x2d = x.reshape(-1, x.shape[-1])
+        rows = x2d.shape[0] * (comm.world_size if sp else 1)
+        if fp8 is None:
+            full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
+            out = _hp_mm(full, weight.t())
+            ctx.save_for_backward(full, weight)
+        else:
+            scale = layer.input_scaling.scale_for(x2d, record=record)
+            payload = quantize(x2d, scale, layer.input_scaling.format)
+            if sp:
+                payload = comm.all_gather(payload, "sp all-gather")
+            full = Float8Tensor(payload, scale, x.dtype)
+            out = fp8_mm(full, weight.t(), out_dtype=x.dtype, backend=fp8.gemm_backend)
+            ctx.save_for_backward(full, weight)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.layer, ctx.has_bias, ctx.x_shape, ctx.record = layer, bias is not None, x.shape, record
+        lead = (x.shape[0] * comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
+        assert out.shape[0] == rows
+        return out.reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        full, weight = ctx.saved_tensors
+        layer = ctx.layer
+        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if fp8 is None:
+            if ctx.needs_input_grad[0]:
+                dx = _hp_mm(g2d, weight)
+                dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
+                grad_x = dx.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = _hp_mm(g2d.t(), full).to(weight.dtype)
+        else:
+            state = layer.grad_output_scaling
+            g_scale = state.scale_for(g2d)
+            g_data, g_data_t = quantize_transpose(g2d, g_scale, state.format)
+            if ctx.needs_input_grad[0]:
+                dx = fp8_mm(Float8Tensor(g_data, g_scale, grad_out.dtype), weight, out_dtype=torch.float32,
+                            backend=fp8.gemm_backend)
+                if sp:
+                    dx = comm.fp8_reduce_scatter(dx, layer.grad_input_scatter_scaling, grad_out.dtype,
+                                                 tag="sp reduce-scatter")
+                else:
+                    dx = comm.all_reduce(dx.to(grad_out.dtype), "tp all-reduce")
+                grad_x = dx.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), full, out_dtype=torch.float32,
+                            backend=fp8.gemm_backend)
+                grad_w = to_float8(dw, fp8.weight_grad_fmt, dtype=weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2d.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _RowFunction(torch.autograd.Function):
+    """Y = reduce(X_shard @ W_shard^T) over the group (scattered along the sequence with SP)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer, record):
+        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+        x2d = x.reshape(-1, x.shape[-1])
+        if fp8 is None:
+            out = _hp_mm(x2d, weight.t())
+            out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
+            ctx.save_for_backward(x2d, weight)
+        else:
+            scale = layer.input_scaling.scale_for(x2d, record=record)
+            xq = Float8Tensor(quantize(x2d, scale, layer.input_scaling.format), scale, x.dtype)
+            out = fp8_mm(xq, weight.t(), out_dtype=torch.float32, backend=fp8.gemm_backend)
+            if sp:
+                out = comm.fp8_reduce_scatter(out, layer.output_scatter_scaling, x.dtype, record=record,
+                                              tag="sp reduce-scatter")
+            else:
+                out = comm.all_reduce(out.to(x.dtype), "tp all-reduce")
+            ctx.save_for_backward(xq, weight)
+        ctx.layer, ctx.x_shape = layer, x.shape
+        lead = (x.shape[0] // comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
+        return out.reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved_x, weight = ctx.saved_tensors
+        layer = ctx.layer
+        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = None
+        if fp8 is None:
+            full_g = comm.all_gather(g2d.contiguous(), "sp all-gather") if sp else g2d
+            if ctx.needs_input_grad[0]:
+                grad_x = _hp_mm(full_g, weight).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = _hp_mm(full_g.t(), saved_x).to(weight.dtype)
+        else:
+            state = layer.grad_output_scaling
+            g_scale = state.scale_for(g2d)
+            if sp:
+                g_data = comm.all_gather(quantize(g2d, g_scale, state.format), "sp all-gather")
+                g_data_t = g_data.t().contiguous()
+            else:
+                g_data, g_data_t = quantize_transpose(g2d, g_scale, state.format)
+            if ctx.needs_input_grad[0]:
+                grad_x = fp8_mm(Float8Tensor(g_data, g_scale, grad_out.dtype), weight, out_dtype=grad_out.dtype,
+                                backend=fp8.gemm_backend).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), saved_x, out_dtype=torch.float32,
+                            backend=fp8.gemm_backend)
+                grad_w = to_float8(dw, fp8.weight_grad_fmt, dtype=weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """``Y = X A^T + b`` with ``A`` split along its output dimension over the tensor-parallel group.
+
+    megatron-core's ``ColumnParallelLinear`` contract; ``fp8`` selects FP8 (a
+    :class:`fp8.Float8LinearConfig`) or high precision (``None``); ``counter`` counts the collectives.
+    With sequence parallelism the input is this rank's sequence shard ``[s/tp, b, h]`` and is gathered
+    (in FP8 when ``fp8`` is set); the output is this rank's output-feature shard ``[s, b, out/tp]``
+    (all of them if ``gather_output``).
+    """
+
+    partition_dim = 0
+
+    def __init__(
+        self, input_size: int, output_size: int, *, config: Any, init_method: Callable | None = None,
+        bias: bool = True, gather_output: bool = False, stride: int = 1, keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: list | None = None, grad_output_buffer: list | None = None,
+        is_expert: bool = False, tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False,
+        tp_group: dist.ProcessGroup | None = None, fp8: Float8LinearConfig | None = None,
+        counter: CommBytesCounter | None = None,
+    ) -> None:
+        if skip_weight_param_allocation:
+            raise ValueError("skip_weight_param_allocation is not supported by fp8lm's parallel linears")
+        if is_expert:
+            raise ValueError("expert (MoE) layers are not supported by fp8lm's parallel linears")
+        super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter)
+        self.gather_output = gather_output
+        if self.bias is not None:
+            self.bias.tensor_model_parallel = True
+            self.bias.partition_dim = 0
+            self.bias.partition_stride = stride
+        if fp8 is not None and self.sequence_parallel:
+            self.grad_input_scatter_scaling = self._scatter_scaling(fp8.grad_output.fmt)
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output, bias)``: ``bias`` is returned unapplied when ``skip_bias_add``, else None."""
+        if weight is not None and weight is not self.weight:
+            raise ValueError("passing a weight to forward is not supported by fp8lm's parallel linears")
+        if input_.shape[-1] != self.input_size:
+            raise ValueError(f"{type(self).__name__}: expected input last dim {self.input_size}, got {tuple(input_.shape)}")
+        bias = None if self.skip_bias_add else self.bias
+        out = _ColumnFunction.apply(input_, self.weight, bias, self, torch.is_grad_enabled())
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self.tp_size > 1:
+            out = _GatherLastDim.apply(out, self.comm)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """``Y = X A^T + b`` with ``A`` split along its input dimension over the tensor-parallel group.
+
+    megatron-core's ``RowParallelLinear`` contract (``input_is_parallel`` must be True: the input is
+    this rank's feature shard ``[s, b, in/tp]``). The output is summed over the group: scattered along
+    the sequence ``[s/tp, b, h]`` with sequence parallelism (FP8 reduce-scatter when ``fp8`` is set),
+    all-reduced in high precision otherwise. The bias is added after the reduction.
+    """
+
+    partition_dim = 1
+
+    def __init__(
+        self, input_size: int, output_size: int, *, config: Any, init_method: Callable | None = None,
+        bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False, stride: int = 1,
+        keep_master_weight_for_test: bool = False, is_expert: bool = False, tp_comm_buffer_name: str | None = None,
+        tp_group: dist.ProcessGroup | None = None, fp8: Float8LinearConfig | None = None,
+        counter: CommBytesCounter | None = None,
+    ) -> None:
+        if not input_is_parallel:
+            raise ValueError("fp8lm's RowParallelLinear needs input_is_parallel=True (as every GPT layer uses it)")
+        if is_expert:
+            raise ValueError("expert (MoE) layers are not supported by fp8lm's parallel linears")
+        super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter)
+        if self.bias is not None:
+            self.bias.sequence_parallel = self.sequence_parallel
+        if fp8 is not None and self.sequence_parallel:
+            self.output_scatter_scaling = self._scatter_scaling(fp8.input.fmt)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output, bias)``: ``bias`` is returned unapplied when ``skip_bias_add``, else None."""
+        expected = self.input_size // self.tp_size
+        if input_.shape[-1] != expected:
+            raise ValueError(f"{type(self).__name__}: expected input last dim {expected}, got {tuple(input_.shape)}")
+        out = _RowFunction.apply(input_, self.weight, self, torch.is_grad_enabled())
+        if self.skip_bias_add:
+            return out, self.bias
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension (high precision); backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        gathered = comm.all_gather(x.movedim(-1, 0).contiguous(), "tp gather-output")
+        return gathered.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = ctx.comm
+        return grad.chunk(comm.world_size, dim=-1)[comm.rank].contiguous(), None
+
+
+def _fp8_default() -> Float8LinearConfig:
+    return Float8LinearConfig()
+
+
+class FP8ColumnParallelLinear(ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` in FP8 (``fp8`` defaults to ``Float8LinearConfig()``)."""
+
+    def __init__(self, *args: Any, fp8: Float8LinearConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, fp8=fp8 or _fp8_default(), **kwargs)
+
+
+class FP8RowParallelLinear(RowParallelLinear):
+    """:class:`RowParallelLinear` in FP8 (``fp8`` defaults to ``Float8LinearConfig()``)."""
+
+    def __init__(self, *args: Any, fp8: Float8LinearConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, fp8=fp8 or _fp8_default(), **kwargs)
+
+
+def take_initial_masters(module: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """``{fp8_weight: initial high-precision shard}`` for every FP8 parallel linear in ``module``, and
+    forget them there (the optimizer keeps them as its master weights from now on)."""
+    masters = {}
+    for layer in module.modules():
+        if isinstance(layer, _ParallelLinearBase) and layer.initial_master is not None:
+            masters[layer.weight] = layer.initial_master
+            layer.initial_master = None
+    return masters

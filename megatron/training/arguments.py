@@ -1,0 +1,226 @@
+"""Megatron-style command-line arguments of ``pretrain_gpt.py`` and their validation.
+
+Flags keep Megatron-LM's names (``--num-layers``, ``--tensor-model-parallel-size``, ...); fp8lm adds
+``--fp8-opt-level {none,O1,O2,O3}`` (``none`` is the high-precision baseline: BF16 mixed precision on
+GPU, FP32 on CPU), ``--log-json``, ``--compare``, ``--plot``, ``--mock-data`` and ``--dry-run``.
+:func:`validate_args` stops bad configurations at start-up with a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+__all__ = ["parse_args", "validate_args", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
+
+OPT_LEVEL_CHOICES = ("none", "O1", "O2", "O3")
+
+DEMO_DEFAULTS = {
+    "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 16,
+    "global_batch_size": 16, "train_iters": 300, "lr": 1e-3, "min_lr": 1e-4, "lr_warmup_iters": 30,
+    "eval_interval": 100, "eval_iters": 8, "compare": "none", "fp8_opt_level": "O2",
+}
+"""The embedded default run (``pretrain_gpt.py`` with no arguments): a small GPT on the Shakespeare
+corpus, FP8 O2 beside the baseline, on CPU in a few minutes."""
+
+
+class ConfigurationError(ValueError):
+    """A configuration that cannot run; the message names the fix."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", description="Pretrain a GPT with megatron-core in FP8 (fp8lm).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, default=4)
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention (default: heads)")
+    m.add_argument("--seq-length", type=int, default=128)
+    m.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    m.add_argument("--vocab-size", type=int, default=None, help="vocabulary size without a tokenizer (mock data)")
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    m.add_argument("--swiglu", action="store_true")
+    m.add_argument("--disable-bias-linear", action="store_true")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--hidden-dropout", type=float, default=0.0)
+    m.add_argument("--attention-dropout", type=float, default=0.0)
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--data-parallel-size", type=int, default=None,
+                     help="--dry-run only: the data-parallel size to plan for (otherwise world size / (TP x PP))")
+    par.add_argument("--recompute-activations", action="store_true", help="full activation recomputation")
+    b = p.add_argument_group("batch and optimizer")
+    b.add_argument("--micro-batch-size", type=int, default=16)
+    b.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data-parallel size")
+    b.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    b.add_argument("--lr", type=float, default=1e-3)
+    b.add_argument("--min-lr", type=float, default=0.0)
+    b.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    b.add_argument("--lr-warmup-iters", type=int, default=0)
+    b.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    b.add_argument("--weight-decay", type=float, default=0.1)
+    b.add_argument("--adam-beta1", type=float, default=0.9)
+    b.add_argument("--adam-beta2", type=float, default=0.95)
+    b.add_argument("--adam-eps", type=float, default=1e-8)
+    b.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    t = p.add_argument_group("training")
+    t.add_argument("--train-iters", type=int, default=300)
+    t.add_argument("--eval-interval", type=int, default=100)
+    t.add_argument("--eval-iters", type=int, default=8)
+    t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--bf16", action="store_true", help="baseline and activations in BF16 (default on GPU)")
+    t.add_argument("--fp32", action="store_true", help="baseline and activations in FP32 (default on CPU)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data-path", default=None, help="PREFIX_text_document from tools/preprocess_data.py")
+    d.add_argument("--tokenizer-model", default=None, help="sentencepiece model (PREFIX.model)")
+    d.add_argument("--split", default="949,50,1")
+    d.add_argument("--mock-data", action="store_true", help="synthetic tokens (tests, benchmarks)")
+    c = p.add_argument_group("checkpointing")
+    c.add_argument("--save", default=None)
+    c.add_argument("--load", default=None)
+    c.add_argument("--save-interval", type=int, default=None, help="default: at the end only")
+    f = p.add_argument_group("fp8")
+    f.add_argument("--fp8-opt-level", choices=OPT_LEVEL_CHOICES, default="O2")
+    f.add_argument("--fp8-amax-history-len", type=int, default=16)
+    f.add_argument("--fp8-margin", type=int, default=0)
+    f.add_argument("--fp8-pipeline", choices=("auto", "on", "off"), default="auto",
+                   help="FP8 messages between pipeline stages (auto: on with FP8 levels)")
+    o = p.add_argument_group("output")
+    o.add_argument("--log-json", default=None, help="one JSON object per iteration")
+    o.add_argument("--compare", default=None,
+                   help="also train these levels (comma-separated, e.g. none,O1) at the same seed and data, then "
+                        "print a side-by-side summary and plot the loss curves")
+    o.add_argument("--plot", default=None, help="loss-curve PNG (default: next to --log-json, or ./loss_curves.png)")
+    o.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    o.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, validate, print parameters per rank and planned memory")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; with no arguments at all, the embedded default demo run (:data:`DEMO_DEFAULTS`)."""
+    parser = _parser()
+    demo = argv is not None and len(argv) == 0
+    args = parser.parse_args(argv)
+    args.demo = demo
+    if demo:
+        for key, value in DEMO_DEFAULTS.items():
+            setattr(args, key, value)
+    return args
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check and complete ``args`` (derived sizes filled in); raise :class:`ConfigurationError` naming the fix."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigurationError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if args.dry_run:
+        dp = args.data_parallel_size or max(1, (world_size or _world()) // (tp * pp))
+    else:
+        world = world_size or _world()
+        if world % (tp * pp):
+            raise ConfigurationError(
+                f"world size {world} is not divisible by TP x PP = {tp} x {pp}: launch a multiple of {tp * pp} processes"
+            )
+        dp = world // (tp * pp)
+        if args.data_parallel_size is not None and args.data_parallel_size != dp:
+            raise ConfigurationError(
+                f"--data-parallel-size {args.data_parallel_size} != world size / (TP x PP) = {dp}; it is only for --dry-run"
+            )
+    args.data_parallel_size = dp
+    heads = args.num_attention_heads
+    if heads % tp:
+        raise ConfigurationError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}: use a TP size that "
+            f"divides the number of heads"
+        )
+    groups = args.num_query_groups or heads
+    if heads % groups or groups % tp and groups >= tp:
+        raise ConfigurationError(f"--num-query-groups {groups} must divide the heads ({heads}) and be divisible by TP ({tp})")
+    if args.hidden_size % heads:
+        raise ConfigurationError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}")
+    if args.num_layers % pp:
+        raise ConfigurationError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}: use a PP size that "
+            f"divides the number of layers"
+        )
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ConfigurationError(
+                "--num-layers-per-virtual-pipeline-stage needs PP >= 2 and must divide the layers per stage "
+                f"({per_stage})"
+            )
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ConfigurationError(f"--seq-length {args.seq_length} must be divisible by TP ({tp}) with --sequence-parallel")
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ConfigurationError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch x data-parallel size "
+            f"({args.micro_batch_size} x {dp})"
+        )
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if pp > 1 and args.num_layers_per_virtual_pipeline_stage is not None and args.num_microbatches % pp:
+        raise ConfigurationError(
+            f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) to be a multiple of PP ({pp})"
+        )
+    if args.fp8_opt_level != "none":
+        tokens = args.micro_batch_size * args.seq_length
+        for name, size in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", args.ffn_hidden_size)):
+            if size % (16 * tp):
+                raise ConfigurationError(
+                    f"{name} {size} must be a multiple of 16 x TP = {16 * tp} for FP8 GEMMs (or use --fp8-opt-level none)"
+                )
+        if tokens % 16:
+            raise ConfigurationError(
+                f"micro batch x seq length = {tokens} tokens must be a multiple of 16 for FP8 weight-gradient GEMMs"
+            )
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            cap = ".".join(map(str, torch.cuda.get_device_capability()))
+            raise ConfigurationError(
+                f"FP8 needs a GPU of compute capability >= 8.9 (H100/H200/L40/RTX 4090); this one is {cap}: use "
+                f"--fp8-opt-level none"
+            )
+    if args.bf16 and args.fp32:
+        raise ConfigurationError("--bf16 and --fp32 exclude each other")
+    if not args.bf16 and not args.fp32:
+        args.bf16 = torch.cuda.is_available()
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.data_path is None and not args.mock_data and args.tokenizer_model is not None:
+        raise ConfigurationError("--tokenizer-model given without --data-path")
+    if args.mock_data and args.vocab_size is None:
+        args.vocab_size = 1024
+    if args.compare:
+        levels = [lvl.strip() for lvl in args.compare.split(",") if lvl.strip()]
+        bad = [lvl for lvl in levels if lvl not in OPT_LEVEL_CHOICES]
+        if bad:
+            raise ConfigurationError(f"--compare: unknown levels {bad}; choose from {OPT_LEVEL_CHOICES}")
+        args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
+    else:
+        args.compare_levels = []
+    if args.fp8_opt_level == "O3" and dp == 1:
+        pass  # O3 with one data-parallel rank is O2 (documented); allowed.
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    return args

@@ -1,0 +1,173 @@
+"""``get_gpt_layer_fp8_spec``: megatron-core GPT layers with fp8lm's FP8 tensor/sequence-parallel linears.
+
+The spec plugs into megatron-core's ``GPTModel`` through its public ``ModuleSpec`` mechanism:
+
+- ``linear_qkv``/``linear_fc1``: :class:`fp8.parallel.ColumnParallelLinear`, ``linear_proj``/``linear_fc2``:
+  :class:`fp8.parallel.RowParallelLinear`, in FP8 (``fp8=Float8LinearConfig(...)``) or in high precision
+  (``fp8=None``: the baseline, same collectives, counted the same way);
+- core attention: :class:`SDPAttention` (``F.scaled_dot_product_attention``, causal);
+- norms: :class:`Norm` (LayerNorm or RMSNorm) whose parameters carry ``sequence_parallel`` so their
+  gradients are summed over the tensor-parallel group (megatron-core's torch fallback refuses sequence
+  parallelism);
+- layers: :class:`SeededTransformerLayer`, which (given ``init_seed``) seeds the default generator from
+  the global layer number before building its weights, so any pipeline split initialises every layer
+  exactly as the single-process model does (weights are initialised full-size on the CPU and sharded,
+  see :func:`fp8.parallel.initialize_sharded_weight`, so any tensor-parallel size does too).
+
+Use :func:`get_gpt_block_fp8_spec` (layers plus the final norm) as ``GPTModel``'s
+``transformer_layer_spec``: given a bare layer spec, ``GPTModel`` picks its own final norm, which refuses
+sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.linear import Float8LinearConfig
+from fp8.parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+__all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
+           "layer_init_seed"]
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm (``config.normalization``) whose parameters carry megatron-core's
+    ``sequence_parallel`` attribute (``config.sequence_parallel``). megatron-core's norm signature."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused) -> None:
+        super().__init__()
+        self.kind = getattr(config, "normalization", "LayerNorm")
+        if self.kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.kind!r}")
+        self.eps = eps
+        self.hidden_size = hidden_size
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if self.kind == "LayerNorm" else None
+        for p in self.parameters():
+            p.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+
+
+class SDPAttention(nn.Module):
+    """Core attention through ``F.scaled_dot_product_attention`` (megatron-core's core-attention contract:
+    ``query`` ``[sq, b, np, hn]``, ``key``/``value`` ``[sk, b, ng, hn]``, returns ``[sq, b, np * hn]``).
+
+    Causal masking by default; a boolean ``attention_mask`` (True = masked out, megatron's convention)
+    is honoured. Grouped-query attention repeats key/value heads. Dropout runs under the tensor-parallel
+    RNG tracker so each tensor-parallel rank drops different heads' entries.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, **unused) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        sq, b, heads, head_dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != heads:
+            repeat = heads // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal and attention_mask is None
+        mask = None if attention_mask is None else ~attention_mask
+        dropout = self.dropout if self.training else 0.0
+        if dropout > 0:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                     scale=self.softmax_scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+def layer_init_seed(init_seed: int, layer_number: int) -> int:
+    """The generator seed for building global layer ``layer_number`` (0: the embeddings), the same in
+    every process (no salted hashing)."""
+    return (int(init_seed) * 1_000_003 + int(layer_number) * 7_919 + 17) % (2**63)
+
+
+class SeededTransformerLayer(TransformerLayer):
+    """megatron-core's ``TransformerLayer``; with ``init_seed`` it seeds the default generator from
+    ``(init_seed, global layer number)`` before building, so its initial weights do not depend on the
+    pipeline split."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, init_seed: int | None = None, **kwargs):
+        if init_seed is not None:
+            pg_collection = kwargs.get("pg_collection")
+            pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
+            if pp_rank is None:
+                from megatron.core import parallel_state
+
+                pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"), pp_rank)
+            torch.manual_seed(layer_init_seed(init_seed, layer_number + offset))
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def get_gpt_layer_fp8_spec(
+    fp8: Float8LinearConfig | None = None,
+    *,
+    high_precision: bool = False,
+    counter: CommBytesCounter | None = None,
+    init_seed: int | None = None,
+    qk_layernorm: bool = False,
+) -> ModuleSpec:
+    """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
+
+    ``fp8``: the FP8 recipe (default ``Float8LinearConfig()``: E4M3 weights/activations, E5M2 output
+    gradients, delayed scaling); ``high_precision=True`` builds the same layer without FP8 (the
+    baseline). ``counter`` counts every tensor-parallel byte the linears send; ``init_seed`` makes
+    initialisation independent of the pipeline split (see :class:`SeededTransformerLayer`).
+    """
+    if high_precision and fp8 is not None:
+        raise ValueError("pass either fp8=... or high_precision=True, not both")
+    recipe = None if high_precision else (fp8 or Float8LinearConfig())
+    linear_params = {"fp8": recipe, "counter": counter}
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    spec.module = SeededTransformerLayer
+    spec.params = {**spec.params, "init_seed": init_seed}
+    layer = spec.submodules
+    layer.input_layernorm = Norm
+    layer.pre_mlp_layernorm = Norm
+    attention = layer.self_attention.submodules
+    attention.linear_qkv = ModuleSpec(module=ColumnParallelLinear, params=linear_params)
+    attention.linear_proj = ModuleSpec(module=RowParallelLinear, params=linear_params)
+    attention.core_attention = SDPAttention
+    if qk_layernorm:
+        attention.q_layernorm = Norm
+        attention.k_layernorm = Norm
+    mlp = layer.mlp.submodules
+    mlp.linear_fc1 = ModuleSpec(module=ColumnParallelLinear, params=linear_params)
+    mlp.linear_fc2 = ModuleSpec(module=RowParallelLinear, params=linear_params)
+    return spec
+
+
+def get_gpt_block_fp8_spec(config, layer_spec: ModuleSpec, vp_stage: int | None = None,
+                           pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """The block spec for ``GPTModel``: this pipeline stage's layers (``layer_spec`` each) and a final
+    :class:`Norm` that supports sequence parallelism."""
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)

@@ -1,0 +1,159 @@
+"""Training output: a progress display (or plain lines) on the terminal, one JSON object per iteration
+in ``--log-json``, and the side-by-side summary and loss-curve PNG of the levels trained."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+__all__ = ["TrainingLogger", "plot_loss_curves", "format_summary"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_summary(summaries: list[dict]) -> str:
+    """The side-by-side table of the levels' final losses, speed, state memory and traffic."""
+    base = next((s for s in summaries if s["level"] == "none"), summaries[0])
+    lines = [
+        f"{'level':<6} {'train loss':>10} {'val loss':>9} {'vs base':>8} {'tokens/s':>9} {'state B/param':>13} "
+        f"{'comm/iter':>10} {'skipped':>7}",
+    ]
+    for s in summaries:
+        delta = (s["final_val_loss"] / base["final_val_loss"] - 1) * 100 if base["final_val_loss"] else float("nan")
+        comm = sum(s["comm_bytes_per_iteration"].values())
+        lines.append(
+            f"{s['level']:<6} {s['final_train_loss']:>10.4f} {s['final_val_loss']:>9.4f} {delta:>+7.2f}% "
+            f"{s['tokens_per_s']:>9.0f} {s['model_state_bytes_per_param']:>13.2f} {_fmt_bytes(comm):>10} "
+            f"{s['skipped_steps']:>7}"
+        )
+    tags = sorted({t for s in summaries for t in s["comm_bytes_per_iteration"]})
+    if tags:
+        lines.append("bytes sent per iteration by this rank, by what travelled:")
+        for tag in tags:
+            row = "  ".join(f"{s['level']}={_fmt_bytes(s['comm_bytes_per_iteration'].get(tag, 0.0))}" for s in summaries)
+            lines.append(f"  {tag:<22} {row}")
+    return "\n".join(lines)
+
+
+def plot_loss_curves(histories: list[dict], path: str, title: str = "") -> str:
+    """Write a PNG of train (smoothed) and validation loss per level; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for h in histories:
+        its = [r["iteration"] for r in h["train"]]
+        losses = [r["loss"] for r in h["train"]]
+        window = max(1, len(losses) // 30)
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        (line,) = ax.plot(its, smooth, label=f"{h['level']} train")
+        if h["valid"]:
+            ax.plot([v["iteration"] for v in h["valid"]], [v["val_loss"] for v in h["valid"]], "o--",
+                    color=line.get_color(), label=f"{h['level']} valid")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(title or "GPT loss: FP8 levels vs baseline")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+class TrainingLogger:
+    """Terminal and JSON output of a run; only the logging rank writes (the last stage's first rank)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, is_logging_rank: bool) -> None:
+        self.args = args
+        self.active = is_logging_rank
+        self.tty = sys.stdout.isatty() and not args.no_progress
+        self.json = None
+        if self.active and args.log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+            self.json = open(args.log_json, "w", encoding="utf-8")
+        self.level = None
+        self.total = 0
+        self.t_start = time.perf_counter()
+
+    def _print(self, text: str) -> None:
+        if self.active:
+            print(text, flush=True)
+
+    def banner(self, datasets, world_size: int) -> None:
+        a = self.args
+        self._print(
+            f"fp8lm pretrain_gpt: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads, seq "
+            f"{a.seq_length}, vocab {datasets.vocab_size}; world {world_size} = TP {a.tensor_model_parallel_size} x PP "
+            f"{a.pipeline_model_parallel_size} x DP {a.data_parallel_size}"
+            f"{' + SP' if a.sequence_parallel else ''}; global batch {a.global_batch_size} "
+            f"({a.num_microbatches} micro-batches of {a.micro_batch_size}); data: "
+            f"{'mock' if a.mock_data else a.data_path}"
+        )
+
+    def start_level(self, level: str, total: int, start: int) -> None:
+        self.level, self.total = level, total
+        self.t_level = time.perf_counter()
+        self._print(f"-- opt level {level}: training iterations {start + 1}..{total}")
+
+    def log_iteration(self, record: dict) -> None:
+        if not self.active:
+            return
+        if self.json is not None:
+            self.json.write(json.dumps(record, default=float) + "\n")
+            self.json.flush()
+        it = record["iteration"]
+        line = (f"[{self.level}] iter {it}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"grad-norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+                f"comm {_fmt_bytes(record['comm_bytes_total'])}")
+        if record.get("mu") is not None:
+            line += f" mu {record['mu']:.3g}"
+        if record["skipped_steps"]:
+            line += f" skipped {record['skipped_steps']}"
+        if "val_loss" in record:
+            line += f" | val loss {record['val_loss']:.4f}"
+        if self.tty:
+            width = 24
+            done = int(width * it / max(1, self.total))
+            bar = "#" * done + "." * (width - done)
+            end = "\n" if "val_loss" in record or it == self.total else ""
+            sys.stdout.write(f"\r[{bar}] {line}\x1b[K{end}")
+            sys.stdout.flush()
+        elif it % self.args.log_interval == 0 or "val_loss" in record or it == self.total:
+            print(line, flush=True)
+
+    def end_level(self, summary: dict) -> None:
+        self._print(
+            f"-- opt level {summary['level']} done in {time.perf_counter() - self.t_level:.1f} s: final val loss "
+            f"{summary['final_val_loss']:.4f}, model state {summary['model_state_bytes_per_param']:.2f} B/param"
+        )
+
+    def finish(self, histories: list[dict]) -> None:
+        if not self.active:
+            return
+        summaries = [h["summary"] for h in histories]
+        self._print("\n" + format_summary(summaries))
+        if self.json is not None:
+            self.json.write(json.dumps({"summary": summaries}, default=float) + "\n")
+            self.json.close()
+        if len(histories) > 1 or self.args.plot:
+            path = self.args.plot or (os.path.join(os.path.dirname(os.path.abspath(self.args.log_json)), "loss_curves.png")
+                                      if self.args.log_json else "loss_curves.png")
+            plot_loss_curves(histories, path)
+            self._print(f"loss curves: {path}")
+        self._print(f"total time {time.perf_counter() - self.t_start:.1f} s")
+        if any(math.isnan(s["final_val_loss"]) for s in summaries):
+            self._print("warning: a level ended without a validation loss (--eval-interval 0?)")

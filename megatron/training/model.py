@@ -1,0 +1,110 @@
+"""Build megatron-core's ``GPTModel`` for this rank's pipeline stage(s) with fp8lm's layer spec."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from fp8.linear import Float8LinearConfig
+from fp8.scaling import ScalingConfig
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
+
+__all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """``vocab_size`` padded to a multiple of ``--make-vocab-size-divisible-by`` x TP (Megatron's rule)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
+    """The FP8 recipe of the linears (None for ``--fp8-opt-level none``)."""
+    if args.fp8_opt_level == "none":
+        return None
+    history, margin = args.fp8_amax_history_len, args.fp8_margin
+    return Float8LinearConfig(
+        input=ScalingConfig("e4m3", "delayed", history, margin),
+        grad_output=ScalingConfig("e5m2", "delayed", history, margin),
+    )
+
+
+def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch.dtype) -> TransformerConfig:
+    """megatron-core's ``TransformerConfig`` for ``args`` (CPU-friendly: no fusions, CPU initialisation)."""
+    vp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        vp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+    recompute = {}
+    if args.recompute_activations:
+        recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=torch.float32,
+        pipeline_dtype=pipeline_dtype,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        batch_p2p_comm=False,
+        batch_p2p_sync=False,
+        **recompute,
+    )
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised independently of the layout.
+
+    Call after ``parallel_state.initialize_model_parallel`` and after seeding (``cpu_compat.seed``).
+    """
+    fp8 = fp8_recipe_from_args(args)
+    layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    vp_size = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vp_size):
+        block = get_gpt_block_fp8_spec(config, layer_spec, vp_stage=vp_stage if vp_size > 1 else None, pp_rank=pp_rank)
+        pre_process = pp_rank == 0 and vp_stage == 0
+        post_process = pp_rank == pp_size - 1 and vp_stage == vp_size - 1
+        # Embedding and output layer draw from the generator at the point the single-process model would.
+        if pre_process:
+            torch.manual_seed(layer_init_seed(args.seed, 0))
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            vp_stage=vp_stage if vp_size > 1 else None,
+        )
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,75 @@
+"""The optimizer of each opt level for a megatron-core model built with fp8lm's layers.
+
+- ``none``: ``torch.optim.AdamW`` (or SGD) on the high-precision parameters (the baseline).
+- ``O1``: the same optimizer stepping FP32 master weights of the FP8 weights
+  (:class:`fp8.optim.MasterWeightOptimizer`), which refreshes the FP8 copies after each step.
+- ``O2``: :mod:`fp8.optim`'s AdamW/SGD: FP8 first moment, FP16 second moment, FP16 master weights
+  (each with a scale).
+- ``O3``: O2 sharded over the data-parallel group (whole tensors, FP8 weight all-gather).
+
+Masters start from the exact initial weights (:func:`fp8.parallel.take_initial_masters`). Weight decay
+applies to matrices, not to biases and norm gains (Megatron's rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8.optim.convert import convert_optimizer
+from fp8.optim.master_weights import MasterWeightOptimizer
+from fp8.optim.sharded import convert_to_sharded, register_sharded_optimizer
+from fp8.parallel import take_initial_masters
+from fp8.tensor import Float8Tensor
+
+__all__ = ["build_optimizer"]
+
+
+def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+def build_optimizer(
+    args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
+    """The optimizer of ``args.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
+    the chunks for data parallelism: O3 registers itself with them)."""
+    level = args.fp8_opt_level
+    masters: dict[nn.Parameter, nn.Parameter] = {}
+    for chunk in chunks:
+        for weight, initial in take_initial_masters(chunk).items():
+            masters[weight] = nn.Parameter(initial, requires_grad=weight.requires_grad)
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if isinstance(p, Float8Tensor) and p not in masters:
+                raise RuntimeError("an FP8 weight has no initial master; build the optimizer once, right after the model")
+            target = masters.get(p, p)
+            (decay if p.dim() >= 2 else no_decay).append(target)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    base = _torch_optimizer(args, groups)
+    scaling_module = nn.ModuleList(chunks)
+    if level == "none":
+        return base
+    if level == "O1":
+        return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)
+    replace = {id(master): weight for weight, master in masters.items()}
+    initial = {weight: master.detach() for weight, master in masters.items()}
+    if level == "O2":
+        optimizer = convert_optimizer(base, replace, "O2", initial)
+    else:
+        optimizer = convert_to_sharded(base, replace, "O2", initial, dp_group)
+        for chunk in chunks:
+            register_sharded_optimizer(chunk, optimizer)
+    optimizer.scaling_module = scaling_module
+    return optimizer

@@ -1,0 +1,75 @@
+"""Pipeline-stage communication for megatron-core's schedules, with FP8 activations and gradients.
+
+:class:`FP8P2PCommunicator` is a megatron-core ``P2PCommunicator`` (pass it to the 1F1B or interleaved
+schedule as ``p2p_communicator=``) whose messages are encoded by :class:`fp8.parallel.PipelineCodec`:
+activations sent forward as E4M3 with their scale, their gradients sent back as E5M2 with theirs, 1 byte
+per value plus 4 bytes per message. With ``fp8=False`` it sends the high-precision tensors (the
+baseline), through the same code, counted the same way. Receive buffers live on the model's device, so
+this works on CPU (gloo) and GPU (NCCL) alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.parallel import PipelineCodec
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+__all__ = ["FP8P2PCommunicator"]
+
+
+class FP8P2PCommunicator(P2PCommunicator):
+    """megatron-core's pipeline communicator with FP8 (or high-precision) messages, bytes counted.
+
+    ``pp_group``/``config``: as megatron-core's; ``config.pipeline_dtype`` is the dtype of received
+    tensors. ``fp8``: encode activations as E4M3 and gradients as E5M2. ``device``: where receive
+    buffers go. ``counter``: counts every message sent (tag ``"pp activations"`` / ``"pp gradients"``).
+    """
+
+    def __init__(self, pp_group: dist.ProcessGroup, config, *, fp8: bool = True, device: torch.device | str = "cpu",
+                 counter: CommBytesCounter | None = None) -> None:
+        super().__init__(pp_group, config)
+        if config.pipeline_dtype is None:
+            raise ValueError("config.pipeline_dtype must be set for pipeline parallelism (e.g. torch.float32)")
+        self.forward_codec = PipelineCodec("e4m3" if fp8 else None, config.pipeline_dtype)
+        self.backward_codec = PipelineCodec("e5m2" if fp8 else None, config.pipeline_dtype)
+        self.device = torch.device(device)
+        self.counter = counter
+
+    def _send(self, codec: PipelineCodec, tensor: torch.Tensor, peer: int, tag: str) -> dist.Work:
+        wire = codec.encode(tensor)
+        if self.counter is not None:
+            self.counter.record("send", wire.numel() * wire.element_size(), self.pp_group.size(), tag)
+        return dist.isend(wire, peer, group=self.pp_group)
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+                     wait_on_reqs: bool = True):
+        if (recv_prev or recv_next) and tensor_shape is None:
+            raise RuntimeError("tensor_shape must be given to receive (seq_length, micro_batch_size, hidden_size)")
+        if self.config.variable_seq_lengths:
+            raise ValueError("FP8P2PCommunicator needs fixed sequence lengths (variable_seq_lengths=False)")
+        works = []
+        recv_prev_wire = recv_next_wire = None
+        # Receives are posted before sends; every call is asynchronous, so the order cannot deadlock.
+        if recv_prev:
+            recv_prev_wire = self.forward_codec.empty_wire(tensor_shape, self.device)
+            works.append(dist.irecv(recv_prev_wire, self.prev_rank, group=self.pp_group))
+        if recv_next:
+            recv_next_wire = self.backward_codec.empty_wire(tensor_shape, self.device)
+            works.append(dist.irecv(recv_next_wire, self.next_rank, group=self.pp_group))
+        if tensor_send_next is not None:
+            works.append(self._send(self.forward_codec, tensor_send_next, self.next_rank, "pp activations"))
+        if tensor_send_prev is not None:
+            works.append(self._send(self.backward_codec, tensor_send_prev, self.prev_rank, "pp gradients"))
+        for work in works:
+            work.wait()
+        recv_prev_tensor = recv_next_tensor = None
+        if recv_prev_wire is not None:
+            recv_prev_tensor = self.forward_codec.decode(recv_prev_wire, tensor_shape).requires_grad_(True)
+        if recv_next_wire is not None:
+            recv_next_tensor = self.backward_codec.decode(recv_next_wire, tensor_shape).requires_grad_(True)
+        # Everything has completed: no handles left for the schedule to wait on.
+        handles = [] if self.config.batch_p2p_comm else {}
+        return recv_prev_tensor, recv_next_tensor, handles
