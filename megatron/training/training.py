@@ -282,8 +282,19 @@ class _Run:
 
     def mu(self) -> float | None:
         if self.dp_size > 1 and hasattr(self.chunks[0], "grad_scaling"):
-            return float(self.chunks[0].grad_scaling.mu())
+            return float(self.chunks[0].grad_scaling.mu)
         return None
+
+
+def _sum_over_ranks(by_tag: dict[str, float]) -> dict[str, float]:
+    """Bytes sent per tag, summed over every rank of the job."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(by_tag))
+    total: dict[str, float] = {}
+    for part in gathered:
+        for tag, value in part.items():
+            total[tag] = total.get(tag, 0.0) + value
+    return total
 
 
 def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger) -> RunHistory:
@@ -307,7 +318,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
             "level": args.fp8_opt_level, "iteration": it + 1, **step, "iteration_time_s": elapsed,
             "tokens_per_s": tokens_per_iter / elapsed, "skipped_steps": run.skipped_steps,
             "mu": run.mu(), "comm_bytes": dict(run.counter.by_tag),
-            "comm_bytes_total": run.counter.total,
+            "comm_bytes_total": run.counter.total, "comm_bytes_all_ranks": _sum_over_ranks(run.counter.by_tag),
         }
         if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters or it == start:
             record["memory"] = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
