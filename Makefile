@@ -4,13 +4,18 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart test
+.PHONY: install quickstart quickstart-engine test
 
 install:
 	$(PIP) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test]"
 
+# The main job: pretrain_gpt.py on its embedded default (a small GPT on Shakespeare, FP8 O2 beside the baseline).
 quickstart: install
+	$(PYTHON) pretrain_gpt.py
+
+# The FP8 engine alone on a plain PyTorch GPT (fp8.initialize at O0/O1/O2).
+quickstart-engine: install
 	$(PYTHON) examples/quickstart.py
 
 test: install

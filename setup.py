@@ -1,6 +1,6 @@
 """fp8lm: FP8 mixed-precision training for GPT-style language models (PyTorch-native, megatron-core)."""
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 setup(
     name="fp8lm",
@@ -9,8 +9,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["fp8", "fp8.*"]),
-    install_requires=["torch>=2.6"],
+    # megatron.training merges into megatron-core's namespace package "megatron" (no megatron/__init__.py).
+    packages=find_packages(include=["fp8", "fp8.*"]) + find_namespace_packages(include=["megatron.training*"]),
+    install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy"],
     extras_require={
         "test": ["pytest>=8", "transformers==5.24.0"],
     },

@@ -217,8 +217,11 @@ class _Run:
     def _model_arg(self):
         return self.chunks if len(self.chunks) > 1 else self.chunks[0]
 
-    def _iterators(self, it):
-        return [it] * len(self.chunks) if len(self.chunks) > 1 else it
+    def data_iterators(self, dataset, consumed: int = 0):
+        """The schedule's data iterator(s): with virtual pipeline stages, one identical iterator per model
+        chunk (each chunk's forward step reads the micro-batch it is working on)."""
+        its = [_batches(dataset, self.args, self.dp_rank, self.dp_size, consumed=consumed) for _ in self.chunks]
+        return its if len(its) > 1 else its[0]
 
     def _average_loss(self, losses: list[dict]) -> float:
         """Mean ``lm loss`` over micro-batches and data-parallel ranks, known on every rank."""
@@ -243,7 +246,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         with self._context():
             losses = self.forward_backward(
-                forward_step_func=_forward_step, data_iterator=self._iterators(data_iterator),
+                forward_step_func=_forward_step, data_iterator=data_iterator,
                 model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
@@ -265,14 +268,14 @@ class _Run:
     @torch.no_grad()
     def evaluate(self, dataset) -> float:
         args = self.args
-        it = _batches(dataset, args, self.dp_rank, self.dp_size, cycle=True)
+        it = self.data_iterators(dataset)
         losses = []
         for chunk in self.chunks:
             chunk.eval()
         with self._context():
             for _ in range(args.eval_iters):
                 losses += self.forward_backward(
-                    forward_step_func=_forward_step, data_iterator=self._iterators(it), model=self._model_arg(),
+                    forward_step_func=_forward_step, data_iterator=it, model=self._model_arg(),
                     num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=True, **self.schedule_kwargs,
                 )
@@ -306,7 +309,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
     if args.load:
         start = load_checkpoint(args.load, run)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
-    data = _batches(datasets.train, args, run.dp_rank, run.dp_size, consumed=start * args.global_batch_size)
+    data = run.data_iterators(datasets.train, consumed=start * args.global_batch_size)
     tokens_per_iter = args.global_batch_size * args.seq_length
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
     for it in range(start, args.train_iters):
