@@ -323,9 +323,8 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
             "mu": run.mu(), "comm_bytes": dict(run.counter.by_tag),
             "comm_bytes_total": run.counter.total, "comm_bytes_all_ranks": _sum_over_ranks(run.counter.by_tag),
         }
-        if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters or it == start:
-            record["memory"] = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
-                                             torch.nn.ModuleList(run.bare_chunks), run.optimizer)
+        record["memory"] = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
+                                         torch.nn.ModuleList(run.bare_chunks), run.optimizer)
         if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
             record["val_loss"] = run.evaluate(datasets.valid)
             history["valid"].append({"iteration": it + 1, "val_loss": record["val_loss"]})
@@ -354,7 +353,9 @@ def _summary(history: RunHistory, run: _Run) -> dict:
         "level": history["level"],
         "final_train_loss": sum(r["loss"] for r in tail) / max(1, len(tail)) if tail else float("nan"),
         "final_val_loss": history["valid"][-1]["val_loss"] if history["valid"] else float("nan"),
-        "tokens_per_s": sum(r["tokens_per_s"] for r in train[1:]) / max(1, len(train[1:])) if len(train) > 1 else
+        # Tokens over time, after the first iteration (warm-up: lazy allocations, first-step scaling).
+        "tokens_per_s": (sum(r["tokens_per_s"] * r["iteration_time_s"] for r in train[1:])
+                         / max(1e-9, sum(r["iteration_time_s"] for r in train[1:]))) if len(train) > 1 else
         (train[0]["tokens_per_s"] if train else 0.0),
         "model_state_bytes_per_param": memory.get("total", 0) / max(1, params),
         "memory": memory,
