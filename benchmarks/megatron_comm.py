@@ -39,6 +39,7 @@ GROUPS = {
     "PP (activations + gradients)": ("pp activations", "pp gradients"),
     "DP gradients": ("fp8 grads", "grads", "fp8 amax", "fp8 overflow"),
     "O3 weight all-gather": ("fp8 weights", "fp8 weight scales", "weights"),
+    "tied embedding grads (PP)": ("tied embedding grads",),
     "other": (),
 }
 

@@ -185,6 +185,8 @@ class _Run:
         self.dp_rank = dist.get_rank(self.dp_group)
         self.bare_chunks = chunks
         self.optimizer = build_optimizer(args, chunks, self.dp_group)
+        if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
+            self.optimizer.counter = self.counter
         if self.dp_size > 1:
             self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter) for c in chunks]
             self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
