@@ -11,11 +11,23 @@ from torch import nn
 
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
-__all__ = ["ConvertedLinear", "convert_to_float8_linear"]
+__all__ = ["ConvertedLinear", "convert_to_float8_linear", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim"]
 
 logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+CUDA_MIN_FP8_DIM = 2048
+"""Default smallest ``min(in_features, out_features)`` converted to FP8 on CUDA. Measured crossover
+(H200, torch.compile, one linear fwd+bwd at 16384 tokens, ../shared/anchors/h200-2026-11-30.json):
+1024x1024 runs at 0.73x BF16 (slower), 4096x4096 at 1.44x; 2048 is the geometric midpoint of the two.
+Re-measure with ``benchmarks/gpu_step.py`` (its linear section) and pass ``min_fp8_dim`` to override."""
+
+
+def default_min_fp8_dim(model: nn.Module) -> int:
+    """The default ``min_fp8_dim`` for ``model``: :data:`CUDA_MIN_FP8_DIM` when its parameters are on
+    CUDA, 0 elsewhere (CPU has no FP8 units, and small test layers stay convertible)."""
+    return CUDA_MIN_FP8_DIM if any(p.is_cuda for p in model.parameters()) else 0
 
 
 @dataclass(frozen=True)
@@ -27,9 +39,15 @@ class ConvertedLinear:
     module: Float8Linear
 
 
-def _skip_reason(fqn: str, linear: nn.Linear, filter_fn: ModuleFilter | None, use_count: Counter) -> str | None:
+def _skip_reason(fqn: str, linear: nn.Linear, filter_fn: ModuleFilter | None, use_count: Counter,
+                 min_fp8_dim: int = 0) -> str | None:
     if filter_fn is not None and not filter_fn(linear, fqn):
         return "excluded by module_filter_fn"
+    if min(linear.in_features, linear.out_features) < min_fp8_dim:
+        return (
+            f"in_features={linear.in_features}, out_features={linear.out_features} below min_fp8_dim={min_fp8_dim} "
+            f"(too small to gain from FP8 at the measured crossover; pass min_fp8_dim=0 to convert it)"
+        )
     if not linear.weight.is_floating_point():
         return f"weight dtype {linear.weight.dtype} is not floating point"
     if use_count[id(linear.weight)] > 1:
@@ -41,21 +59,28 @@ def convert_to_float8_linear(
     model: nn.Module,
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
+    min_fp8_dim: int | None = None,
 ) -> tuple[nn.Module, list[ConvertedLinear]]:
     """Replace every eligible ``nn.Linear`` in ``model`` (in place) by a :class:`Float8Linear`.
 
     ``module_filter_fn(module, fqn)`` returning False keeps a layer in high precision. Layers whose
     dimensions are not multiples of 16, or whose weight is tied to another module, are kept too;
-    every skipped layer is logged with its reason. Returns the (possibly new, if ``model`` itself is
-    a linear) model and the list of swaps.
+    every skipped layer is logged with its reason. Layers with ``min(in_features, out_features) <
+    min_fp8_dim`` stay in high precision (too small to gain from FP8); None picks
+    :func:`default_min_fp8_dim` (2048 on CUDA, 0 on CPU). Returns the (possibly new, if ``model`` itself
+    is a linear) model and the list of swaps.
     """
     config = config or Float8LinearConfig()
+    if min_fp8_dim is None:
+        min_fp8_dim = default_min_fp8_dim(model)
+    if min_fp8_dim < 0:
+        raise ValueError(f"min_fp8_dim must be >= 0 (0 converts every eligible layer), got {min_fp8_dim}")
     use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     converted: list[ConvertedLinear] = []
     for fqn, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
-        reason = _skip_reason(fqn, module, module_filter_fn, use_count)
+        reason = _skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim)
         if reason:
             logger.info("fp8: kept %s in high precision: %s", fqn or "<root>", reason)
             continue

@@ -48,6 +48,7 @@ def initialize(
     module_filter_fn: ModuleFilter | None = None,
     precision: OptimizerPrecision | None = None,
     process_group=None,
+    min_fp8_dim: int | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -68,6 +69,9 @@ def initialize(
       moments only (:class:`fp8.optim.sharded.ShardedFP8Optimizer`); wrapping the model in
       :class:`fp8.distributed.DistributedDataParallel` afterwards reduces each gradient to its owner,
       and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
+
+    ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
+    logged (None: 2048 on CUDA, the measured crossover, and 0 on CPU; see :data:`fp8.convert.CUDA_MIN_FP8_DIM`).
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
@@ -92,7 +96,7 @@ def initialize(
     _check_hardware(model, config)
     if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
-    model, converted = convert_to_float8_linear(model, config, module_filter_fn)
+    model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim)
     if optimizer is None:
         return model, None
     if opt_level in ("O2", "O3"):

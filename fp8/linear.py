@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .cast import quantize, quantize_transpose
+from .cast import quantize
 from .formats import get_format
-from .gemm import GEMM_BACKENDS, fp8_mm
+from .gemm import GEMM_BACKENDS, _log_fallback, scaled_mm_problem, scaled_mm_supported
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
 
@@ -74,6 +74,28 @@ def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
     return None
 
 
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+        backend: str) -> torch.Tensor:
+    """:func:`fp8.gemm.fp8_mm` on plain FP8 payloads and their scales: same rules, same bits. Plain
+    tensors (no ``Float8Tensor`` built inside the autograd function) keep the linear free of graph
+    breaks under ``torch.compile``."""
+    if backend != "emulated":
+        problem = scaled_mm_problem(a, b)
+        if problem is None and not scaled_mm_supported(a.device):
+            problem = f"torch._scaled_mm has no FP8 support on {a.device}; use gemm_backend='emulated'"
+        if problem is None:
+            lhs = a if a.stride(1) == 1 and a.stride(0) == a.shape[1] else a.contiguous()
+            rhs = b if b.stride(0) == 1 and b.stride(1) == b.shape[0] else b.t().contiguous().t()
+            return torch._scaled_mm(lhs, rhs, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                                    out_dtype=out_dtype)
+        if backend == "scaled_mm":
+            raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
+        _log_fallback(problem)
+    lhs = a.to(torch.float32) * a_scale.reciprocal()
+    rhs = b.to(torch.float32) * b_scale.reciprocal()
+    return torch.mm(lhs, rhs).to(out_dtype)
+
+
 class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record):
@@ -82,34 +104,33 @@ class _Float8LinearFunction(torch.autograd.Function):
         lead_shape = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
         x_scale = input_state.scale_for(x2d, record=record)
-        x8 = Float8Tensor(quantize(x2d, x_scale, input_state.format), x_scale, x.dtype)
-        out = fp8_mm(x8, weight.t(), out_dtype=x.dtype, backend=config.gemm_backend)
+        x_data = quantize(x2d, x_scale, input_state.format)
+        w_data, w_scale = weight.payload, weight.scale
+        out = _mm(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        ctx.save_for_backward(x8, weight)
+        ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.grad_output_state = grad_output_state
         ctx.config = config
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
+        ctx.weight_dtype = weight.dtype
         return out.reshape(*lead_shape, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x8, weight = ctx.saved_tensors
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         config = ctx.config
         state = ctx.grad_output_state
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        g_scale = state.scale_for(g2d)
-        g_data, g_data_t = quantize_transpose(g2d, g_scale, state.format)
+        g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            g8 = Float8Tensor(g_data, g_scale, grad_out.dtype)
-            grad_x = fp8_mm(g8, weight, out_dtype=grad_out.dtype, backend=config.gemm_backend)
+            grad_x = _mm(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            g8_t = Float8Tensor(g_data_t, g_scale, grad_out.dtype)
-            grad_w32 = fp8_mm(g8_t, x8, out_dtype=torch.float32, backend=config.gemm_backend)
-            grad_w = to_float8(grad_w32, config.weight_grad_fmt, dtype=weight.dtype)
+            grad_w32 = _mm(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
+            grad_w = to_float8(grad_w32, config.weight_grad_fmt, dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None

@@ -139,18 +139,53 @@ class ScalingState(nn.Module):
             scale = torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
         return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
+    def quantize_transpose(self, x: torch.Tensor, record: bool = True, backend: str = "auto"):
+        """``(data, data_t, scale)``: ``x`` (2-D) cast with :meth:`scale_for`'s scale, and its transpose.
+
+        Bit for bit what ``scale_for`` + :func:`fp8.quantize_transpose` give. On CUDA with Triton
+        (``backend="auto"``) a delayed-scaled role reads ``x`` once: one kernel writes the cast, the
+        transpose and the amax (a first step without history reads it once more for its current scale).
+        """
+        from .kernels.backend import resolve_backend  # kernels import nothing heavy at fp8 import time
+
+        if self.config.kind != "delayed" or self.amax_reduce_group is not None or resolve_backend(backend, x) == "torch":
+            from .cast import quantize_transpose
+
+            scale = self.scale_for(x, record=record)
+            data, data_t = quantize_transpose(x, scale, self.format)
+            return data, data_t, scale
+        from .kernels.cast_transpose_amax import amax_unless, cast_transpose_amax
+
+        fallback = compute_scale(amax_unless(x, self.has_history, backend), self.config.fmt, self.config.margin, self.scale)
+        scale = torch.where(self.has_history, self.scale, fallback)
+        data, data_t, amax = cast_transpose_amax(x, scale, self.format, transpose=True, backend=backend)
+        finite = torch.isfinite(amax)
+        if record:
+            with torch.no_grad():
+                recorded = torch.where(finite, amax, torch.zeros_like(amax))
+                self.amax_history[0] = torch.maximum(self.amax_history[0], recorded)
+        return data, data_t, torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
     @torch.no_grad()
-    def update(self, reduce: bool = True) -> None:
+    def update(self, reduce: bool = True, enabled: torch.Tensor | None = None) -> None:
         """Close a step: agree on the step's amax across the group, recompute the scale from the
-        window's max, and start a new history slot. Runs on device without a host sync."""
+        window's max, and start a new history slot. Runs on device without a host sync. With a 0-d
+        bool ``enabled`` tensor the step is closed only where it is set (decided on device)."""
         if reduce and self.amax_reduce_group is not None:
             self.amax_history[0] = self._reduce_amax(self.amax_history[0])
         cfg = self.config
         window_amax = self.amax_history.amax()
-        self.scale.copy_(compute_scale(window_amax, cfg.fmt, cfg.margin, self.scale))
-        self.has_history.logical_or_(window_amax > 0)
-        self.amax_history.copy_(torch.roll(self.amax_history, 1))
-        self.amax_history[0] = 0.0
+        scale = compute_scale(window_amax, cfg.fmt, cfg.margin, self.scale)
+        has_history = self.has_history | (window_amax > 0)
+        history = torch.roll(self.amax_history, 1)
+        history[0] = 0.0
+        if enabled is not None:
+            scale = torch.where(enabled, scale, self.scale)
+            has_history = torch.where(enabled, has_history, self.has_history)
+            history = torch.where(enabled, history, self.amax_history)
+        self.scale.copy_(scale)
+        self.has_history.copy_(has_history)
+        self.amax_history.copy_(history)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -158,10 +193,10 @@ class ScalingState(nn.Module):
 
 
 @torch.no_grad()
-def update_scales(module: nn.Module) -> None:
+def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> None:
     """Close the step for every :class:`ScalingState` in ``module``: agree on the step's amaxes across
     each state's process group (one MAX all-reduce per group), compute the next delayed scales and
-    roll the histories. No host sync."""
+    roll the histories. No host sync. A 0-d bool ``enabled`` closes it only where set (on device)."""
     states = [m for m in module.modules() if isinstance(m, ScalingState)]
     by_group: dict[int, list[ScalingState]] = {}
     for state in states:
@@ -173,7 +208,7 @@ def update_scales(module: nn.Module) -> None:
         for state, amax in zip(members, amaxes):
             state.amax_history[0] = amax
     for state in states:
-        state.update(reduce=False)
+        state.update(reduce=False, enabled=enabled)
 
 
 def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -185,9 +220,13 @@ def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None)
 
 
 @torch.no_grad()
-def discard_step_amaxes(module: nn.Module) -> None:
+def discard_step_amaxes(module: nn.Module, keep: torch.Tensor | None = None) -> None:
     """Forget the amaxes recorded in the step in progress (e.g. a step skipped for non-finite
-    gradients), so they never enter a scaling history."""
+    gradients), so they never enter a scaling history. With a 0-d bool ``keep`` tensor they are
+    forgotten only where it is not set (decided on device, no host sync)."""
     for state in module.modules():
         if isinstance(state, ScalingState):
-            state.amax_history[0] = 0.0
+            if keep is None:
+                state.amax_history[0] = 0.0
+            else:
+                state.amax_history[0] = torch.where(keep, state.amax_history[0], torch.zeros_like(state.amax_history[0]))

@@ -18,6 +18,13 @@ class Adam(FP8Optimizer):
     def _moment_roles(self, group: dict) -> dict[str, str]:
         return {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
+    _has_fused_step = True
+
+    def _fused_step(self, params: list[torch.Tensor]) -> torch.Tensor:
+        from ..kernels.optimizer_update import fused_adam_step  # Triton is imported only on this path
+
+        return fused_adam_step(self, params)
+
     def __init__(
         self,
         params,

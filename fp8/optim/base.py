@@ -6,7 +6,9 @@ cannot carry their own master value get a master copy in ``state["master"]``: FP
 (:class:`Float8Tensor`) in the ``master`` precision, 16-bit parameters in fp32; FP32 parameters are
 their own master. The update runs in fp32;
 new scales come from the updated values; after the step each FP8 weight is re-quantized from its
-master. A step whose gradients hold inf or NaN is skipped without touching any state.
+master. A step whose gradients hold inf or NaN is skipped without touching any state: the decision is
+taken on device (every write is masked by one finiteness flag), so a step needs no host synchronisation;
+``skipped_steps`` is a device counter, read (and any new skip logged) when the host asks for it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.backend import resolve_backend
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from .precision import STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, encode
 
-__all__ = ["FP8Optimizer", "grads_are_finite", "grad_value", "skip_step"]
+__all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,13 @@ def skip_step(optimizer: torch.optim.Optimizer, scaling_module: nn.Module | None
 def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
     """Whether every gradient of ``params`` is finite (FP8 payloads and scales included).
 
-    One host synchronisation for all tensors together.
+    One host synchronisation for all tensors together (:func:`grads_finite_flag` has none).
     """
+    return bool(grads_finite_flag(params))
+
+
+def grads_finite_flag(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """0-d bool tensor on device: whether every gradient of ``params`` is finite (no host sync)."""
     flags = []
     for p in params:
         grad = p.grad
@@ -58,7 +66,16 @@ def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
             flags.append(torch.isfinite(grad.payload.to(torch.float32)).all() & torch.isfinite(grad.scale))
         else:
             flags.append(torch.isfinite(grad).all())
-    return not flags or bool(torch.stack(flags).all())
+    if not flags:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack(flags).all()
+
+
+def select_where(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` where the 0-d bool ``ok`` is set, else ``old`` (any dtype, FP8 included; no host sync)."""
+    if new.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # torch.where has no FP8 kernel
+        return torch.where(ok, new.view(torch.uint8), old.view(torch.uint8)).view(new.dtype)
+    return torch.where(ok, new, old)
 
 
 class FP8Optimizer(torch.optim.Optimizer):
@@ -68,7 +85,11 @@ class FP8Optimizer(torch.optim.Optimizer):
     state, group)`` which updates the fp32 master value ``w`` in place given the fp32 gradient ``g``.
     ``skipped_steps`` counts steps skipped for non-finite gradients. If ``scaling_module`` is set
     (``fp8.initialize`` sets it to the model), each step also closes its delayed-scaling step.
+    ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"``; see :mod:`fp8.kernels.backend`) picks
+    the update's implementation where a subclass has a fused kernel (Adam/AdamW on CUDA with Triton).
     """
+
+    kernel_backend: str = "auto"
 
     def __init__(
         self,
@@ -79,7 +100,10 @@ class FP8Optimizer(torch.optim.Optimizer):
     ) -> None:
         self.precision = OptimizerPrecision.preset(precision) if isinstance(precision, str) else precision
         super().__init__(params, defaults)
-        self.skipped_steps = 0
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self._skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped_reported = 0
         self.scaling_module: nn.Module | None = None
         initial_masters = initial_masters or {}
         for group in self.param_groups:
@@ -136,6 +160,28 @@ class FP8Optimizer(torch.optim.Optimizer):
         state = self.state[p]
         return self._load(state, "master") if "master" in state else p.detach().to(torch.float32)
 
+    # -- skipped steps ------------------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients. Reading it copies the device counter to the host (a
+        sync, outside the step) and logs a warning for skips not reported yet; the step itself never
+        syncs. :attr:`skipped_steps_counter` is the counter itself (no sync)."""
+        count = int(self._skipped_counter)
+        if count > self._skipped_reported:
+            logger.warning("fp8: non-finite gradient, optimizer step skipped (%d skipped so far)", count)
+        self._skipped_reported = count
+        return count
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int | torch.Tensor) -> None:
+        self._skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self._skipped_counter.device).clone()
+        self._skipped_reported = int(value)
+
+    @property
+    def skipped_steps_counter(self) -> torch.Tensor:
+        """The 0-d int64 device counter behind :attr:`skipped_steps` (reading it does not sync)."""
+        return self._skipped_counter
+
     # -- the step ---------------------------------------------------------------------------------
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
@@ -143,35 +189,57 @@ class FP8Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One update of every parameter with a gradient; skipped (and counted) if any gradient is
-        not finite. Costs one host synchronisation (the finiteness check)."""
+        not finite. No host synchronisation: the skip is decided on device (masked writes)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not grads_are_finite(params):
-            skip_step(self, self.scaling_module)
-            return loss
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
+                if p.grad is not None and not self.state[p]:
                     self._init_state(p, group)
-                g = grad_value(p.grad)
-                if group.get("maximize", False):
-                    g = -g
-                has_master = "master" in state
-                w = self._load(state, "master") if has_master else p
-                state["step"] += 1
-                self._update(w, g, state, group)
-                if has_master:
-                    self._store_master(p, state, w)
-                    self._refresh_param(p, state)
+        if params and self._has_fused_step and resolve_backend(self.kernel_backend, *params) == "triton":
+            ok = self._fused_step(params)
+        else:
+            ok = grads_finite_flag(params).to(self._skipped_counter.device)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._masked_param_update(p, group, ok)
+        self._skipped_counter += (~ok).to(torch.int64)
         if self.scaling_module is not None:
-            update_scales(self.scaling_module)
+            discard_step_amaxes(self.scaling_module, keep=ok)
+            update_scales(self.scaling_module, enabled=ok)
         return loss
+
+    _has_fused_step = False
+
+    def _fused_step(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The whole update as fused kernels (subclasses with ``_has_fused_step``); returns the 0-d bool
+        "step taken" flag."""
+        raise NotImplementedError
+
+    def _masked_param_update(self, p: torch.Tensor, group: dict, ok: torch.Tensor) -> None:
+        """Update one parameter and its states, every write masked by the 0-d bool ``ok`` (the torch path)."""
+        state = self.state[p]
+        before = dict(state)
+        g = grad_value(p.grad)
+        if group.get("maximize", False):
+            g = -g
+        has_master = "master" in state
+        w = self._load(state, "master") if has_master else p.detach().to(torch.float32, copy=True)
+        state["step"] = state["step"] + 1
+        self._update(w, g, state, group)
+        if has_master:
+            self._store_master(p, state, w)
+        for key, old in before.items():
+            if isinstance(old, torch.Tensor) and state[key] is not old:
+                state[key] = select_where(ok, state[key], old)
+        if has_master:
+            self._refresh_param(p, state)  # a skipped step re-quantizes the unchanged master: same bits
+        else:
+            p.copy_(torch.where(ok, w.to(p.dtype), p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (FP8 gradients included)."""

@@ -1,0 +1,336 @@
+"""End-to-end GPU step benchmark: a Llama-style model and single linears, BF16 vs fp8lm vs torchao.
+
+    python benchmarks/gpu_step.py              # full mode (needs CUDA; < 5 minutes on one H200)
+    python benchmarks/gpu_step.py --smoke      # tiny shapes, same code paths (automatic without CUDA)
+
+Model section (hidden 4096, FFN 14336, 32 heads, 4 layers, vocab 32000, batch 4 x 2048 tokens; AdamW):
+tokens/s and peak memory for pure BF16 (BF16 weights and AdamW states), BF16 mixed precision (FP32
+masters and AdamW states, BF16 autocast), fp8lm O1/O2/O3 (O3 on a one-rank group), and torchao float8
+training (tensorwise, rowwise) when torchao is installed; models run under torch.compile. Linear
+section: fwd+bwd time of one linear at (tokens x in x out) 16384x4096x4096, 16384x4096x14336,
+16384x14336x4096, 16384x1024x1024 for BF16, fp8lm (Float8Linear) and torchao. Prints a table, checks
+the targets (full mode), writes JSON to benchmarks/results/gpu_step[_smoke].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fp8  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Llama-style model and batch shape."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    layers: int
+    vocab: int
+    batch: int
+    seq: int
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be a multiple of heads={self.heads}")
+
+
+FULL = ModelShape(hidden=4096, ffn=14336, heads=32, layers=4, vocab=32000, batch=4, seq=2048)
+SMOKE = ModelShape(hidden=64, ffn=224, heads=4, layers=2, vocab=256, batch=2, seq=32)
+FULL_LINEARS = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (16384, 1024, 1024)]
+SMOKE_LINEARS = [(256, 64, 64), (256, 64, 224), (256, 224, 64), (256, 32, 32)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), eps=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.attn_norm, self.mlp_norm = RMSNorm(s.hidden), RMSNorm(s.hidden)
+        self.qkv = nn.Linear(s.hidden, 3 * s.hidden, bias=False)
+        self.proj = nn.Linear(s.hidden, s.hidden, bias=False)
+        self.gate = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.up = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.down = nn.Linear(s.ffn, s.hidden, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Llama-style decoder (RMSNorm, causal SDPA attention, SwiGLU MLP, untied LM head)."""
+
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden)
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _reset_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device):
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def _torchao():
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    return Float8LinearConfig, convert_to_float8_training
+
+
+@contextlib.contextmanager
+def _one_rank_group(device):
+    """A one-rank process group for O3 (its sharded optimizer equals O2 at one rank)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def build_variant(name: str, s: ModelShape, device, fp8_dtype, compile_model: bool):
+    """``(step_fn, note)`` for one training set-up; ``step_fn`` runs one step on fixed random tokens."""
+    torch.manual_seed(0)
+    note = ""
+    tokens = torch.randint(0, s.vocab, (s.batch, s.seq + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    autocast = contextlib.nullcontext()
+    if name == "bf16":
+        model = Llama(s).to(device, torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif name == "bf16_mixed":
+        model = Llama(s).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    elif name in ("O1", "O2", "O3"):
+        model = Llama(s).to(device, fp8_dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = fp8.initialize(model, optimizer, name)
+        note = f"model dtype {str(fp8_dtype).replace('torch.', '')}"
+    elif name.startswith("torchao_"):
+        config_cls, convert = _torchao()
+        model = Llama(s).to(device, torch.bfloat16)
+        convert(model, config=config_cls.from_recipe_name(name.split("_", 1)[1]),
+                module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    run = torch.compile(model) if compile_model else model
+
+    def step():
+        with autocast:
+            logits = run(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, s.vocab), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    params = sum(p.numel() for p in model.parameters())
+    return step, params, note
+
+
+def bench_model(s: ModelShape, device, variants, fp8_dtype, compile_model, warmup, iters, deadline):
+    rows = []
+    for name in variants:
+        if time.perf_counter() > deadline:
+            rows.append(dict(variant=name, skipped="time budget spent"))
+            continue
+        _reset_memory(device)
+        context = _one_rank_group(device) if name == "O3" else contextlib.nullcontext()
+        with context:
+            start = time.perf_counter()
+            step, params, note = build_variant(name, s, device, fp8_dtype, compile_model)
+            step()  # compile / first step
+            first_s = time.perf_counter() - start
+            ms = _time_ms(step, device, warmup, iters)
+            rows.append(dict(variant=name, params_M=round(params / 1e6, 1), ms=round(ms, 2),
+                             tok_per_s=round(s.batch * s.seq / ms * 1e3), peak_GiB=_peak_gib(device),
+                             first_step_s=round(first_s, 1), note=note))
+            del step
+    return rows
+
+
+def bench_linears(shapes, device, fp8_dtype, compile_model, warmup, iters, deadline):
+    rows = []
+    ao = _torchao()
+    for m, k, n in shapes:
+        variants = ["bf16", "fp8lm"] + (["torchao_tensorwise", "torchao_rowwise"] if ao else [])
+        for name in variants:
+            if time.perf_counter() > deadline:
+                rows.append(dict(M=m, K=k, N=n, variant=name, skipped="time budget spent"))
+                continue
+            torch.manual_seed(0)
+            dtype = fp8_dtype if name == "fp8lm" else torch.bfloat16
+            layer = nn.Linear(k, n, bias=False).to(device, dtype)
+            if name == "fp8lm":
+                layer = fp8.Float8Linear.from_linear(layer)
+            elif name.startswith("torchao_"):
+                config_cls, convert = ao
+                layer = nn.Sequential(layer)
+                convert(layer, config=config_cls.from_recipe_name(name.split("_", 1)[1]))
+            run = torch.compile(layer) if compile_model else layer
+            x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+            grad = torch.randn(m, n, device=device, dtype=dtype)
+
+            def step():
+                run(x).backward(grad)
+                x.grad = None
+                for p in layer.parameters():
+                    p.grad = None
+
+            step()
+            ms = _time_ms(step, device, warmup, iters)
+            rows.append(dict(M=m, K=k, N=n, variant=name, ms=round(ms, 3), tflops=round(6 * m * k * n / ms / 1e9, 1)))
+    return rows
+
+
+def check_targets(model_rows, linear_rows) -> list[str]:
+    """The issue's targets, as PASS/FAIL lines (full mode)."""
+    by = {r["variant"]: r for r in model_rows if "ms" in r}
+    lines = []
+    if "bf16" in by and "O2" in by:
+        best = max((by[v]["tok_per_s"] for v in ("O1", "O2", "O3") if v in by), default=0)
+        ratio = best / by["bf16"]["tok_per_s"]
+        lines.append(f"{'PASS' if ratio >= 1.45 else 'FAIL'} tokens/s vs pure BF16: {ratio:.2f}x (target >= 1.45x)")
+    if "bf16_mixed" in by and "O2" in by and by["O2"]["peak_GiB"]:
+        saving = 1 - by["O2"]["peak_GiB"] / by["bf16_mixed"]["peak_GiB"]
+        lines.append(f"{'PASS' if saving >= 0.40 else 'FAIL'} O2 peak memory vs BF16 mixed: {saving:.0%} less (target >= 40%)")
+    for shape in {(r["M"], r["K"], r["N"]) for r in linear_rows}:
+        ms = {r["variant"]: r.get("ms") for r in linear_rows if (r["M"], r["K"], r["N"]) == shape}
+        if ms.get("bf16") and ms.get("fp8lm"):
+            speedup = ms["bf16"] / ms["fp8lm"]
+            lines.append(f"{'PASS' if speedup >= 1.0 else 'FAIL'} linear {shape}: fp8lm {speedup:.2f}x BF16 (target >= 1.00x)")
+    return lines
+
+
+def _table(rows, columns) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("-|-".join("-" * w for w in widths))
+    for r in rows:
+        cells = ["" if c not in r else "n/a" if r[c] is None else str(r[c]) for c in columns]
+        lines.append(" | ".join(cell.ljust(w) for cell, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (automatic without CUDA)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="torch.compile the models and linears (auto: on in full mode, off in smoke mode, where "
+                             "CPU compiles would take minutes)")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--budget-s", type=float, default=270.0, help="skip the remaining cases after this many seconds")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    smoke = args.smoke or not cuda
+    if not cuda and not args.smoke:
+        print("no CUDA device: running the CPU smoke mode (tiny shapes; timings say nothing about GPUs)")
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = SMOKE if smoke else FULL
+    fp8_dtype = torch.bfloat16 if cuda else torch.float32  # CPU: fp32 high precision (bf16 is slow there)
+    warmup, iters = (1, args.iters or 3) if smoke else (3, args.iters or 10)
+    compile_model = args.compile == "on" or (args.compile == "auto" and not smoke)
+    deadline = time.perf_counter() + args.budget_s
+    variants = ["bf16", "bf16_mixed", "O1", "O2", "O3"]
+    notes = []
+    if _torchao():
+        variants += ["torchao_tensorwise", "torchao_rowwise"]
+    else:
+        notes.append("torchao not installed: its float8 rows skipped (pip install torchao)")
+    start = time.perf_counter()
+    model_rows = bench_model(shape, device, variants, fp8_dtype, compile_model, warmup, iters, deadline)
+    linear_rows = bench_linears(SMOKE_LINEARS if smoke else FULL_LINEARS, device, fp8_dtype, compile_model,
+                                warmup, iters, deadline)
+    elapsed = time.perf_counter() - start
+    title = f"{'smoke' if smoke else 'full'} mode, {'compiled' if compile_model else 'eager'}, on {torch.cuda.get_device_name() if cuda else platform.processor() or 'CPU'}"
+    print(f"\n== model step ({title}; {asdict(shape)})")
+    print(_table(model_rows, ["variant", "params_M", "ms", "tok_per_s", "peak_GiB", "first_step_s", "note", "skipped"]))
+    print("\n== single linear fwd+bwd (tokens M x in K x out N)")
+    print(_table(linear_rows, ["M", "K", "N", "variant", "ms", "tflops", "skipped"]))
+    targets = check_targets(model_rows, linear_rows) if not smoke else ["targets are checked in full mode on a GPU only"]
+    for line in notes + targets:
+        print(line)
+    print(f"total {elapsed:.0f} s")
+    path = args.json or f"benchmarks/results/gpu_step{'_smoke' if smoke else ''}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(mode="smoke" if smoke else "full", device=str(device), torch=torch.__version__,
+                       gpu=torch.cuda.get_device_name() if cuda else None, model_shape=asdict(shape),
+                       compile=compile_model, model=model_rows, linear=linear_rows, targets=targets, notes=notes,
+                       seconds=round(elapsed, 1)), f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

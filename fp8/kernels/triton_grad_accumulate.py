@@ -1,0 +1,66 @@
+"""Triton kernels of FP8 gradient accumulation (imports Triton): stage 1 max-reduces the fp32 sum's
+amax, stage 2 recomputes the sum and writes it quantized with the sum's scale."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..scaling import compute_scale
+from ..tensor import Float8Tensor
+from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
+
+__all__ = ["launch_accumulate"]
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT: tl.constexpr, NEW_FMT: tl.constexpr):
+    a = decode_to_f32(tl.load(acc_ptr + offs, mask=mask, other=0), ACC_FMT) * (1.0 / tl.load(acc_scale_ptr))
+    b = decode_to_f32(tl.load(new_ptr + offs, mask=mask, other=0), NEW_FMT) * (1.0 / tl.load(new_scale_ptr))
+    return a + b
+
+
+@triton.jit
+def _amax_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, amax_ptr, nan_ptr, numel,
+                 ACC_FMT: tl.constexpr, NEW_FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    s = _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT, NEW_FMT)
+    is_nan = s != s
+    tl.atomic_max(amax_ptr, tl.max(tl.where(mask & (~is_nan), tl.abs(s), 0.0), axis=0))
+    tl.atomic_max(nan_ptr, tl.max(tl.where(mask & is_nan, 1, 0), axis=0))
+
+
+@triton.jit
+def _cast_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, out_scale_ptr, numel, FMAX: tl.constexpr,
+                 ACC_FMT: tl.constexpr, NEW_FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    s = _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT, NEW_FMT)
+    y = s * tl.load(out_scale_ptr)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))  # clamp, NaN stays NaN (as torch.clamp)
+    tl.store(acc_ptr + offs, encode_f32(y, ACC_FMT), mask=mask)
+
+
+def launch_accumulate(acc: Float8Tensor, new: torch.Tensor) -> None:
+    """``acc += new`` in place with the two kernels (see :func:`fp8.kernels.accumulate_fp8_grad`)."""
+    if isinstance(new, Float8Tensor):
+        new_data, new_scale = new.payload.contiguous(), new.scale
+    else:
+        new_data, new_scale = new.detach().contiguous(), torch.ones((), dtype=torch.float32, device=new.device)
+    acc_data = payload_view(acc.payload)
+    numel = acc_data.numel()
+    amax = torch.zeros((), dtype=torch.float32, device=acc_data.device)
+    has_nan = torch.zeros((), dtype=torch.int32, device=acc_data.device)
+    grid = (max(1, triton.cdiv(numel, _BLOCK)),)
+    flags = dict(ACC_FMT=format_code(acc.payload.dtype), NEW_FMT=format_code(new_data.dtype), BLOCK=_BLOCK)
+    _amax_kernel[grid](acc_data, acc.scale, payload_view(new_data), new_scale, amax, has_nan, numel, **flags)
+    amax = torch.where(has_nan > 0, torch.full_like(amax, float("nan")), amax)
+    scale = compute_scale(amax, acc.format, previous=acc.scale)
+    # Stage 2 reads the old payload and scale: the new scale is written only after it.
+    _cast_kernel[grid](acc_data, acc.scale, payload_view(new_data), new_scale, scale, numel,
+                       FMAX=acc.format.max, **flags)
+    acc.scale.copy_(scale)
