@@ -13,7 +13,9 @@ setup(
     packages=find_packages(include=["fp8", "fp8.*"]) + find_namespace_packages(include=["megatron.training*"]),
     install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "transformers==5.24.0"],
+        # triton: the kernel tests run its interpreter on CPU (TRITON_INTERPRET=1); optional at runtime.
+        "test": ["pytest>=8", "transformers==5.24.0",
+                 "triton==3.9.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
     },
     license="Apache-2.0",
 )
