@@ -1,0 +1,62 @@
+"""Loss parity of FP8 O1/O2/O3 vs the baseline on the demo GPT over a longer run.
+
+Runs ``pretrain_gpt.py`` (single process; the demo's model and data: 4 layers, hidden 128, Shakespeare with
+a 2,048-piece sentencepiece vocabulary, 16 x 128 tokens per iteration) for ``--iters`` iterations at each
+level, same seed and data, and writes ``benchmarks/results/loss_parity.json`` (per-level summaries and
+loss curves) and ``benchmarks/results/loss_parity.png``::
+
+    python benchmarks/loss_parity.py --iters 1000      # ~20 min on 2 idle cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "loss_parity"))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".jsonl")
+    cmd = [sys.executable, "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+           "--seq-length", "128", "--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", str(a.iters),
+           "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", str(max(1, a.iters // 10)),
+           "--eval-interval", str(a.eval_interval), "--eval-iters", "8", "--fp8-opt-level", "O2",
+           "--compare", "none,O1,O3", "--no-progress", "--log-interval", "50", "--log-json", str(log),
+           "--plot", str(out.with_suffix(".png"))]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    curves: dict[str, dict] = {}
+    summaries = []
+    with open(log) as f:
+        for line in f:
+            r = json.loads(line)
+            if "summary" in r:
+                summaries = r["summary"]
+                continue
+            c = curves.setdefault(r["level"], {"iteration": [], "loss": [], "val_iteration": [], "val_loss": []})
+            c["iteration"].append(r["iteration"])
+            c["loss"].append(r["loss"])
+            if "val_loss" in r:
+                c["val_iteration"].append(r["iteration"])
+                c["val_loss"].append(r["val_loss"])
+    for s in summaries:
+        s.pop("memory", None)
+    result = {"command": cmd[1:], "iters": a.iters, "summaries": summaries, "curves": curves}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Regenerate ``docs/results.md``: FP8-LM's claims beside what this repository measures.
+
+Every number in the report comes from a JSON file written by a script in ``benchmarks/`` (or, for the
+planner's predictions, from ``tools/memory_planner.py`` evaluated here). ``--run`` first (re)runs the
+benchmarks whose results are missing (``--rerun`` all of them); without it the report is built from the
+results on disk and names any that are missing::
+
+    python benchmarks/report.py --run          # run what is missing, then write docs/results.md
+    python benchmarks/report.py                # rebuild the report from benchmarks/results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+FIGURES = DOCS / "figures"
+sys.path.insert(0, str(ROOT))
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _torchrun(n: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", _port(), *args]
+
+
+# result file -> command producing it
+BENCHMARKS = {
+    "memory.json": [sys.executable, "benchmarks/memory.py"],
+    "comm_2.json": _torchrun(2, "benchmarks/comm.py"),
+    "comm_o3_4.json": _torchrun(4, "benchmarks/comm.py"),
+    "megatron_comm.json": [sys.executable, "benchmarks/megatron_comm.py"],
+    "loss_parity.json": [sys.executable, "benchmarks/loss_parity.py", "--iters", "1000"],
+    "planner_validation.json": [sys.executable, "benchmarks/planner_validation.py"],
+    "figure1.json": [sys.executable, "tools/memory_planner.py", "--figure1", "--output", "benchmarks/results/figure1"],
+}
+
+
+def run_missing(rerun: bool) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for name, cmd in BENCHMARKS.items():
+        if rerun or not (RESULTS / name).exists():
+            print(f"running {' '.join(cmd[1:])} -> {name}", flush=True)
+            subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+
+
+def _load(name: str):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _missing(name: str) -> str:
+    return f"_Not measured yet: run `{' '.join(BENCHMARKS[name][1:])}` (or `python benchmarks/report.py --run`)._\n"
+
+
+def _pct(new: float, old: float) -> str:
+    return f"{(new / old - 1) * 100:+.1f}%" if old else "n/a"
+
+
+def section_memory() -> str:
+    out = ["## Model-state memory per parameter\n",
+           "FP8-LM: BF16 mixed precision holds 16 bytes per parameter (BF16 weight and gradient, FP32 master weight "
+           "and Adam moments); its precision-decoupled optimizer keeps FP16 master weights, an FP8 first moment and "
+           "an FP16 second moment, with FP8 weights and gradients, and reports 39% less real memory than BF16 for "
+           "GPT-175B on H100 (O3, with its FP8 distributed optimizer).\n",
+           "Measured here (`benchmarks/memory.py`, `fp8.memory_report` at the peak of a step, bytes actually held):\n"]
+    mem = _load("memory.json")
+    if mem is None:
+        return "\n".join(out) + _missing("memory.json")
+    out.append("| variant | whole GPT | FP8 layers only |\n| --- | ---: | ---: |")
+    whole = {r["variant"]: r["bytes_per_param"]["total"] for r in mem["rows"] if r.get("model") == "GPT"}
+    layers = {r["variant"]: r["bytes_per_param"]["total"] for r in mem["rows"] if r.get("model") != "GPT"}
+    for variant in whole:
+        out.append(f"| {variant} | {whole[variant]:.2f} | {layers.get(variant, float('nan')):.2f} |")
+    params = next((r["params"] for r in mem["rows"]), 0)
+    out.append(f"\n({params:,}-parameter GPT; embeddings, norms and biases stay in high precision at every level, "
+               f"which is why the whole model sits above the FP8 layers.)\n")
+    dp = mem.get("data_parallel") or []
+    if dp:
+        out.append("O3 shards master weights and moments over data parallel (worst rank, bytes/parameter):\n")
+        out.append("| data-parallel ranks | variant | worst rank |\n| ---: | --- | ---: |")
+        for r in dp:
+            out.append(f"| {r['world_size']} | {r['variant']} | {r['max_rank']['total']:.2f} |")
+        out.append("")
+    parity = _load("loss_parity.json")
+    if parity:
+        out.append("The Megatron demo GPT (`benchmarks/loss_parity.py`, one rank; its vocabulary embedding is 65% of "
+                   "its 0.8M parameters, so the high-precision share is large):\n")
+        out.append("| level | model state bytes/parameter |\n| --- | ---: |")
+        for s in parity["summaries"]:
+            out.append(f"| {s['level']} | {s['model_state_bytes_per_param']:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def section_comm() -> str:
+    out = ["## Communication per training step\n",
+           "FP8-LM: FP8 gradients and collectives cut communication by 63-65% against BF16 (data parallel), "
+           "with automatic scaling of the FP8 all-reduce.\n"]
+    dp = _load("comm_2.json")
+    if dp is None:
+        out.append(_missing("comm_2.json"))
+    else:
+        out.append("Data parallel, bytes sent per rank and step (`benchmarks/comm.py`, "
+                   f"{dp['bytes']['torch DDP FP32']['elements'] / 1e6:.1f}M-parameter GPT):\n")
+        out.append("| ranks | torch DDP FP32 | torch DDP BF16 grads | fp8 DDP (O1/O2) | vs FP32 | vs BF16 | fp8 O3 |")
+        out.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name in ("comm_2.json", "comm_o3_4.json", "comm_4.json"):
+            d = _load(name)
+            if d is None or (name == "comm_4.json" and _load("comm_o3_4.json")):
+                continue
+            b = d["bytes"]
+            o3 = b.get("fp8 O3 (ours)", {}).get("bytes_per_step")
+            out.append(
+                f"| {d['world_size']} | {b['torch DDP FP32']['bytes_per_step'] / 1e6:.1f} MB | "
+                f"{b['torch DDP BF16 grads']['bytes_per_step'] / 1e6:.1f} MB | {b['fp8 DDP (ours)']['bytes_per_step'] / 1e6:.1f} MB | "
+                f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP FP32']['bytes_per_step'])} | "
+                f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP BF16 grads']['bytes_per_step'])} | "
+                + (f"{o3 / 1e6:.1f} MB |" if o3 else "- |"))
+        out.append("")
+    mc = _load("megatron_comm.json")
+    if mc is None:
+        out.append(_missing("megatron_comm.json"))
+    else:
+        out.append("Megatron GPT, bytes sent per iteration by all ranks together (`benchmarks/megatron_comm.py`; "
+                   "4 layers, hidden 256, seq 128, global batch 16; baseline in FP32 on CPU, so FP8 payloads are a "
+                   "quarter of it, and half of a BF16 baseline's):\n")
+        out.append("| layout | traffic | baseline | O1 | O2 | O3 | O2 vs baseline |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for layout, by_level in mc["results"].items():
+            groups = by_level["none"]["groups"].keys()
+            for g in list(groups) + ["total"]:
+                vals = [by_level[l]["total"] if g == "total" else by_level[l]["groups"][g] for l in ("none", "O1", "O2", "O3")]
+                if not any(vals):
+                    continue
+                out.append(f"| {layout} | {g} | " + " | ".join(f"{v / 2**20:.2f} MiB" for v in vals)
+                           + f" | {_pct(vals[2], vals[0]) if vals[0] else 'n/a'} |")
+        out.append("\nSequence-parallel all-gathers/reduce-scatters and pipeline messages move 1-byte values (plus one "
+                   "4-byte scale per pipeline message); the tied-embedding gradient all-reduce between the first and "
+                   "last pipeline stage stays in high precision; O3 adds the all-gather of updated weights (FP8 payloads "
+                   "for FP8 weights, high precision for the embedding) in exchange for sharded optimizer state.\n")
+    return "\n".join(out)
+
+
+def section_loss() -> str:
+    out = ["## Loss parity on the demo GPT\n",
+           "FP8-LM: FP8 training matches BF16 loss curves without changing hyper-parameters.\n"]
+    parity = _load("loss_parity.json")
+    if parity is None:
+        return "\n".join(out) + _missing("loss_parity.json")
+    out.append(f"`benchmarks/loss_parity.py`: megatron-core GPT (4 layers, hidden 128) on Shakespeare, "
+               f"{parity['iters']} iterations of 16 x 128 tokens, same seed and data per level, CPU (baseline FP32):\n")
+    base = next(s for s in parity["summaries"] if s["level"] == "none")
+    out.append("| level | final train loss (last 10 it.) | final val loss | vs baseline | skipped steps |")
+    out.append("| --- | ---: | ---: | ---: | ---: |")
+    for s in parity["summaries"]:
+        out.append(f"| {s['level']} | {s['final_train_loss']:.4f} | {s['final_val_loss']:.4f} | "
+                   f"{_pct(s['final_val_loss'], base['final_val_loss'])} | {s['skipped_steps']} |")
+    png = RESULTS / "loss_parity.png"
+    if png.exists():
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, FIGURES / "loss_parity.png")
+        out.append("\n![loss curves](figures/loss_parity.png)\n")
+    return "\n".join(out)
+
+
+def section_planner() -> str:
+    from tools.memory_planner import plan_memory
+
+    out = ["## Planned memory for GPT-3 7B, 13B and 175B (FP8-LM's layouts)\n",
+           "`tools/memory_planner.py`, per GPU (worst rank), BF16 activations, sequence length 2048, micro-batch 1, "
+           "sequence parallelism where TP > 1, full recomputation for 175B:\n"]
+    models = {
+        "7B": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, tensor_model_parallel_size=1,
+                   pipeline_model_parallel_size=1, data_parallel_size=32),
+        "13B": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, tensor_model_parallel_size=2,
+                    pipeline_model_parallel_size=1, data_parallel_size=16),
+        "175B": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, tensor_model_parallel_size=8,
+                     pipeline_model_parallel_size=4, data_parallel_size=8, recompute_granularity="full"),
+    }
+    levels = ("none", "O1", "O2", "O3")
+    out.append("| model | layout | " + " | ".join(f"{l} (GiB)" for l in levels) + " | O3 vs none |")
+    out.append("| --- | --- |" + " ---: |" * (len(levels) + 1))
+    for name, kw in models.items():
+        totals = []
+        for level in levels:
+            cfg = _planner_config(kw, level)
+            totals.append(plan_memory(cfg)["total_gib"])
+        layout = f"TP{kw['tensor_model_parallel_size']} PP{kw['pipeline_model_parallel_size']} DP{kw['data_parallel_size']}"
+        out.append(f"| {name} | {layout} | " + " | ".join(f"{t:.1f}" for t in totals) + f" | {_pct(totals[3], totals[0])} |")
+    out.append("")
+    fig = _load("figure1.json")
+    if fig is None:
+        out.append(_missing("figure1.json"))
+    else:
+        md = RESULTS / "figure1.md"
+        out.append("FP8-LM's Figure 1 question, the largest GPT that fits N x 80 GB GPUs "
+                   "(`tools/memory_planner.py --figure1`):\n")
+        if md.exists():
+            out.append(md.read_text())
+        png = RESULTS / "figure1.png"
+        if png.exists():
+            FIGURES.mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, FIGURES / "figure1.png")
+            out.append("![largest GPT per GPU count](figures/figure1.png)\n")
+    val = _load("planner_validation.json")
+    if val is None:
+        out.append(_missing("planner_validation.json"))
+    else:
+        s = val["summary"]
+        out.append("The planner against memory measured here (`benchmarks/planner_validation.py`: "
+                   "`fp8.memory_report` and saved-activation bytes of small models, several layouts and levels): "
+                   + ", ".join(f"{k.replace('_', ' ')} {v:.4%}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items())
+                   + ".\n")
+    return "\n".join(out)
+
+
+def _planner_config(kw: dict, level: str):
+    from tools.memory_planner import PlannerConfig
+
+    return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1,
+                         sequence_parallel=kw["tensor_model_parallel_size"] > 1, fp8_opt_level=level, bf16=True, **kw)
+
+
+def section_gpu() -> str:
+    out = ["## GPU speed\n", "FP8-LM: GPT-175B trains 75% faster than BF16 (Megatron-LM) on H100.\n"]
+    full = _load("gpu_step.json")
+    if full is None:
+        out.append("No GPU was lent to the sessions that produced this report: `benchmarks/gpu_step.py` has only run "
+                   "in its CPU smoke mode (`benchmarks/results/gpu_step_smoke.json`), which checks the code paths, not "
+                   "speed. See [gpu.md](gpu.md).\n")
+    else:
+        out.append("```\n" + json.dumps(full.get("summary", full), indent=1)[:4000] + "\n```\n")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", action="store_true", help="run the benchmarks whose results are missing first")
+    p.add_argument("--rerun", action="store_true", help="run every benchmark first")
+    p.add_argument("--out", default=str(DOCS / "results.md"))
+    a = p.parse_args()
+    if a.run or a.rerun:
+        run_missing(a.rerun)
+    parts = [
+        "# Results: FP8-LM's claims beside ours\n",
+        "Generated by `python benchmarks/report.py` from the JSON written by the scripts in `benchmarks/`; do not "
+        "edit by hand. Measured on a 2-core CPU machine (torch 2.13.0 CPU, gloo): memory and bytes on the wire do "
+        "not depend on the device; times measured on CPU say nothing about GPUs.\n",
+        section_memory(), section_comm(), section_loss(), section_planner(), section_gpu(),
+    ]
+    Path(a.out).write_text("\n".join(parts))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
