@@ -32,6 +32,7 @@ def _validate(flags, world=1):
     (["--tensor-model-parallel-size", "2"], 3, "launch a multiple of 2 processes"),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "multiple of micro batch"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2, "divisible by TP"),
+    (["--fp8-opt-level", "O3", "--pipeline-model-parallel-size", "2"], 4, "--untie-embeddings-and-output-weights"),
 ])
 def test_bad_configurations_name_the_fix(flags, world, fix):
     with pytest.raises(ConfigurationError, match=fix):

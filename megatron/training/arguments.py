@@ -220,7 +220,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
     else:
         args.compare_levels = []
-    if args.fp8_opt_level == "O3" and dp == 1:
-        pass  # O3 with one data-parallel rank is O2 (documented); allowed.
+    if args.fp8_opt_level == "O3" and pp > 1 and dp > 1 and not args.untie_embeddings_and_output_weights:
+        raise ConfigurationError(
+            "--fp8-opt-level O3 with pipeline and data parallelism shards the two copies of tied embeddings to "
+            "different owners, so their gradients cannot be summed: add --untie-embeddings-and-output-weights"
+        )
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args
