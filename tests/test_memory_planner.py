@@ -1,0 +1,198 @@
+"""tools/memory_planner.py: parameter counts, model-state bytes against fp8.memory_report, activations
+against the bytes autograd saves, monotonicity across levels and layouts, errors, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import planner_validation as pv
+from examples.tiny_gpt import GPTConfig, TinyGPT
+from tools.memory_planner import CATEGORIES, PlannerConfig, largest_model, plan_memory, whole_tensor_partition
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpt(**kw) -> PlannerConfig:
+    base = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048, vocab_size=50257, bf16=True)
+    return PlannerConfig(**{**base, **kw})
+
+
+def analytic_params(L: int, h: int, V: int, s: int, untied: bool = False) -> int:
+    """Megatron GPT with LayerNorm, biases, learned positions: 12 L h^2 + 13 L h + (V + s) h + 2 h (+ V h)."""
+    return 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h + (V * h if untied else 0)
+
+
+@pytest.mark.parametrize("L,h,heads,expected_billions", [(12, 768, 12, 0.125), (32, 4096, 32, 6.7),
+                                                           (40, 5120, 40, 12.9), (96, 12288, 96, 174.6)])
+def test_gpt3_parameter_counts_match_the_analytic_formula(L, h, heads, expected_billions):
+    plan = plan_memory(gpt(num_layers=L, hidden_size=h, num_attention_heads=heads))
+    assert plan["params_total"] == analytic_params(L, h, 50304, 2048)  # 50257 padded to a multiple of 128
+    assert plan["params_total"] / 1e9 == pytest.approx(expected_billions, rel=0.01)
+
+
+def test_params_per_gpu_split_over_tensor_and_pipeline_parallel():
+    L, h, V, s = 96, 12288, 51200, 2048  # TP 8: the vocabulary is padded to a multiple of 128 x 8
+    plan = plan_memory(gpt(num_layers=L, hidden_size=h, num_attention_heads=96, tensor_model_parallel_size=8,
+                           pipeline_model_parallel_size=4, data_parallel_size=2))
+    layer_tp = (12 * h * h + 7 * h) // 8 + 6 * h  # split weights/column biases; proj/fc2 biases and norms replicated
+    first = 24 * layer_tp + V // 8 * h + s * h
+    last = 24 * layer_tp + 2 * h + V // 8 * h  # final norm + Megatron's copy of the tied embedding
+    assert [st["params"] for st in plan["stages"]] == [first, 24 * layer_tp, 24 * layer_tp, last]
+    assert plan["params_per_gpu"] == max(first, last)
+    assert plan["params_total"] == analytic_params(L, h, V, s)
+
+
+@pytest.mark.parametrize("swiglu,norm", [(False, "LayerNorm"), (True, "RMSNorm")])
+def test_params_match_a_real_model(swiglu, norm):
+    """A TinyGPT (LayerNorm, GELU) counted exactly; SwiGLU/RMSNorm/rope/untied against the formula."""
+    model = TinyGPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=3, d_model=96, n_head=4))
+    cfg = PlannerConfig(num_layers=3, hidden_size=96, num_attention_heads=4, seq_length=64, vocab_size=256,
+                        untie_embeddings_and_output_weights=True, swiglu=swiglu, normalization=norm,
+                        position_embedding_type="rope" if swiglu else "learned_absolute")
+    plan = plan_memory(cfg)
+    if not swiglu:
+        assert plan["params_total"] == plan["params_per_gpu"] == sum(p.numel() for p in model.parameters())
+    else:
+        h, f, L, V = 96, 384, 3, 256
+        per_layer = h + 3 * h * h + 3 * h + h * h + h + h + 2 * f * h + 2 * f + f * h + h
+        assert plan["params_total"] == L * per_layer + V * h + h + V * h
+
+
+def test_grouped_query_attention_shrinks_qkv():
+    h, heads, groups, L = 1024, 16, 4, 2
+    full = plan_memory(gpt(num_layers=L, hidden_size=h, num_attention_heads=heads, tensor_model_parallel_size=2))
+    gqa = plan_memory(gpt(num_layers=L, hidden_size=h, num_attention_heads=heads, num_query_groups=groups,
+                          tensor_model_parallel_size=2))
+    kv_saved = 2 * (heads - groups) * (h // heads)  # fewer k and v rows (and bias entries) per layer
+    assert full["params_total"] - gqa["params_total"] == L * kv_saved * (h + 1)
+    assert gqa["bytes"]["activations"] < full["bytes"]["activations"]
+    with pytest.raises(ValueError, match="--num-query-groups 3"):
+        gpt(num_query_groups=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_case():
+    return pv.small_cases()[0]
+
+
+@pytest.mark.parametrize("level", ["none", "none-bf16", "O1", "O2"])
+def test_model_state_bytes_match_memory_report(tiny_case, level):
+    rows = pv.validate_case(tiny_case, levels=(level,))
+    state = [r for r in rows if not r["what"].startswith("activations")]
+    assert {r["what"] for r in state} == {*pv.STATE_KEYS, "model state"}
+    for row in state:
+        assert row["planned"] == pytest.approx(row["measured"], rel=0.01, abs=64), row
+    for row in rows:
+        if row["what"].startswith("activations"):
+            assert row["planned"] == pytest.approx(row["measured"], rel=0.02), row
+
+
+def test_o3_model_state_matches_two_gloo_ranks():
+    rows = pv.validate_o3(0, 2, factory="benchmarks.planner_validation:small_cases")
+    assert len(rows) == len(pv.STATE_KEYS) + 1
+    for row in rows:
+        assert row["planned"] == pytest.approx(row["measured"], rel=0.01, abs=64), row
+
+
+def test_o3_partition_is_the_engines(seed):
+    from fp8.optim.partition import partition_by_size
+
+    gen = torch.Generator().manual_seed(seed)
+    for world in (2, 3, 8):
+        sizes = torch.randint(1, 5000, (60,), generator=gen).tolist() + [4096] * 6
+        owners, loads = whole_tensor_partition(sizes, world)
+        ref = partition_by_size(sizes, world)
+        assert owners == list(ref.owners) and loads == ref.loads()
+
+
+def _state(plan: dict) -> int:
+    return sum(plan["bytes"][c] for c in CATEGORIES[:5])
+
+
+def test_levels_shrink_model_state_and_o3_shrinks_with_dp():
+    plans = {level: plan_memory(gpt(fp8_opt_level=level, data_parallel_size=8)) for level in ("none", "O1", "O2", "O3")}
+    assert _state(plans["O3"]) < _state(plans["O2"]) < _state(plans["O1"]) < _state(plans["none"])
+    assert plans["O2"]["total_bytes"] < plans["none"]["total_bytes"]
+    assert plans["none"]["model_state_bytes_per_param"] == pytest.approx(16.0, abs=0.01)
+    assert plans["O2"]["model_state_bytes_per_param"] == pytest.approx(7.0, abs=0.2)
+    o3 = [_state(plan_memory(gpt(fp8_opt_level="O3", data_parallel_size=dp))) for dp in (1, 2, 4, 8, 16)]
+    assert o3 == sorted(o3, reverse=True) and len(set(o3)) == 5
+    assert o3[0] == _state(plans["O2"])  # one rank: O3 is O2
+
+
+def test_sequence_parallel_recompute_and_pipeline_shape_activations():
+    tp2 = gpt(tensor_model_parallel_size=2, fp8_opt_level="O2")
+    act = lambda cfg: plan_memory(cfg)["bytes"]["activations"]  # noqa: E731
+    assert act(replace(tp2, sequence_parallel=True)) < act(tp2) < act(replace(tp2, tensor_model_parallel_size=1))
+    assert act(replace(tp2, recompute_granularity="full")) < act(tp2) / 4
+    assert act(replace(tp2, micro_batch_size=2)) == pytest.approx(2 * act(tp2), rel=1e-6)
+    assert act(gpt(fp8_opt_level="O2")) < act(gpt())  # FP8 linears save E4M3 inputs
+    pp = plan_memory(gpt(pipeline_model_parallel_size=4, fp8_opt_level="O2"))
+    stage_act = [s["bytes"]["activations"] for s in pp["stages"]]
+    assert stage_act[0] > stage_act[1] > stage_act[2]  # 1F1B: 4, 3, 2 micro-batches in flight
+    few = plan_memory(gpt(pipeline_model_parallel_size=4, fp8_opt_level="O2", global_batch_size=2))
+    assert few["stages"][0]["bytes"]["activations"] < stage_act[0]  # only 2 micro-batches per step
+    vpp = plan_memory(gpt(pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=2, fp8_opt_level="O2"))
+    assert vpp["stages"][0]["bytes"]["activations"] > stage_act[0]  # interleaving holds more on stage 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_attention_heads=32, tensor_model_parallel_size=3), "--tensor-model-parallel-size 3"),
+    (dict(num_layers=30, pipeline_model_parallel_size=4), "--pipeline-model-parallel-size 4"),
+    (dict(hidden_size=4000, num_attention_heads=48), "--num-attention-heads 48"),
+    (dict(hidden_size=1000, num_attention_heads=8, fp8_opt_level="O2"), "multiples of 16"),
+    (dict(fp8_opt_level="O4"), "none|O1|O2|O3"),
+    (dict(global_batch_size=100, data_parallel_size=8), "--global-batch-size"),
+    (dict(num_layers_per_virtual_pipeline_stage=2), "--pipeline-model-parallel-size > 1"),
+    (dict(seq_length=4096, max_position_embeddings=2048), "--max-position-embeddings"),
+    (dict(use_distributed_optimizer=True, fp8_opt_level="O2"), "O3"),
+    (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size"),
+])
+def test_bad_configurations_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("|", r"\|").replace("+", r"\+")):
+        gpt(**kwargs)
+
+
+def test_from_args_takes_pretrain_gpt_namespace(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    ns = argparse.Namespace(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000,
+                            ffn_hidden_size=None, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                            recompute_activations=True, fp8_opt_level="O3", bf16=True, data_parallel_size=None,
+                            lr=1e-4, dry_run=True)
+    cfg = PlannerConfig.from_args(ns)
+    assert (cfg.data_parallel_size, cfg.recompute_granularity, cfg.ffn_hidden_size, cfg.padded_vocab_size) == (4, "full", 1024, 1024)
+    assert PlannerConfig.from_args(ns, data_parallel_size=2).data_parallel_size == 2
+    with pytest.raises(ValueError, match="--vocab-size or --tokenizer-model"):
+        PlannerConfig.from_args(argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16))
+
+
+def test_cli_json_and_errors():
+    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
+             "--vocab-size", "1000", "--fp8-opt-level", "O2", "--bf16", "--data-parallel-size", "2", "--lr", "1e-4"]
+    out = subprocess.run([sys.executable, "tools/memory_planner.py", *flags, "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    plan = json.loads(out.stdout)
+    assert set(plan["bytes"]) == set(CATEGORIES)
+    assert plan["params_per_gpu"] == plan_memory(replace(gpt(num_layers=4, hidden_size=256, num_attention_heads=8,
+                                                             seq_length=128, vocab_size=1000, fp8_opt_level="O2",
+                                                             data_parallel_size=2)))["params_per_gpu"]
+    bad = subprocess.run([sys.executable, "tools/memory_planner.py", *flags, "--tensor-model-parallel-size", "3"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--tensor-model-parallel-size 3" in bad.stderr
+
+
+def test_figure1_fp8_fits_larger_models(tmp_path):
+    sizes = {level: largest_model(8, level)[1]["params_total"] for level in ("none", "O2")}
+    assert sizes["O2"] > 1.8 * sizes["none"]
+    out = subprocess.run([sys.executable, "tools/memory_planner.py", "--figure1", "--gpus", "8",
+                          "--output", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "| 8 |" in out.stdout
+    assert (tmp_path / "fig.png").stat().st_size > 0 and json.loads((tmp_path / "fig.json").read_text())
