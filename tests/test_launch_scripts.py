@@ -78,7 +78,6 @@ def test_plan_only_uses_the_paper_layouts(model, level):
 DRY_RUNS = [(model, "O2") for model in MODELS] + [("7B", level) for level in ("none", "O1", "O3")]
 
 
-@pytest.mark.skipif(not (ROOT / "pretrain_gpt.py").exists(), reason="pretrain_gpt.py not in the repository root yet")
 @pytest.mark.parametrize("model,level", DRY_RUNS)
 def test_dry_run_reports_the_planned_parameters_per_rank(model, level):
     """Each script's exact arguments through pretrain_gpt.py --dry-run (every script at its default level,

@@ -34,6 +34,7 @@ TWO = [
     {"name": "pp2", "pp": 2, "levels": ["none", "O2"]},
     {"name": "pp2vp", "pp": 2, "vp": 1, "levels": ["none", "O2"]},
     {"name": "dp2", "levels": ["none", "O2"]},
+    {"name": "dp2zero", "distopt": True, "levels": ["none"]},
 ]
 FOUR = [
     {"name": "tp2pp2sp", "tp": 2, "pp": 2, "sp": True, "levels": ["none", "O2"]},

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--adam-beta2", type=float, default=0.95)
     b.add_argument("--adam-eps", type=float, default=1e-8)
     b.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    b.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="baseline (--fp8-opt-level none): shard FP32 Adam states over data parallel (ZeRO-1); "
+                        "the FP8 equivalent is --fp8-opt-level O3")
     t = p.add_argument_group("training")
     t.add_argument("--train-iters", type=int, default=300)
     t.add_argument("--eval-interval", type=int, default=100)
@@ -220,9 +223,15 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
     else:
         args.compare_levels = []
-    if args.fp8_opt_level == "O3" and pp > 1 and dp > 1 and not args.untie_embeddings_and_output_weights:
+    if args.use_distributed_optimizer and args.fp8_opt_level in ("O1", "O2"):
         raise ConfigurationError(
-            "--fp8-opt-level O3 with pipeline and data parallelism shards the two copies of tied embeddings to "
+            f"--use-distributed-optimizer shards the baseline's optimizer; for FP8 use --fp8-opt-level O3 (the FP8 "
+            f"distributed optimizer) instead of {args.fp8_opt_level} with it"
+        )
+    if (args.fp8_opt_level == "O3" or args.use_distributed_optimizer) and pp > 1 and dp > 1 and not args.untie_embeddings_and_output_weights:
+        raise ConfigurationError(
+            "a sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism shards the two "
+            "copies of tied embeddings to "
             "different owners, so their gradients cannot be summed: add --untie-embeddings-and-output-weights"
         )
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters

@@ -1,6 +1,7 @@
 """The optimizer of each opt level for a megatron-core model built with fp8lm's layers.
 
-- ``none``: ``torch.optim.AdamW`` (or SGD) on the high-precision parameters (the baseline).
+- ``none``: ``torch.optim.AdamW`` (or SGD) on the high-precision parameters (the baseline); with
+  ``--use-distributed-optimizer``, its FP32 states sharded over data parallel by whole tensors (ZeRO-1).
 - ``O1``: the same optimizer stepping FP32 master weights of the FP8 weights
   (:class:`fp8.optim.MasterWeightOptimizer`), which refreshes the FP8 copies after each step.
 - ``O2``: :mod:`fp8.optim`'s AdamW/SGD: FP8 first moment, FP16 second moment, FP16 master weights
@@ -60,6 +61,13 @@ def build_optimizer(
     base = _torch_optimizer(args, groups)
     scaling_module = nn.ModuleList(chunks)
     if level == "none":
+        if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
+            # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
+            optimizer = convert_to_sharded(base, {}, "O1", {}, dp_group)
+            for chunk in chunks:
+                register_sharded_optimizer(chunk, optimizer)
+            optimizer.scaling_module = None
+            return optimizer
         return base
     if level == "O1":
         return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)

@@ -201,7 +201,8 @@ class _Run:
         self.embd_group = parallel_state.get_embedding_group(check_initialized=False)
         self.tied = not args.untie_embeddings_and_output_weights
         norm_group = parallel_state.get_model_parallel_group()
-        self.norm_group = dist.group.WORLD if args.fp8_opt_level == "O3" and self.dp_size > 1 else norm_group
+        sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
+        self.norm_group = dist.group.WORLD if sharded and self.dp_size > 1 else norm_group
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
@@ -286,7 +287,7 @@ class _Run:
         return self._average_loss(losses)
 
     def mu(self) -> float | None:
-        if self.dp_size > 1 and hasattr(self.chunks[0], "grad_scaling"):
+        if self.dp_size > 1 and self.args.fp8_opt_level != "none" and hasattr(self.chunks[0], "grad_scaling"):
             return float(self.chunks[0].grad_scaling.mu)
         return None
 
