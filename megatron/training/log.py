@@ -36,7 +36,7 @@ def format_summary(summaries: list[dict]) -> str:
             f"{s['tokens_per_s']:>9.0f} {s['model_state_bytes_per_param']:>13.2f} {_fmt_bytes(comm):>10} "
             f"{s['skipped_steps']:>7}"
         )
-    tags = sorted({t for s in summaries for t in s["comm_bytes_per_iteration"]})
+    tags = sorted({t for s in summaries for t, b in s["comm_bytes_per_iteration"].items() if b > 0})
     if tags:
         lines.append("bytes sent per iteration by this rank, by what travelled:")
         for tag in tags:
