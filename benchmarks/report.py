@@ -97,8 +97,9 @@ def section_memory() -> str:
         out.append("")
     parity = _load("loss_parity.json")
     if parity:
-        out.append("The Megatron demo GPT (`benchmarks/loss_parity.py`, worst data-parallel rank; its vocabulary "
-                   "embedding and position embeddings are over a third of its parameters and stay in high precision):\n")
+        params = parity["summaries"][0].get("params_on_rank", 0)
+        out.append(f"The Megatron demo GPT (`benchmarks/loss_parity.py`, {params:,} parameters, data-parallel rank 0; "
+                   f"its embeddings, norms and biases stay in high precision):\n")
         out.append("| level | model state bytes/parameter |\n| --- | ---: |")
         for s in parity["summaries"]:
             out.append(f"| {s['level']} | {s['model_state_bytes_per_param']:.2f} |")
