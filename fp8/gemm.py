@@ -17,7 +17,7 @@ import torch
 from .formats import E5M2
 from .tensor import Float8Tensor
 
-__all__ = ["fp8_mm", "scaled_mm_supported", "scaled_mm_problem", "GEMM_BACKENDS"]
+__all__ = ["fp8_mm", "fp8_mm_payload", "scaled_mm_supported", "scaled_mm_problem", "GEMM_BACKENDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +58,51 @@ def _col_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
-def _emulated_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    lhs = a.payload.to(torch.float32) * a.scale.reciprocal()
-    rhs = b.payload.to(torch.float32) * b.scale.reciprocal()
+def _emulated_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    lhs = a.to(torch.float32) * a_scale.reciprocal()
+    rhs = b.to(torch.float32) * b_scale.reciprocal()
     return torch.mm(lhs, rhs).to(out_dtype)
 
 
-def _hardware_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    lhs, rhs = a.payload, b.payload
-    if not _row_major(lhs):
-        lhs = lhs.contiguous()
-    if not _col_major(rhs):
-        rhs = rhs.t().contiguous().t()
-    return torch._scaled_mm(
-        lhs, rhs, scale_a=a.scale.reciprocal(), scale_b=b.scale.reciprocal(), out_dtype=out_dtype
-    )
+def _hardware_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    lhs = a if _row_major(a) else a.contiguous()
+    rhs = b if _col_major(b) else b.t().contiguous().t()
+    return torch._scaled_mm(lhs, rhs, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+
+
+def fp8_mm_payload(
+    a_payload: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_payload: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`fp8_mm` on plain FP8 payloads (``torch.float8_*`` tensors, ``a_payload`` M x K and
+    ``b_payload`` K x N) and their 0-d fp32 scales (value = payload / scale): same rules, same
+    fallback, same errors, same bits. Taking plain tensors (no :class:`Float8Tensor` built or
+    unwrapped) keeps callers free of graph breaks under ``torch.compile``; the FP8 linear calls it
+    inside its autograd function."""
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if a_payload.dim() != 2 or b_payload.dim() != 2 or a_payload.shape[1] != b_payload.shape[0]:
+        raise ValueError(f"fp8_mm: cannot multiply {tuple(a_payload.shape)} by {tuple(b_payload.shape)}")
+    if backend == "emulated":
+        return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
+    problem = scaled_mm_problem(a_payload, b_payload)
+    if problem is None and not scaled_mm_supported(a_payload.device):
+        problem = (
+            f"torch._scaled_mm has no FP8 support on {a_payload.device} (needs a CPU or a CUDA GPU of compute "
+            f"capability >= 8.9, e.g. H100/H200/L40/RTX 4090); use gemm_backend='emulated'"
+        )
+    if problem is None:
+        return _hardware_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
+    if backend == "scaled_mm":
+        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
+    _log_fallback(problem)
+    return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
 
 
 def fp8_mm(
@@ -81,28 +111,14 @@ def fp8_mm(
     """``a @ b`` for FP8 operands ``a`` (M x K) and ``b`` (K x N), accumulated in fp32, in ``out_dtype``.
 
     ``backend="scaled_mm"`` raises a ``ValueError`` naming the fix when the hardware path cannot
-    run; ``"auto"`` falls back to the emulated path then (logged once per reason).
+    run; ``"auto"`` falls back to the emulated path then (logged once per reason). The work is
+    :func:`fp8_mm_payload`'s, on the operands' payloads and scales.
     """
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
         raise TypeError("fp8_mm takes two Float8Tensor operands; quantize with fp8.to_float8 first")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_mm: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
-    if backend == "emulated":
-        return _emulated_mm(a, b, out_dtype)
-    problem = scaled_mm_problem(a.payload, b.payload)
-    if problem is None and not scaled_mm_supported(a.device):
-        problem = (
-            f"torch._scaled_mm has no FP8 support on {a.device} (needs a CPU or a CUDA GPU of compute "
-            f"capability >= 8.9, e.g. H100/H200/L40/RTX 4090); use gemm_backend='emulated'"
-        )
-    if problem is None:
-        return _hardware_mm(a, b, out_dtype)
-    if backend == "scaled_mm":
-        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
-    _log_fallback(problem)
-    return _emulated_mm(a, b, out_dtype)
+    return fp8_mm_payload(a.payload, a.scale, b.payload, b.scale, out_dtype, backend)
 
 
 _LOGGED_FALLBACKS: set[str] = set()

@@ -18,7 +18,7 @@ from torch import nn
 
 from .cast import quantize
 from .formats import get_format
-from .gemm import GEMM_BACKENDS, _log_fallback, scaled_mm_problem, scaled_mm_supported
+from .gemm import GEMM_BACKENDS, fp8_mm_payload
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
 
@@ -74,28 +74,6 @@ def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
     return None
 
 
-def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
-        backend: str) -> torch.Tensor:
-    """:func:`fp8.gemm.fp8_mm` on plain FP8 payloads and their scales: same rules, same bits. Plain
-    tensors (no ``Float8Tensor`` built inside the autograd function) keep the linear free of graph
-    breaks under ``torch.compile``."""
-    if backend != "emulated":
-        problem = scaled_mm_problem(a, b)
-        if problem is None and not scaled_mm_supported(a.device):
-            problem = f"torch._scaled_mm has no FP8 support on {a.device}; use gemm_backend='emulated'"
-        if problem is None:
-            lhs = a if a.stride(1) == 1 and a.stride(0) == a.shape[1] else a.contiguous()
-            rhs = b if b.stride(0) == 1 and b.stride(1) == b.shape[0] else b.t().contiguous().t()
-            return torch._scaled_mm(lhs, rhs, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
-                                    out_dtype=out_dtype)
-        if backend == "scaled_mm":
-            raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
-        _log_fallback(problem)
-    lhs = a.to(torch.float32) * a_scale.reciprocal()
-    rhs = b.to(torch.float32) * b_scale.reciprocal()
-    return torch.mm(lhs, rhs).to(out_dtype)
-
-
 class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record):
@@ -106,7 +84,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         x_scale = input_state.scale_for(x2d, record=record)
         x_data = quantize(x2d, x_scale, input_state.format)
         w_data, w_scale = weight.payload, weight.scale
-        out = _mm(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_backend)
+        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
@@ -126,10 +104,10 @@ class _Float8LinearFunction(torch.autograd.Function):
         g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _mm(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
+            grad_x = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
             grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w32 = _mm(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
+            grad_w32 = fp8_mm_payload(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
             grad_w = to_float8(grad_w32, config.weight_grad_fmt, dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)

@@ -13,6 +13,8 @@ in-place write to a partial view (a slice, a row) keeps the scale it shares with
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -57,6 +59,11 @@ class Float8Tensor(torch.Tensor):
     _data: torch.Tensor
     _scale: torch.Tensor
     _shares_scale: bool = False  # a view: its scale object is shared with the tensor it views
+
+    accumulate_backend: str = "auto"
+    """Kernel backend of ``acc += new`` / ``acc.add_(new)`` into a whole FP8 tensor (gradient
+    accumulation, :func:`fp8.kernels.accumulate_fp8_grad`): ``"auto"`` runs the Triton kernel for CUDA
+    tensors and the torch reference elsewhere; tests set ``"triton"`` under ``TRITON_INTERPRET=1``."""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -113,6 +120,18 @@ class Float8Tensor(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return Float8Tensor(inner["_data"], inner["_scale"], meta["dtype"])
 
+    def _stable_hash_for_caching(self) -> str:
+        """A hash of this tensor's metadata for torch.compile's AOT autograd cache (torch's protocol for
+        traceable wrapper subclasses; see ``torch._functorch._aot_autograd.autograd_cache``): class,
+        outer shape/stride/dtype/device/requires_grad and the payload's and scale's metadata. Never the
+        values, and stable across processes (no Python ``hash``)."""
+
+        def meta(t: torch.Tensor) -> tuple:
+            return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device.type)
+
+        key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale))
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -134,6 +153,10 @@ class Float8Tensor(torch.Tensor):
         if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
             _assign(args[0], args[1])
             return args[0]
+        if func is aten.add_.Tensor and _accumulates(args, kwargs):
+            from .kernels.grad_accumulate import accumulate_fp8_grad  # imports fp8.tensor: imported here
+
+            return accumulate_fp8_grad(args[0], args[1], backend=Float8Tensor.accumulate_backend)
 
         def unwrap(t):
             return t.dequantize() if isinstance(t, Float8Tensor) else t
@@ -160,6 +183,31 @@ class Float8Tensor(torch.Tensor):
 def _as_list(x) -> list:
     """The tensors in ``x`` (a tensor or a list/tuple of tensors)."""
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+_ADDEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A real tensor with storage (not a fake or functional tensor met while ``torch.compile`` traces)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _accumulates(args, kwargs) -> bool:
+    """Whether ``aten.add_.Tensor(*args, **kwargs)`` is a gradient accumulation the fused path takes:
+    a whole, contiguous FP8 target, an addend of the same shape (a Float8Tensor or a floating-point
+    tensor), alpha 1, real tensors. Everything else takes the generic in-place path (same semantics)."""
+    if len(args) != 2 or kwargs.get("alpha", 1) != 1:
+        return False
+    acc, new = args
+    if not isinstance(acc, Float8Tensor) or not isinstance(new, torch.Tensor) or new.shape != acc.shape:
+        return False
+    if acc._shares_scale and acc._data.numel() != acc._data.untyped_storage().nbytes():
+        return False  # a partial view keeps the scale it shares: the generic path handles it
+    if not _plain(acc._data) or not acc._data.is_contiguous():
+        return False
+    inner = new._data if isinstance(new, Float8Tensor) else new
+    return _plain(inner) and inner.dtype in _ADDEND_DTYPES and inner.device == acc._data.device
 
 
 def _is_inplace(func) -> bool:

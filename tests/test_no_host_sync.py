@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8
+from tests.spawn import CachedLaunch
 
 aten = torch.ops.aten
 SYNC_OPS = {
@@ -141,3 +142,131 @@ def test_linear_and_optimizer_compile_without_graph_breaks(gen):
         b = b.dequantize() if isinstance(b, fp8.Float8Tensor) else b
         # Inductor may fuse fp32 math differently: one rounding step of E4M3 at most on the weights.
         assert torch.allclose(a.float(), b.float(), rtol=2**-3, atol=1e-6), name
+
+
+def _o1_run(make_optimizer, data, skip_index=None, detect_from=1):
+    """O1 training over ``data`` (the step ``skip_index`` with a NaN gradient), steps from ``detect_from``
+    on under the detector; returns (model, optimizer, detector hits)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 32))
+    model, optimizer = fp8.initialize(model, make_optimizer(model.parameters()), "O1")
+    hits = []
+    for i, (x, y) in enumerate(data):
+        detector = HostSyncDetector() if i >= detect_from else None
+        if detector is not None:
+            detector.__enter__()
+        try:
+            (model(x) - y).pow(2).mean().backward()
+            if i == skip_index:
+                model[2].weight.grad[0] = float("nan")
+            fp8.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        finally:
+            if detector is not None:
+                detector.__exit__(None, None, None)
+                hits += detector.hits
+    return model, optimizer, hits
+
+
+def _same_training_state(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        x = x.payload.view(torch.uint8) if isinstance(x, fp8.Float8Tensor) else x
+        y = y.payload.view(torch.uint8) if isinstance(y, fp8.Float8Tensor) else y
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("kind", ["fused-AdamW", "SGD-momentum"])
+def test_o1_steps_do_not_sync_and_skip_on_device(gen, kind):
+    """O1 (torch.optim on high-precision masters): a fused torch optimizer skips through its ``found_inf``
+    input (first step included); another optimizer whose states live on the parameters' device is stepped
+    and masked back. Five steps, one with a NaN gradient, under the detector: no sync; the skipped step
+    counts once and leaves exactly the state of a run that never took that step (bit for bit)."""
+    make = {"fused-AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
+            "SGD-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.1)}[kind]
+    data = [(torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)) for _ in range(6)]
+    # torch creates SGD's momentum lazily on the first step: that step is decided on the host (documented).
+    detect_from = 0 if kind == "fused-AdamW" else 1
+    model, optimizer, hits = _o1_run(make, data, skip_index=3, detect_from=detect_from)
+    assert not hits, "host syncs in the O1 step:\n" + "\n".join(hits[:3])
+    assert optimizer.skipped_steps == 1 and int(optimizer.skipped_steps_counter) == 1
+    reference, ref_optimizer, _ = _o1_run(make, data[:3] + data[4:], detect_from=len(data))
+    _same_training_state(model, reference)
+    for a, b in zip(optimizer.master_weights, ref_optimizer.master_weights):
+        assert torch.equal(a, b)
+    assert optimizer.state_dict()["skipped_steps"] == 1
+
+
+def _o3_worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
+    """O3 + the FP8 DDP wrapper on 2 gloo ranks: a first step, then five steps under the detector, the
+    third with a NaN gradient on rank 1 only (both ranks must skip it)."""
+    import os
+
+    import torch.distributed as dist
+
+    import fp8.distributed as fd
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                    torch.nn.Linear(64, 32))
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), "O3")
+        fp8.set_amax_reduction_group(model, dist.group.WORLD)
+        ddp = fd.DistributedDataParallel(model)
+        gen = torch.Generator().manual_seed(seed * 10 + rank)
+        data = [(torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)) for _ in range(6)]
+        poison = next(p for p in optimizer.owned_params if not isinstance(p, fp8.Float8Tensor))
+
+        def wire():
+            return [(p.payload.view(torch.uint8) if isinstance(p, fp8.Float8Tensor) else p.detach()).clone()
+                    for p in model.parameters()]
+
+        def step(x, y, nan=False):
+            (ddp(x) - y).pow(2).mean().backward()
+            if nan and rank == 1:
+                poison.grad.view(-1)[0] = float("nan")
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step(*data[0])
+        mu_steps_before = ddp.grad_scaling.steps.clone()
+        snapshots = []
+        with HostSyncDetector() as detector:
+            for i, (x, y) in enumerate(data[1:]):
+                step(x, y, nan=(i == 2))
+                snapshots.append(wire())
+        # Not a device sync: scaled_allreduce._count_at_max reads a constant it builds on the host
+        # (torch.tensor(fmt.max) on the CPU), which the CPU-only detector cannot tell from a device value.
+        host_constant = "int(torch.tensor(fmt.max, dtype=fmt.dtype)"
+        hits = [h for h in detector.hits if host_constant not in h]
+        out = {"hits": hits[:3], "skipped": optimizer.skipped_steps, "snapshots": snapshots,
+               "mu_steps": int(ddp.grad_scaling.steps - mu_steps_before),
+               "mu_buffers_are_tensors": all(isinstance(b, torch.Tensor) for b in ddp.grad_scaling.buffers())}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+_o3_launch = CachedLaunch(_o3_worker, "no_host_sync_o3")
+
+
+def test_o3_steps_do_not_sync_and_skip_on_every_rank(seed, tmp_path_factory):
+    """O3 on 2 gloo ranks with the FP8 DDP wrapper (FP8 reduce-to-owner, mu updated on device, amaxes
+    agreed across ranks), clipping, the sharded step and the weight all-gather: no sync in five steps.
+    A NaN gradient on one rank only skips the step on both (cross-rank agreement on device): the
+    parameters stay bit for bit what they were, the ranks stay identical, both count one skip."""
+    _, results = _o3_launch(2, seed, tmp_path_factory)
+    for rank, out in enumerate(results):
+        assert not out["hits"], f"rank {rank}: host syncs in the O3 step:\n" + "\n".join(out["hits"])
+        assert out["skipped"] == 1
+        assert out["mu_steps"] == 5 and out["mu_buffers_are_tensors"]  # mu's rule closed every step on device
+        snaps = out["snapshots"]
+        assert all(torch.equal(a, b) for a, b in zip(snaps[1], snaps[2]))  # the skipped step changed nothing
+        assert not all(torch.equal(a, b) for a, b in zip(snaps[2], snaps[3]))  # the next one trains again
+    for a, b in zip(results[0]["snapshots"], results[1]["snapshots"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

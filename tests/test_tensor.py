@@ -132,3 +132,92 @@ def test_inplace_write_to_a_partial_view_keeps_the_rest_intact(gen):
     assert torch.equal(t.dequantize()[1], torch.tensor([0.5, 0.25]))
     chunks = t.split(1)
     assert all(isinstance(c, Float8Tensor) and c.scale is t.scale for c in chunks)
+
+
+def test_inplace_add_is_the_fp8_grad_accumulation(gen, monkeypatch):
+    """``acc += new`` (autograd's gradient accumulation) runs :func:`fp8.kernels.accumulate_fp8_grad`:
+    the fp32 sum re-quantized with the power-of-two scale of the sum. Checked against a float64 sum:
+    every element within half an E4M3 step of its value (2**-4 relative for normal values, half a
+    subnormal step below), and against the generic in-place path bit for bit."""
+    import fp8.kernels.grad_accumulate as grad_accumulate
+
+    calls = []
+    original = grad_accumulate.accumulate_fp8_grad
+    monkeypatch.setattr(grad_accumulate, "accumulate_fp8_grad", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for addend_kind in ("fp32", "fp8", "bf16"):
+        acc = fp8.to_float8(torch.randn(33, 47, generator=gen))
+        new = torch.randn(33, 47, generator=gen) * 300.0  # the sum needs a smaller scale than acc had
+        addend = {"fp32": new, "fp8": fp8.to_float8(new), "bf16": new.to(torch.bfloat16)}[addend_kind]
+        total64 = acc.dequantize().double() + (addend.dequantize() if isinstance(addend, Float8Tensor) else addend).double()
+        total32 = acc.dequantize() + (addend.dequantize() if isinstance(addend, Float8Tensor) else addend.float())
+        expected_scale = fp8.compute_scale(total32.abs().amax(), "e4m3")
+        twin = fp8.Float8Tensor(acc.payload.clone(), acc.scale.clone())
+        before = len(calls)
+        acc += addend
+        assert len(calls) == before + 1 and isinstance(acc, Float8Tensor)
+        assert torch.equal(acc.scale, expected_scale)
+        assert torch.equal(acc.payload.view(torch.uint8), fp8.quantize(total32, expected_scale, "e4m3").view(torch.uint8))
+        twin.add_(addend, alpha=1.0)  # alpha 1 is a plain add
+        assert len(calls) == before + 2 and torch.equal(twin.payload.view(torch.uint8), acc.payload.view(torch.uint8))
+        scale = acc.scale.double()
+        err = (acc.dequantize().double() - total64).abs()
+        bound = 2.0**-4 * total64.abs() + 2.0**-10 / scale + 1e-6 * total64.abs()  # E4M3 rounding (+ fp32 sum)
+        assert (err <= bound).all(), (err - bound).max()
+        assert total64.abs().max() * scale <= 448 and total64.abs().max() * scale > 224  # scale of the sum
+    partial = fp8.to_float8(torch.randn(8, 8, generator=gen))
+    before = len(calls)
+    partial[2] += torch.ones(8)  # a partial view keeps its shared scale: the generic path
+    partial.add_(torch.ones(8, 8), alpha=2.0)  # alpha != 1: the generic path
+    assert len(calls) == before
+
+
+def test_stable_hash_for_caching_follows_metadata_not_values(gen):
+    """torch.compile's AOT autograd cache asks traceable subclasses for ``_stable_hash_for_caching``: same
+    metadata gives the same hash (values never enter it), any metadata change a different one, and the
+    hash is the same in another process (no Python ``hash``)."""
+    import subprocess
+    import sys
+
+    a = fp8.to_float8(torch.randn(16, 32, generator=gen))
+    b = fp8.to_float8(torch.randn(16, 32, generator=gen) * 1e3)
+    h = a._stable_hash_for_caching()
+    assert isinstance(h, str) and h == b._stable_hash_for_caching()
+    others = [fp8.to_float8(torch.randn(16, 32, generator=gen), "e5m2"), fp8.to_float8(torch.randn(32, 16, generator=gen)),
+              fp8.to_float8(torch.randn(16, 32, generator=gen), dtype=torch.bfloat16), a.t(),
+              torch.nn.Parameter(fp8.to_float8(torch.randn(16, 32, generator=gen)))]
+    assert len({h, *(o._stable_hash_for_caching() for o in others)}) == 1 + len(others)
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+
+    reduced = AOTAutogradCachePickler.__new__(AOTAutogradCachePickler)._reduce_tensor_subclass(a)
+    assert reduced[1] == (h,)  # torch's cache key takes it (no "does not implement" warning path)
+    code = ("import torch, fp8\n"
+            "print(fp8.Float8Tensor(torch.zeros(16, 32, dtype=torch.float8_e4m3fn), torch.ones(()))._stable_hash_for_caching())")
+    env = {**__import__("os").environ, "PYTHONHASHSEED": "12345"}
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    h_zeros = fp8.Float8Tensor(torch.zeros(16, 32, dtype=torch.float8_e4m3fn), torch.ones(()))._stable_hash_for_caching()
+    assert out.stdout.strip() == h_zeros == h
+
+
+def test_fp8_mm_payload_is_fp8_mm_on_payloads(gen):
+    """``fp8.gemm.fp8_mm_payload`` (plain payloads + scales, what the FP8 linear calls) gives ``fp8_mm``'s
+    bits on every backend and the same errors."""
+    from fp8.gemm import fp8_mm, fp8_mm_payload
+
+    a = fp8.to_float8(torch.randn(32, 48, generator=gen))
+    b = fp8.to_float8(torch.randn(64, 48, generator=gen), "e5m2").t()  # column-major K x N
+    for backend in ("auto", "scaled_mm", "emulated"):
+        expected = fp8_mm(a, b, torch.float32, backend)
+        got = fp8_mm_payload(a.payload, a.scale, b.payload, b.scale, torch.float32, backend)
+        assert torch.equal(expected, got), backend
+    ref = (a.dequantize().double() @ b.dequantize().double())
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    odd = fp8.to_float8(torch.randn(48, 40, generator=gen))  # N = 40: not a multiple of 16
+    with pytest.raises(ValueError, match="multiples of 16") as direct:
+        fp8_mm(a, odd, backend="scaled_mm")
+    with pytest.raises(ValueError, match="multiples of 16") as payload:
+        fp8_mm_payload(a.payload, a.scale, odd.payload, odd.scale, backend="scaled_mm")
+    assert str(direct.value) == str(payload.value)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fp8_mm_payload(a.payload, a.scale, b.payload, b.scale, backend="cuda")

@@ -1,17 +1,20 @@
-"""The FP8 Adam/AdamW update as Triton kernels over all of an optimizer's tensors (CUDA; interpreter in tests).
+"""The FP8 Adam/AdamW update as multi-tensor Triton kernels (CUDA; interpreter in tests).
 
 :func:`fused_adam_step` does what :meth:`fp8.optim.base.FP8Optimizer.step`'s torch path does for
-:class:`fp8.optim.Adam`/``AdamW``, with the state layout of :mod:`fp8.optim.base`: stage 1 over every
-tensor (amaxes of the new states, non-finite gradient flag), new power-of-two scales on device, stage 2
-over every tensor (writes, masked by the flag). No host sync. Results equal the torch path up to fp32
-rounding of the update math (fused multiply-adds), i.e. at most one step of the storage format.
+:class:`fp8.optim.Adam`/``AdamW``, with the state layout of :mod:`fp8.optim.base`: per param group one
+stage-1 launch over all its tensors (amaxes of the new states, non-finite gradient flag), the new
+power-of-two scales computed on device for the whole group at once, then per group one stage-2 launch
+(payloads, scales and step counts written, masked by the flag). No host sync: the per-group tables of
+addresses are built on the host and uploaded without blocking (cached while the states stay in place),
+and only the gradients' addresses change from step to step. Results equal the torch path up to fp32
+rounding of the update math (fused multiply-adds); scales and skips are identical.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..scaling import compute_scale, power_of_two_scale
+from ..scaling import power_of_two_scale
 from ..tensor import Float8Tensor
 
 __all__ = ["fused_adam_step"]
@@ -29,82 +32,121 @@ def _fmax(dtype: torch.dtype) -> float:
     return {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.float16: 65504.0}.get(dtype, float("inf"))
 
 
-def _new_scale(amax: torch.Tensor, payload: torch.Tensor, old: torch.Tensor, scaled: bool) -> torch.Tensor:
-    if not scaled:
-        return torch.ones_like(old)
-    return power_of_two_scale(amax, _fmax(payload.dtype), previous=old)
+def _device_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built table on ``device`` without a host sync: on CUDA copied from pinned memory
+    with ``non_blocking=True`` (the caching host allocator keeps the buffer until the copy ran)."""
+    table = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+def _static_tables(optimizer, group_index: int, rows: list[tuple], device: torch.device):
+    """The per-group tables that change only when a state tensor is re-allocated: tensor table
+    (addresses, numel, format codes, flags), fmax table and block table; cached on the optimizer,
+    keyed by the addresses, so a steady-state step uploads only the gradients' addresses."""
+    key = tuple(rows)
+    cache = optimizer.__dict__.setdefault("_fused_adam_tables", {})
+    cached = cache.get(group_index)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    table, fmaxes, blocks = [], [], []
+    for i, (addrs, numel, codes, flags, fmax) in enumerate(rows):
+        table.append([*addrs, numel, codes, flags])
+        fmaxes.append(list(fmax))
+        blocks.extend([i, b] for b in range(max(1, -(-numel // _BLOCK))))
+    tables = (_device_table(table, torch.int64, device), _device_table(fmaxes, torch.float32, device),
+              _device_table(blocks, torch.int32, device), len(blocks))
+    cache[group_index] = (key, tables)
+    return tables
 
 
 @torch.no_grad()
-def fused_adam_step(optimizer, params: list[torch.Tensor]) -> torch.Tensor:
+def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
     """One Adam/AdamW step of ``optimizer`` (an :class:`fp8.optim.Adam`) over ``params`` (those with a
-    gradient, states initialized) with the Triton kernels; returns the 0-d bool "step taken" flag."""
-    import triton
-
+    gradient, states initialized) with the multi-tensor Triton kernels: one stage-1 and one stage-2
+    launch per param group. Skipped on device when a gradient is not finite or ``agreed_ok`` (0-d bool,
+    optional) is unset. Returns the 0-d bool "step taken" flag."""
     from .triton_adam import adam_stage1_kernel, adam_stage2_kernel
-    from .triton_formats import format_code, payload_view
+    from .triton_formats import format_code
 
     device = params[0].device
-    bad = torch.zeros((), dtype=torch.int32, device=device)
-    work = []
-    for group in optimizer.param_groups:
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    if agreed_ok is not None:
+        bad = (~agreed_ok.to(device)).to(torch.int32).reshape(1)
+    ones = torch.ones((), dtype=torch.float32, device=device)
+    scratch = optimizer.__dict__.get("_fused_adam_scratch")  # address for scales a tensor does not have
+    if scratch is None or scratch.device != device:  # (kept: its address is part of the cached tables)
+        scratch = optimizer.__dict__["_fused_adam_scratch"] = torch.zeros(1, dtype=torch.float32, device=device)
+    precision = optimizer.precision
+    m_scaled = precision.format("exp_avg").scaled_max is not None
+    v_scaled = precision.format("exp_avg_sq").scaled_max is not None
+    master_scaled = precision.format("master").scaled_max is not None
+    launches = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        ps = [p for p in group["params"] if p.grad is not None]
+        if not ps:
+            continue
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        rows, grads, old = [], [], []
+        for p in ps:
             state = optimizer.state[p]
-            step = (state["step"] + 1).to(torch.float64)
-            bc1 = (1 - beta1**step).to(torch.float32)
-            bc2 = (1 - beta2**step).sqrt().to(torch.float32)
-            step_size = lr / bc1
             g, g_scale = _payload_and_scale(p.grad)
+            g = g.contiguous()
             has_master = "master" in state
-            w, w_scale = (state["master"], state["master_scale"]) if has_master else (p.detach(), torch.ones((), device=device))
             if not has_master and p.dtype != torch.float32:
                 raise ValueError("fused_adam_step: parameters without a master must be fp32")
-            scalars = dict(lr=lr, omb1=1 - beta1, beta2=beta2, omb2=1 - beta2, eps=eps, weight_decay=wd,
-                           decay_factor=1 - lr * wd)
-            flags = dict(G_FMT=format_code(g.dtype), W_FMT=format_code(w.dtype), M_FMT=format_code(state["exp_avg"].dtype),
-                         V_FMT=format_code(state["exp_avg_sq"].dtype), MAXIMIZE=bool(group.get("maximize", False)),
-                         DECOUPLED=bool(group["decoupled_weight_decay"]), HAS_DECAY=bool(wd))
-            args = (payload_view(g), g_scale, payload_view(w), w_scale, payload_view(state["exp_avg"]), state["exp_avg_scale"],
-                    payload_view(state["exp_avg_sq"]), state["exp_avg_sq_scale"], step_size, bc2)
-            amax = torch.zeros(3, dtype=torch.float32, device=device)
-            grid = (triton.cdiv(p.numel(), _BLOCK),)
-            adam_stage1_kernel[grid](*args, amax, bad, p.numel(), **scalars, **flags, BLOCK=_BLOCK)
-            work.append((p, state, has_master, w, args, amax, scalars, flags, grid))
-    ok = bad == 0
-    for p, state, has_master, w, args, amax, scalars, flags, grid in work:
-        precision = optimizer.precision
-        m_scaled = precision.format("exp_avg").scaled_max is not None
-        v_scaled = precision.format("exp_avg_sq").scaled_max is not None
-        w_scaled = has_master and isinstance(p, Float8Tensor) and precision.format("master").scaled_max is not None
-        scales = [
-            _new_scale(amax[0], state["exp_avg"], state["exp_avg_scale"], m_scaled),
-            _new_scale(amax[1], state["exp_avg_sq"], state["exp_avg_sq_scale"], v_scaled),
-            _new_scale(amax[2], w, state["master_scale"], w_scaled) if has_master else torch.ones((), device=p.device),
-        ]
-        # The refreshed FP8 weight's scale comes from the stored master's amax: rounding is monotonic,
-        # so that amax is the stored value of the new master's amax.
-        if isinstance(p, Float8Tensor):
-            stored = (amax[2] * scales[2]).clamp(max=_fmax(w.dtype)).to(w.dtype).to(torch.float32) * scales[2].reciprocal()
-            scales.append(compute_scale(stored, p.format, previous=p.scale))
-        else:
-            scales.append(torch.ones((), device=p.device))
-        new_scales = torch.stack(scales)
-        target = p.payload if isinstance(p, Float8Tensor) else p.detach()
-        adam_stage2_kernel[grid](
-            *args, new_scales, bad, payload_view(target), p.numel(), **scalars, **flags,
-            P_FMT=format_code(target.dtype), M_MAX=_fmax(state["exp_avg"].dtype), V_MAX=_fmax(state["exp_avg_sq"].dtype),
-            W_MAX=_fmax(w.dtype), P_MAX=_fmax(target.dtype), M_SCALED=m_scaled, V_SCALED=v_scaled, W_SCALED=w_scaled,
-            P_SCALED=isinstance(p, Float8Tensor), HAS_PARAM=has_master, BLOCK=_BLOCK,
-        )
-        state["exp_avg_scale"] = torch.where(ok, scales[0], state["exp_avg_scale"])
-        state["exp_avg_sq_scale"] = torch.where(ok, scales[1], state["exp_avg_sq_scale"])
-        if has_master:
-            state["master_scale"] = torch.where(ok, scales[2], state["master_scale"])
-        if isinstance(p, Float8Tensor):
-            p.scale.copy_(torch.where(ok, scales[3], p.scale))
-        state["step"] = torch.where(ok, state["step"] + 1, state["step"])
+            is_fp8 = isinstance(p, Float8Tensor)
+            w, w_scale = (state["master"], state["master_scale"]) if has_master else (p.detach(), ones)
+            target = p.payload if is_fp8 else p.detach()
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            w_scaled = has_master and is_fp8 and master_scaled
+            addrs = (w.data_ptr(), m.data_ptr(), v.data_ptr(), target.data_ptr(),
+                     (w_scale if has_master else scratch).data_ptr(), state["exp_avg_scale"].data_ptr(),
+                     state["exp_avg_sq_scale"].data_ptr(), (p.scale if is_fp8 else scratch).data_ptr(),
+                     state["step"].data_ptr())
+            codes = format_code(w.dtype) | format_code(m.dtype) << 4 | format_code(v.dtype) << 8 | format_code(target.dtype) << 12
+            flags = int(m_scaled) | int(v_scaled) << 1 | int(w_scaled) << 2 | int(is_fp8) << 3 | int(has_master) << 4
+            rows.append((addrs, p.numel(), codes, flags,
+                         (_fmax(m.dtype), _fmax(v.dtype), _fmax(w.dtype), _fmax(target.dtype))))
+            grads.append((g, [g.data_ptr(), format_code(g.dtype)]))
+            old.extend([g_scale, w_scale, state["exp_avg_scale"], state["exp_avg_sq_scale"], p.scale if is_fp8 else ones])
+        table, fmax_table, blocks, n_blocks = _static_tables(optimizer, group_index, rows, device)
+        grad_table = _device_table([row for _, row in grads], torch.int64, device)
+        old_scales = torch.stack([s.reshape(()).to(torch.float32) for s in old]).view(len(ps), 5)
+        steps = torch.stack([optimizer.state[p]["step"] for p in ps]) + 1
+        step64 = steps.to(torch.float64)
+        bc1 = (1 - beta1**step64).to(torch.float32)
+        bc2 = (1 - beta2**step64).sqrt().to(torch.float32)
+        bc = torch.stack([lr / bc1, bc2], dim=1).contiguous()
+        amax = torch.zeros(len(ps), 3, dtype=torch.float32, device=device)
+        scalars = dict(lr=lr, omb1=1 - beta1, beta2=beta2, omb2=1 - beta2, eps=eps, weight_decay=wd,
+                       decay_factor=1 - lr * wd)
+        flags = dict(MAXIMIZE=bool(group.get("maximize", False)), DECOUPLED=bool(group["decoupled_weight_decay"]),
+                     HAS_DECAY=bool(wd), BLOCK=_BLOCK)
+        adam_stage1_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, amax, bad, **scalars, **flags)
+        launches.append((grads, table, fmax_table, blocks, n_blocks, grad_table, old_scales, bc, amax, scalars, flags))
+    ok = bad[0] == 0
+    for grads, table, fmax_table, blocks, n_blocks, grad_table, old_scales, bc, amax, scalars, flags in launches:
+        new_scales = _new_scales(optimizer, table, fmax_table, old_scales, amax)
+        adam_stage2_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, fmax_table, new_scales, bad,
+                                        **scalars, **flags)
     return ok
+
+
+def _new_scales(optimizer, table: torch.Tensor, fmax: torch.Tensor, old: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``(n, 4)`` fp32 new scales (moment 1, moment 2, master, FP8 weight) of one group, on device and
+    elementwise over its tensors: a power of two from each amax (the previous scale kept for an amax of
+    0, inf or NaN), 1 for unscaled roles. Same values as the torch path's per-tensor scales."""
+    flags = table[:, 11]
+    one = torch.ones_like(amax[:, 0])
+    m = torch.where((flags & 1) != 0, power_of_two_scale(amax[:, 0], fmax[:, 0], previous=old[:, 2]), one)
+    v = torch.where((flags & 2) != 0, power_of_two_scale(amax[:, 1], fmax[:, 1], previous=old[:, 3]), one)
+    w = torch.where((flags & 4) != 0, power_of_two_scale(amax[:, 2], fmax[:, 2], previous=old[:, 1]), one)
+    # The refreshed FP8 weight's scale comes from the stored master's amax: rounding is monotonic, so
+    # that amax is the stored value of the new master's amax. FP8 weights' masters share one dtype.
+    w_dtype = optimizer.precision.format("master").dtype
+    stored = (amax[:, 2] * w).clamp(max=_fmax(w_dtype)).to(w_dtype).to(torch.float32) * w.reciprocal()
+    p = torch.where((flags & 8) != 0, power_of_two_scale(stored, fmax[:, 3], previous=old[:, 4]), one)
+    return torch.stack([m, v, w, p], dim=1).contiguous()

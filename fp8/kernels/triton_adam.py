@@ -1,10 +1,19 @@
-"""Triton kernels of the FP8 Adam/AdamW update (imports Triton).
+"""Triton kernels of the FP8 Adam/AdamW update, multi-tensor (imports Triton).
+
+One launch per stage covers every tensor of a param group: the grid runs over a block table (tensor
+row, block within the tensor), and each program reads its tensor's addresses, element count, storage
+formats and flags from a per-group table (the apex/torchao ``multi_tensor_apply`` idea, with the
+addresses held in an int64 table and cast to typed pointers in the kernel). Formats are runtime codes
+(:data:`fp8.kernels.triton_formats.FORMAT_CODES`), so FP8 weights, FP32 and BF16 parameters share one
+launch.
 
 Stage 1 reads the gradient, the master value and both moments, forms the update in fp32 and
-max-reduces the amaxes of the new moments and master (and a non-finite-gradient flag) across all
-tensors; stage 2 reads them again, recomputes the same values, and writes the moments, the master and
-the refreshed FP8 (or 16-bit) weight once, quantized with the scales the amaxes gave, every store
-masked by the device-side finiteness flag (a skipped step writes nothing, and no host sync decides it).
+max-reduces, per tensor, the amaxes of the new moments and master (and one non-finite-gradient flag
+for the whole step); stage 2 reads them again, recomputes the same values, and writes the moments, the
+master and the refreshed FP8 (or 16-bit) weight once, quantized with the scales the amaxes gave; the
+first program of each tensor also writes its new scales and its step count. Every store is masked by
+the device-side flag (a skipped step writes nothing, and no host sync decides it). Both stages decode
+with the old scales, passed as a table, so stage 2 may overwrite the scale tensors while it runs.
 The payloads of current-scaled states need their amax before they can be quantized, hence two passes.
 """
 
@@ -15,80 +24,147 @@ import triton.language as tl
 
 from .triton_formats import decode_to_f32, encode_f32
 
-__all__ = ["adam_stage1_kernel", "adam_stage2_kernel"]
+__all__ = ["adam_stage1_kernel", "adam_stage2_kernel", "TABLE_COLUMNS", "OLD_SCALE_COLUMNS"]
+
+TABLE_COLUMNS = 12
+"""Columns of the int64 tensor table: w, m, v, p addresses; master, m, v, p scale and step addresses;
+numel; packed format codes (w | m << 4 | v << 8 | p << 12); flags (m, v, master, p scaled; has param)."""
+OLD_SCALE_COLUMNS = 5
+"""Columns of the fp32 old-scale table: gradient, master, m, v, FP8 weight."""
 
 
 @triton.jit
-def _adam_math(offs, mask, g_ptr, g_scale_ptr, w_ptr, w_scale_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-               bc1_ptr, bc2_ptr, lr, omb1, beta2, omb2, eps, weight_decay, decay_factor,
-               G_FMT: tl.constexpr, W_FMT: tl.constexpr, M_FMT: tl.constexpr, V_FMT: tl.constexpr,
-               MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_DECAY: tl.constexpr):
-    g = decode_to_f32(tl.load(g_ptr + offs, mask=mask, other=0), G_FMT) * (1.0 / tl.load(g_scale_ptr))
+def _ptr(addr, DTYPE: tl.constexpr):
+    return addr.to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _load_f32(addr, offs, mask, fmt):
+    """fp32 values of the payload at ``addr`` (format code ``fmt``, a runtime value)."""
+    if fmt == 0:
+        x = tl.load(_ptr(addr, tl.float32) + offs, mask=mask, other=0.0)
+    elif fmt == 1:
+        x = decode_to_f32(tl.load(_ptr(addr, tl.int16) + offs, mask=mask, other=0), 1)
+    elif fmt == 2:
+        x = tl.load(_ptr(addr, tl.float16) + offs, mask=mask, other=0.0).to(tl.float32)
+    elif fmt == 3:
+        x = decode_to_f32(tl.load(_ptr(addr, tl.uint8) + offs, mask=mask, other=0), 3)
+    else:
+        x = decode_to_f32(tl.load(_ptr(addr, tl.uint8) + offs, mask=mask, other=0), 4)
+    return x
+
+
+@triton.jit
+def _store_f32(addr, offs, mask, value, scale, fmax, fmt, scaled):
+    """Store ``value`` (times ``scale``, clamped to +-``fmax`` when ``scaled``) in format ``fmt`` at
+    ``addr``; returns the stored element's fp32 value (before unscaling)."""
+    if scaled:
+        value = tl.minimum(tl.maximum(value * scale, -fmax), fmax)
+    if fmt == 0:
+        tl.store(_ptr(addr, tl.float32) + offs, value, mask=mask)
+        stored = value
+    elif fmt == 1:
+        encoded = encode_f32(value, 1)
+        tl.store(_ptr(addr, tl.int16) + offs, encoded, mask=mask)
+        stored = decode_to_f32(encoded, 1)
+    elif fmt == 2:
+        encoded = encode_f32(value, 2)
+        tl.store(_ptr(addr, tl.float16) + offs, encoded, mask=mask)
+        stored = encoded.to(tl.float32)
+    elif fmt == 3:
+        encoded = encode_f32(value, 3)
+        tl.store(_ptr(addr, tl.uint8) + offs, encoded, mask=mask)
+        stored = decode_to_f32(encoded, 3)
+    else:
+        encoded = encode_f32(value, 4)
+        tl.store(_ptr(addr, tl.uint8) + offs, encoded, mask=mask)
+        stored = decode_to_f32(encoded, 4)
+    return stored
+
+
+@triton.jit
+def _adam_math(row, offs, mask, table_ptr, grads_ptr, old_ptr, bc_ptr, lr, omb1, beta2, omb2, eps, weight_decay,
+               decay_factor, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_DECAY: tl.constexpr):
+    base = table_ptr + row * 12
+    codes = tl.load(base + 10)
+    g_fmt = tl.load(grads_ptr + row * 2 + 1)
+    g = _load_f32(tl.load(grads_ptr + row * 2), offs, mask, g_fmt) * (1.0 / tl.load(old_ptr + row * 5 + 0))
     if MAXIMIZE:
         g = -g
-    w = decode_to_f32(tl.load(w_ptr + offs, mask=mask, other=0), W_FMT) * (1.0 / tl.load(w_scale_ptr))
+    w = _load_f32(tl.load(base + 0), offs, mask, codes & 15) * (1.0 / tl.load(old_ptr + row * 5 + 1))
     if HAS_DECAY:
         if DECOUPLED:
             w = w * decay_factor
         else:
             g = g + weight_decay * w
-    m = decode_to_f32(tl.load(m_ptr + offs, mask=mask, other=0), M_FMT) * (1.0 / tl.load(m_scale_ptr))
-    v = decode_to_f32(tl.load(v_ptr + offs, mask=mask, other=0), V_FMT) * (1.0 / tl.load(v_scale_ptr))
+    m = _load_f32(tl.load(base + 1), offs, mask, (codes >> 4) & 15) * (1.0 / tl.load(old_ptr + row * 5 + 2))
+    v = _load_f32(tl.load(base + 2), offs, mask, (codes >> 8) & 15) * (1.0 / tl.load(old_ptr + row * 5 + 3))
     m = m + omb1 * (g - m)  # torch.lerp for weights < 0.5
     v = v * beta2 + omb2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc2_ptr)) + eps  # IEEE-rounded, as torch
-    w = w - tl.div_rn(m, denom) * tl.load(bc1_ptr)  # bc1_ptr holds lr / bias_correction1
+    denom = tl.div_rn(tl.sqrt_rn(v), tl.load(bc_ptr + row * 2 + 1)) + eps  # IEEE-rounded, as torch
+    w = w - tl.div_rn(m, denom) * tl.load(bc_ptr + row * 2)  # column 0 holds lr / bias_correction1
     return g, m, v, w
 
 
 @triton.jit
-def adam_stage1_kernel(g_ptr, g_scale_ptr, w_ptr, w_scale_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-                       bc1_ptr, bc2_ptr, amax_ptr, bad_ptr, numel, lr, omb1, beta2, omb2, eps, weight_decay,
-                       decay_factor, G_FMT: tl.constexpr, W_FMT: tl.constexpr, M_FMT: tl.constexpr,
-                       V_FMT: tl.constexpr, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr,
+def adam_stage1_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, amax_ptr, bad_ptr, lr, omb1, beta2, omb2,
+                       eps, weight_decay, decay_factor, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr,
                        HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
-    """Amaxes of the new moments and master (``amax_ptr[0:3]``) and the gradient's non-finite flag."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    g, m, v, w = _adam_math(offs, mask, g_ptr, g_scale_ptr, w_ptr, w_scale_ptr, m_ptr, m_scale_ptr, v_ptr,
-                            v_scale_ptr, bc1_ptr, bc2_ptr, lr, omb1, beta2, omb2, eps, weight_decay, decay_factor,
-                            G_FMT, W_FMT, M_FMT, V_FMT, MAXIMIZE, DECOUPLED, HAS_DECAY)
+    """Per tensor row: amaxes of the new moments and master (``amax_ptr[row, 0:3]``); the gradients'
+    non-finite flag (``bad_ptr``)."""
+    pid = tl.program_id(0)
+    row = tl.load(blocks_ptr + pid * 2)
+    offs = tl.load(blocks_ptr + pid * 2 + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.load(table_ptr + row * 12 + 9)
+    g, m, v, w = _adam_math(row, offs, mask, table_ptr, grads_ptr, old_ptr, bc_ptr, lr, omb1, beta2, omb2, eps,
+                            weight_decay, decay_factor, MAXIMIZE, DECOUPLED, HAS_DECAY)
     finite = tl.abs(g) <= 3.4028234663852886e38
     tl.atomic_max(bad_ptr, tl.max(tl.where(finite | (~mask), 0, 1), axis=0))
     ok = finite & mask
-    tl.atomic_max(amax_ptr + 0, tl.max(tl.where(ok, tl.abs(m), 0.0), axis=0))
-    tl.atomic_max(amax_ptr + 1, tl.max(tl.where(ok, tl.abs(v), 0.0), axis=0))
-    tl.atomic_max(amax_ptr + 2, tl.max(tl.where(ok, tl.abs(w), 0.0), axis=0))
+    tl.atomic_max(amax_ptr + row * 3 + 0, tl.max(tl.where(ok, tl.abs(m), 0.0), axis=0))
+    tl.atomic_max(amax_ptr + row * 3 + 1, tl.max(tl.where(ok, tl.abs(v), 0.0), axis=0))
+    tl.atomic_max(amax_ptr + row * 3 + 2, tl.max(tl.where(ok, tl.abs(w), 0.0), axis=0))
 
 
 @triton.jit
-def _store_scaled(ptr, offs, mask, value, scale, FMAX: tl.constexpr, FMT: tl.constexpr, SCALED: tl.constexpr):
-    if SCALED:
-        value = tl.minimum(tl.maximum(value * scale, -FMAX), FMAX)
-    encoded = encode_f32(value, FMT)
-    tl.store(ptr + offs, encoded, mask=mask)
-    return decode_to_f32(encoded, FMT)
-
-
-@triton.jit
-def adam_stage2_kernel(g_ptr, g_scale_ptr, w_ptr, w_scale_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-                       bc1_ptr, bc2_ptr, new_scales_ptr, bad_ptr, p_ptr, numel, lr, omb1, beta2, omb2, eps,
-                       weight_decay, decay_factor, G_FMT: tl.constexpr, W_FMT: tl.constexpr, M_FMT: tl.constexpr,
-                       V_FMT: tl.constexpr, P_FMT: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
-                       W_MAX: tl.constexpr, P_MAX: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-                       W_SCALED: tl.constexpr, P_SCALED: tl.constexpr, HAS_PARAM: tl.constexpr,
-                       MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
-    """Write moments, master and (``HAS_PARAM``) the refreshed weight with ``new_scales_ptr[0:4]``
-    (moment 1, moment 2, master, weight); nothing is written when ``bad_ptr`` is set."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def adam_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_ptr, new_ptr, bad_ptr, lr, omb1,
+                       beta2, omb2, eps, weight_decay, decay_factor, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr,
+                       HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    """Write moments, master and (has param) the refreshed weight with ``new_ptr[row, 0:4]`` (moment 1,
+    moment 2, master, weight); the first block of a tensor also writes its new scales and step + 1.
+    Nothing is written when ``bad_ptr`` is set."""
+    pid = tl.program_id(0)
+    row = tl.load(blocks_ptr + pid * 2)
+    blk = tl.load(blocks_ptr + pid * 2 + 1)
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     skip = tl.load(bad_ptr)
-    mask = (offs < numel) & ((offs * 0 + skip) == 0)
-    g, m, v, w = _adam_math(offs, mask, g_ptr, g_scale_ptr, w_ptr, w_scale_ptr, m_ptr, m_scale_ptr, v_ptr,
-                            v_scale_ptr, bc1_ptr, bc2_ptr, lr, omb1, beta2, omb2, eps, weight_decay, decay_factor,
-                            G_FMT, W_FMT, M_FMT, V_FMT, MAXIMIZE, DECOUPLED, HAS_DECAY)
-    _store_scaled(m_ptr, offs, mask, m, tl.load(new_scales_ptr + 0), M_MAX, M_FMT, M_SCALED)
-    _store_scaled(v_ptr, offs, mask, v, tl.load(new_scales_ptr + 1), V_MAX, V_FMT, V_SCALED)
-    master_scale = tl.load(new_scales_ptr + 2)
-    stored = _store_scaled(w_ptr, offs, mask, w, master_scale, W_MAX, W_FMT, W_SCALED) * (1.0 / master_scale)
-    if HAS_PARAM:
-        _store_scaled(p_ptr, offs, mask, stored, tl.load(new_scales_ptr + 3), P_MAX, P_FMT, P_SCALED)
+    base = table_ptr + row * 12
+    mask = (offs < tl.load(base + 9)) & ((offs * 0 + skip) == 0)
+    g, m, v, w = _adam_math(row, offs, mask, table_ptr, grads_ptr, old_ptr, bc_ptr, lr, omb1, beta2, omb2, eps,
+                            weight_decay, decay_factor, MAXIMIZE, DECOUPLED, HAS_DECAY)
+    codes = tl.load(base + 10)
+    flags = tl.load(base + 11)
+    m_scale = tl.load(new_ptr + row * 4 + 0)
+    v_scale = tl.load(new_ptr + row * 4 + 1)
+    w_scale = tl.load(new_ptr + row * 4 + 2)
+    p_scale = tl.load(new_ptr + row * 4 + 3)
+    _store_f32(tl.load(base + 1), offs, mask, m, m_scale, tl.load(fmax_ptr + row * 4 + 0), (codes >> 4) & 15,
+               (flags & 1) != 0)
+    _store_f32(tl.load(base + 2), offs, mask, v, v_scale, tl.load(fmax_ptr + row * 4 + 1), (codes >> 8) & 15,
+               (flags & 2) != 0)
+    stored = _store_f32(tl.load(base + 0), offs, mask, w, w_scale, tl.load(fmax_ptr + row * 4 + 2), codes & 15,
+                        (flags & 4) != 0) * (1.0 / w_scale)
+    has_param = (flags & 16) != 0
+    if has_param:
+        _store_f32(tl.load(base + 3), offs, mask, stored, p_scale, tl.load(fmax_ptr + row * 4 + 3),
+                   (codes >> 12) & 15, (flags & 8) != 0)
+    if blk == 0:
+        if skip == 0:
+            tl.store(_ptr(tl.load(base + 5), tl.float32), m_scale)
+            tl.store(_ptr(tl.load(base + 6), tl.float32), v_scale)
+            if has_param:
+                tl.store(_ptr(tl.load(base + 4), tl.float32), w_scale)
+            if (flags & 8) != 0:
+                tl.store(_ptr(tl.load(base + 7), tl.float32), p_scale)
+            step_ptr = _ptr(tl.load(base + 8), tl.float32)
+            tl.store(step_ptr, tl.load(step_ptr) + 1.0)

@@ -20,10 +20,10 @@ class Adam(FP8Optimizer):
 
     _has_fused_step = True
 
-    def _fused_step(self, params: list[torch.Tensor]) -> torch.Tensor:
+    def _fused_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
         from ..kernels.optimizer_update import fused_adam_step  # Triton is imported only on this path
 
-        return fused_adam_step(self, params)
+        return fused_adam_step(self, params, agreed_ok)
 
     def __init__(
         self,

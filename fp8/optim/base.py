@@ -194,15 +194,25 @@ class FP8Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_masked()
+        return loss
+
+    @torch.no_grad()
+    def _step_masked(self, agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's work (no closure): every write masked by the device flag "all gradients finite",
+        and by ``agreed_ok`` too when given (e.g. O3's cross-rank agreement); returns the flag used."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not self.state[p]:
                     self._init_state(p, group)
+        device = self._skipped_counter.device
         if params and self._has_fused_step and resolve_backend(self.kernel_backend, *params) == "triton":
-            ok = self._fused_step(params)
+            ok = self._fused_step(params, agreed_ok)
         else:
-            ok = grads_finite_flag(params).to(self._skipped_counter.device)
+            ok = grads_finite_flag(params).to(device)
+            if agreed_ok is not None:
+                ok = ok & agreed_ok.to(device)
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
@@ -211,13 +221,13 @@ class FP8Optimizer(torch.optim.Optimizer):
         if self.scaling_module is not None:
             discard_step_amaxes(self.scaling_module, keep=ok)
             update_scales(self.scaling_module, enabled=ok)
-        return loss
+        return ok
 
     _has_fused_step = False
 
-    def _fused_step(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The whole update as fused kernels (subclasses with ``_has_fused_step``); returns the 0-d bool
-        "step taken" flag."""
+    def _fused_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole update as fused kernels (subclasses with ``_has_fused_step``), skipped where
+        ``agreed_ok`` is given and not set; returns the 0-d bool "step taken" flag."""
         raise NotImplementedError
 
     def _masked_param_update(self, p: torch.Tensor, group: dict, ok: torch.Tensor) -> None:

@@ -5,6 +5,15 @@ in its param groups; the model holds their FP8 copies. ``step()`` dequantizes ea
 gradient into its master's ``.grad``, runs the wrapped optimizer, re-quantizes the FP8 weights from
 the updated masters (current power-of-two scale), frees the transient master gradients and closes
 the step for the model's delayed scaling states.
+
+A step whose gradients hold inf or NaN is skipped, decided on device where the wrapped optimizer allows
+it (no host synchronisation): a fused ``torch.optim`` optimizer (``fused=True``: Adam, AdamW, SGD,
+Adagrad) takes the flag as its ``found_inf`` input and skips on device; any other optimizer whose states
+live on the parameters' device is stepped and then masked back (``torch.where`` over a copy of its
+parameters and states taken before the step, one transient copy). A step whose optimizer state is not
+created yet (torch creates it lazily on the first step), or whose states live on another device (torch's
+non-capturable Adam keeps ``step`` on the host), is decided on the host (one sync), as before.
+``skipped_steps`` is a device counter, read (and new skips logged) when the host asks for it.
 """
 
 from __future__ import annotations
@@ -13,12 +22,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import logging
+
 import torch
 from torch import nn
 
-from ..scaling import update_scales
+from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
-from .base import grads_are_finite, skip_step
+from .base import grads_finite_flag
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MasterWeightOptimizer"]
 
@@ -43,7 +56,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.pairs = pairs
         self.model = model
-        self.skipped_steps = 0
+        first = next((m for m, _ in pairs), None)
+        if first is None:
+            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        self._skipped_counter = torch.zeros((), dtype=torch.int64, device=first.device if first is not None else "cpu")
+        self._skipped_reported = 0
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -103,24 +120,116 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for master, fp8_weight in self.pairs:
             fp8_weight.copy_(master)
 
+    # -- skipped steps ------------------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients. Reading it copies the device counter to the host (a
+        sync, outside the step) and logs a warning for skips not reported yet."""
+        count = int(self._skipped_counter)
+        if count > self._skipped_reported:
+            logger.warning("fp8: non-finite gradient, optimizer step skipped (%d skipped so far)", count)
+        self._skipped_reported = count
+        return count
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int | torch.Tensor) -> None:
+        self._skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self._skipped_counter.device).clone()
+        self._skipped_reported = int(value)
+
+    @property
+    def skipped_steps_counter(self) -> torch.Tensor:
+        """The 0-d int64 device counter behind :attr:`skipped_steps` (reading it does not sync)."""
+        return self._skipped_counter
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _fused_found_inf(self) -> bool:
+        """Whether the wrapped optimizer skips on device through a ``found_inf`` input (fused torch.optim)."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and bool(
+            self.optimizer.defaults.get("fused"))
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _maskable(self, stepped: list[torch.Tensor], device: torch.device) -> bool:
+        """Whether the step can be undone on device: every stepped parameter has its state already
+        (torch creates it lazily on the first step) and every state tensor lives on ``device``."""
+        for p in stepped:
+            state = self.optimizer.state.get(p)
+            if not state or p.device != device:
+                return False
+            if any(isinstance(v, torch.Tensor) and v.device != device for v in state.values()):
+                return False
+        return True
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One optimizer step on the masters, then refreshed FP8 weights and closed scaling step.
-        Skipped (counted in ``skipped_steps``, logged) if any gradient is not finite."""
+        Skipped (counted in ``skipped_steps``, logged when it is read) if any gradient is not finite;
+        decided on device where the wrapped optimizer allows it (module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        device = self._skipped_counter.device
         params = [w for _, w in self.pairs] + [p for g in self.optimizer.param_groups for p in g["params"]]
-        if not grads_are_finite(params):
-            skip_step(self, self.model)
-            return loss
+        ok = grads_finite_flag(params).to(device)
         self._load_master_grads()
-        self.optimizer.step()
-        self.refresh_fp8_weights()
+        stepped = self._stepped()
+        if self._fused_found_inf():
+            self._found_inf_step(ok)
+        elif self._maskable(stepped, device):
+            self._masked_step(stepped, ok)
+        elif not bool(ok):  # host decision: lazily created state, or states off the parameters' device
+            for master, _ in self.pairs:
+                master.grad = None
+            self._skipped_counter += 1
+            discard_step_amaxes(self.model)
+            return loss
+        else:
+            self.optimizer.step()
+        self.refresh_fp8_weights()  # a skipped step re-quantizes the unchanged masters: same bits
         for master, _ in self.pairs:
             master.grad = None  # transient: the FP8 gradient is the one kept
-        update_scales(self.model)
+        self._skipped_counter += (~ok).to(torch.int64)
+        discard_step_amaxes(self.model, keep=ok)
+        update_scales(self.model, enabled=ok)
         return loss
+
+    def _found_inf_step(self, ok: torch.Tensor) -> None:
+        """A fused torch.optim step told to skip on device (``found_inf``, as torch's GradScaler does)."""
+        opt = self.optimizer
+        found_inf = (~ok).to(torch.float32)
+        previous = getattr(opt, "found_inf", None)
+        if previous is not None:  # a GradScaler's flag too: skip if either says so
+            found_inf = torch.maximum(found_inf, previous.to(found_inf.device, torch.float32).reshape(()))
+        opt.found_inf = found_inf
+        try:
+            opt.step()
+        finally:
+            if previous is None:
+                del opt.found_inf
+            else:
+                opt.found_inf = previous
+
+    def _masked_step(self, stepped: list[torch.Tensor], ok: torch.Tensor) -> None:
+        """Step, then keep the old parameters and states where ``ok`` is not set (on device)."""
+        before = [(p, p.detach().clone(), dict(self.optimizer.state[p])) for p in stepped]
+        saved = {id(v): v.clone() for _, _, state in before for v in state.values() if isinstance(v, torch.Tensor)}
+        self.optimizer.step()
+        for p, old_value, old_state in before:
+            p.detach().copy_(torch.where(ok, p.detach(), old_value))
+            state = self.optimizer.state[p]
+            for key, old in old_state.items():
+                if not isinstance(old, torch.Tensor):
+                    continue
+                new = state.get(key)
+                if new is None:
+                    continue
+                kept = torch.where(ok, new, saved[id(old)])
+                if new is old:  # updated in place: keep the object, restore its values
+                    new.copy_(kept)
+                else:
+                    state[key] = kept
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of high-precision parameters to the wrapped optimizer."""

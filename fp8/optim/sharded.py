@@ -25,7 +25,7 @@ from ..distributed.collectives import Collectives, require_process_group
 from ..distributed.gather import start_owner_gather
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
-from .base import FP8Optimizer, grads_are_finite, skip_step
+from .base import FP8Optimizer, grads_finite_flag
 from .clip import _norm, scale_grads_to_norm_
 from .convert import converted_arguments
 from .partition import ParamPartition, partition_by_size
@@ -150,24 +150,25 @@ class ShardedFP8Optimizer(FP8Optimizer):
                 f"gradient to its owner (and call the optimizer step after a synced backward, not inside no_sync)"
             )
 
-    def _all_finite(self) -> bool:
-        flag = torch.tensor([int(grads_are_finite(self.owned_params))], dtype=torch.int32)
+    def _agreed_finite(self) -> torch.Tensor:
+        """0-d bool device flag: every rank's owned gradients are finite (MIN all-reduce of the local
+        flags, on device: no host sync)."""
+        device = self._skipped_counter.device
+        flag = grads_finite_flag(self.owned_params).to(device=device, dtype=torch.int32).reshape(1)
         self._comm.all_reduce(flag, op=dist.ReduceOp.MIN, tag="finite").wait()
-        return bool(flag.item())
+        return flag.reshape(()) > 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        """Update the owned parameters (skipped on every rank if any rank's gradients are not finite),
-        then all-gather every updated parameter from its owner (FP8 weights: payload + scale)."""
+        """Update the owned parameters (skipped on every rank if any rank's gradients are not finite,
+        decided on device from the ranks' agreed flag: no host sync), then all-gather every parameter
+        from its owner (FP8 weights: payload + scale; unchanged values after a skipped step)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_grads_reduced()
-        if not self._all_finite():
-            skip_step(self, self.scaling_module)
-            return loss
-        super().step()
+        self._step_masked(self._agreed_finite())
         self.gather_params()
         return loss
 
