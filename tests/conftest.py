@@ -8,6 +8,12 @@ import random
 import pytest
 import torch
 
+# Triton decides at kernel-definition time (when fp8.kernels is first imported, by any test module) whether
+# kernels are interpreted: without CUDA, the kernel tests run them under the interpreter, so set it for the
+# whole session before anything imports fp8.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
