@@ -66,8 +66,8 @@ def _missing(name: str) -> str:
     return f"_Not measured yet: run `{' '.join(BENCHMARKS[name][1:])}` (or `python benchmarks/report.py --run`)._\n"
 
 
-def _pct(new: float, old: float) -> str:
-    return f"{(new / old - 1) * 100:+.1f}%" if old else "n/a"
+def _pct(new: float, old: float, digits: int = 1) -> str:
+    return f"{(new / old - 1) * 100:+.{digits}f}%" if old else "n/a"
 
 
 def section_memory() -> str:
@@ -170,12 +170,16 @@ def section_loss() -> str:
     out.append("| --- | ---: | ---: | ---: | ---: |")
     for s in parity["summaries"]:
         out.append(f"| {s['level']} | {s['final_train_loss']:.4f} | {s['final_val_loss']:.4f} | "
-                   f"{_pct(s['final_val_loss'], base['final_val_loss'])} | {s['skipped_steps']} |")
-    png = RESULTS / "loss_parity.png"
-    if png.exists():
-        FIGURES.mkdir(parents=True, exist_ok=True)
-        shutil.copy(png, FIGURES / "loss_parity.png")
-        out.append("\n![loss curves](figures/loss_parity.png)\n")
+                   f"{_pct(s['final_val_loss'], base['final_val_loss'], 2)} | {s['skipped_steps']} |")
+    from megatron.training.log import plot_loss_curves
+
+    histories = [{"level": level, "train": [{"iteration": i, "loss": l} for i, l in zip(c["iteration"], c["loss"])],
+                  "valid": [{"iteration": i, "val_loss": l} for i, l in zip(c["val_iteration"], c["val_loss"])]}
+                 for level, c in parity["curves"].items()]
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    plot_loss_curves(histories, str(FIGURES / "loss_parity.png"),
+                     f"Demo GPT, {parity['iters']} iterations: FP8 levels vs baseline")
+    out.append("\n![loss curves](figures/loss_parity.png)\n")
     return "\n".join(out)
 
 

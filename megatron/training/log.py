@@ -45,29 +45,58 @@ def format_summary(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot_loss_curves(histories: list[dict], path: str, title: str = "") -> str:
-    """Write a PNG of train (smoothed) and validation loss per level; returns ``path``."""
+    """Write a PNG of train (smoothed) and validation loss per level, and (with a ``none`` baseline) each
+    level's smoothed train loss relative to the baseline's; returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    base = next((h for h in histories if h["level"] == "none"), None)
+    rows = 2 if base is not None and len(histories) > 1 else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 5 if rows == 1 else 7.5), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2]} if rows == 2 else None, squeeze=False)
+    ax = axes[0][0]
+    window = max(1, max(len(h["train"]) for h in histories) // 30)
+    smoothed, colors = {}, {}
     for h in histories:
         its = [r["iteration"] for r in h["train"]]
-        losses = [r["loss"] for r in h["train"]]
-        window = max(1, len(losses) // 30)
-        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(losses))]
-        (line,) = ax.plot(its, smooth, label=f"{h['level']} train")
+        smoothed[h["level"]] = (its, _smooth([r["loss"] for r in h["train"]], window))
+        (line,) = ax.plot(*smoothed[h["level"]], label=f"{h['level']} train")
+        colors[h["level"]] = line.get_color()
         if h["valid"]:
             ax.plot([v["iteration"] for v in h["valid"]], [v["val_loss"] for v in h["valid"]], "o--",
                     color=line.get_color(), label=f"{h['level']} valid")
-    ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
     ax.set_title(title or "GPT loss: FP8 levels vs baseline")
     ax.grid(alpha=0.3)
     ax.legend()
+    if rows == 2:
+        diff_ax = axes[1][0]
+        base_its, base_loss = smoothed["none"]
+        ref = dict(zip(base_its, base_loss))
+        for h in histories:
+            if h["level"] == "none":
+                continue
+            its, loss = smoothed[h["level"]]
+            pts = [(i, (v / ref[i] - 1) * 100) for i, v in zip(its, loss) if i in ref and i > window]
+            diff_ax.plot([p[0] for p in pts], [p[1] for p in pts], label=h["level"], color=colors[h["level"]])
+        diff_ax.axhline(0, color="black", linewidth=0.8)
+        diff_ax.set_ylabel(f"train loss vs none (%), {window}-it. mean")
+        diff_ax.grid(alpha=0.3)
+        diff_ax.legend()
+    axes[-1][0].set_xlabel("iteration")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
