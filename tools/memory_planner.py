@@ -45,11 +45,15 @@ FP32 as in FP8-LM (the engine's O1 keeps the master in the model's own dtype: FP
 baseline is the engine's ``fp8.optim.AdamW(precision="O1")`` on a BF16 model (FP32 master, m, v, each with
 an fp32 scale, as benchmarks/memory.py). Per tensor also: the optimizer's ``step`` (4 B), O2's per-tensor scales of m and v (and of the master of FP8
 weights, 4 B each), each FP8 tensor's fp32 scale and each FP8 linear's two delayed-scaling states (amax
-history of ``fp8_amax_history_len`` fp32 + scale + flag: 138 B at 16), all under ``fp8_scaling_metadata``
-or ``optimizer_states`` exactly as ``fp8.memory_report`` counts them. O3 ownership follows
-``fp8.optim.partition_by_size`` (whole tensors, largest first to the least-loaded rank; re-implemented in
-:func:`whole_tensor_partition` so planning imports no torch) over each stage's tensors; the worst DP rank
-(by bytes) is reported.
+history of ``fp8_amax_history_len`` fp32 + scale + flag: 138 B at 16), with sequence parallelism (TP > 1)
+each FP8 parallel linear's current-scaling state of its FP8 reduce-scatter (69 B), all under
+``fp8_scaling_metadata`` or ``optimizer_states`` exactly as ``fp8.memory_report`` counts them. O3
+ownership follows ``fp8.optim.partition_by_size`` (whole tensors, largest first to the least-loaded rank;
+re-implemented in :func:`whole_tensor_partition` so planning imports no torch) over each stage's tensors;
+the worst DP rank (by bytes) is reported (every rank's in ``stages[i]["dp_rank_bytes"]``). Gradients are
+counted after the data-parallel reduction: with gradient accumulation (several micro-batches per step)
+every rank holds all its gradients until the last micro-batch's backward reduces them to their owners, so
+O3's peak gradient memory is the unsharded one (measured in benchmarks/planner_validation.py; not added).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 adapted). Per layer and token, with hp-byte activations: norm inputs (hp x h each, plus fp32 mean/rstd),
@@ -59,11 +63,16 @@ output kept by fused attention (SDPA/flash: q, k, v, output and an fp32 logsumex
 matrices are stored: non-fused attention would add Korthikanti's 5 a s^2 b per layer), the
 activation-function input (f, or 2f for SwiGLU, in hp), and two 1-byte dropout masks when
 ``hidden_dropout > 0``. Tensors inside the TP region (q, k, v, attention output, proj input, fc2 input,
-activation input, logsumexp) are divided by TP; the rest by TP only with sequence parallelism (linears
-save their sequence shard and all-gather it again in backward). Stage 0 adds the token ids (int64) and
-the embedding dropout mask; the last stage the final norm input, the output layer input, fp32 logits
-for the loss (4 V / TP per token) and the labels. ``recompute_granularity="full"`` keeps only each
-layer's input (hp x h, /TP with SP) plus one layer's full activations recomputed in backward;
+activation input, logsumexp) are divided by TP; the QKV and fc1 inputs are never divided (fp8lm's
+column-parallel linears keep the sequence-parallel all-gather's output, full sequence on every TP rank, for
+their weight gradient instead of gathering again in backward as Megatron-LM does); the rest (norm inputs,
+dropout masks) by TP only with sequence parallelism. Stage 0 adds the token and position ids (int64; with
+TP the vocab-parallel embedding's 1-byte range mask) and the embedding dropout mask; the last stage (one
+micro-batch: its backward frees them first) the final norm input, the output layer input, fp32 logits for
+the loss (4 V / TP per token), the labels (int64), the loss's target mask (1 B) and the training loop's
+fp32 loss mask. ``recompute_granularity="full"`` keeps only each layer's input (hp x h, /TP with SP) plus,
+at the peak, the larger of the last stage's head and one layer's activations recomputed in backward (whose
+input is already held);
 ``"selective"`` recomputes the attention core, which fused attention does not store anyway, so it equals
 ``"none"`` here. Pipeline: under 1F1B stage i holds min(PP - i, micro-batches) micro-batches in flight;
 interleaved (virtual chunks of v layers, m = L / (PP v) chunks) stage i holds min(2 (PP - i - 1) + (m - 1)
@@ -398,9 +407,16 @@ def whole_tensor_partition(sizes: list[int], world_size: int) -> tuple[list[int]
     return owners, loads
 
 
-def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, int], dict[str, int]]:
-    """(bytes per category of the worst DP rank, step transients) for one stage's tensors."""
+_SCATTER_STATE_BYTES = 4 * 16 + 4 + 1
+"""A sequence-parallel FP8 reduce-scatter's current-scaling state (fp8.parallel's ``_scatter_scaling``:
+amax history of the default 16 fp32 + scale + flag), one per FP8 linear with SP and TP > 1."""
+
+
+def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]]]:
+    """(bytes per category of the worst DP rank, step transients, bytes per category of every DP rank)
+    for one stage's tensors."""
     hp, level, dp = cfg.hp_bytes, cfg.fp8_opt_level, cfg.data_parallel_size
+    sp_scatter = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
     hp_master = 4 if hp == 2 else 0  # FP32 parameters are their own master
     grad_hp = 4 if cfg.fp32_grads else hp
     sharded = level == "O3" and dp > 1
@@ -412,6 +428,8 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
         if t.fp8:
             out["weights"] += n
             out["fp8_scaling_metadata"] += 4 + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scale, states
+            if sp_scatter and not t.name.endswith("output_layer.weight"):
+                out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
             if level == "O1":
                 out["gradients"] += n
                 out["fp8_scaling_metadata"] += 4  # gradient scale
@@ -436,8 +454,8 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 mine["master_weights"] += hp_master * n
                 mine["optimizer_states"] += 3 * n + 4
                 mine["fp8_scaling_metadata"] += 2 * 4  # m, v scales
-    worst = max(owned, key=lambda d: sum(d.values()))  # first of the most loaded ranks
-    out = {k: out[k] + worst[k] for k in out}
+    per_rank = [{k: out[k] + mine[k] for k in out} for mine in owned]
+    worst = max(per_rank, key=lambda d: sum(d.values()))  # first of the most loaded ranks
     largest = max(t.numel for t in tensors)
     fp8_numel = sum(t.numel for t in tensors if t.fp8)
     if level == "O1":
@@ -452,7 +470,7 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 if t.fp8 == is_fp8:
                     loads[owner] += t.numel
             transient += (dp + 1) * max(loads) * elem
-    return out, {"step_transients": transient}
+    return worst, {"step_transients": transient}, per_rank
 
 
 # -- activations ----------------------------------------------------------------------------------------
@@ -466,12 +484,13 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
     stats = 8 if cfg.normalization == "LayerNorm" else 4
     mask = 1 if cfg.hidden_dropout > 0 else 0
     act_in = 2 * f if cfg.swiglu else f
-    replicated = 2 * (hp * h + stats) + 2 * lin * h + 2 * mask * h  # norm inputs, QKV/fc1 inputs, dropout masks
+    seq_shard = 2 * (hp * h + stats) + 2 * mask * h  # norm inputs and statistics, dropout masks: /TP with SP
+    gathered = 2 * lin * h  # QKV and fc1 inputs: fp8lm's column-parallel linears save the all-gathered input
     # q, k, v; attention output; fp32 logsumexp; proj input (the attention output itself in high precision,
     # a separate E4M3 copy in FP8); activation-function input; fc2 input
     proj_in = h if cfg.fp8 else 0
     sharded = hp * cfg.qkv_size + hp * h + 4 * a + proj_in + hp * act_in + lin * f
-    return replicated / sp + sharded / tp
+    return seq_shard / sp + gathered + sharded / tp
 
 
 def _activations(cfg: PlannerConfig, stage: int) -> int:
@@ -494,18 +513,28 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
         in_flight = -(-held // chunks)
         layer_mbs = held * vpp
     full = _layer_activation_bytes_per_token(cfg)
-    if cfg.recompute_granularity == "full":
-        per_token = layer_mbs * hp * cfg.hidden_size / sp + full  # layer inputs + one layer recomputed
-    else:
-        per_token = layer_mbs * full
-    if stage == 0:
-        mask = 1 if cfg.hidden_dropout > 0 else 0
-        per_token += in_flight * (8 + mask * cfg.hidden_size / sp)  # token ids, embedding dropout mask
+    head = 0.0  # the last stage's final norm, output layer and loss (one micro-batch: freed first in backward)
     if stage == pp - 1:
         out_in = 1 if (cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights) else hp
         stats = 8 if cfg.normalization == "LayerNorm" else 4
-        per_token += (hp * cfg.hidden_size + stats + out_in * cfg.hidden_size) / sp
-        per_token += 4 * cfg.padded_vocab_size / tp + 8  # fp32 logits for the loss, labels
+        head += (hp * cfg.hidden_size + stats + out_in * cfg.hidden_size) / sp
+        # fp32 logits for the loss (4 V / TP); labels (int64), the vocab-parallel loss's target mask (bool) and
+        # the training loop's fp32 loss mask
+        head += 4 * cfg.padded_vocab_size / tp + 8 + 1 + 4
+    if cfg.recompute_granularity == "full":
+        # Every layer's input (one checkpoint each) stays; in backward one layer at a time is recomputed (its
+        # own input is the checkpointed one), after the head's tensors are freed: the peak is the larger of
+        # the two.
+        layer_in = hp * cfg.hidden_size / sp
+        per_token = layer_mbs * layer_in + max(full - layer_in, head)
+    else:
+        per_token = layer_mbs * full + head
+    if stage == 0:
+        mask = 1 if cfg.hidden_dropout > 0 else 0
+        ids = 8 + (1 if tp > 1 else 0)  # token ids (int64); with TP, the vocab-parallel embedding's range mask
+        if cfg.position_embedding_type == "learned_absolute":
+            ids += 8  # position ids (int64)
+        per_token += in_flight * (ids + mask * cfg.hidden_size / sp)  # and the embedding dropout mask
     return int(math.ceil(per_token * tokens))
 
 
@@ -531,7 +560,9 @@ def plan_memory(config: PlannerConfig) -> dict:
       pipeline stage's parameters on one GPU; ``fp8_params_per_gpu``: of those, in FP8 weights;
     - ``bytes``: bytes per category of :data:`CATEGORIES` on the worst GPU (the stage with the largest
       ``total_bytes``, its worst DP rank); ``total_bytes``, ``total_gib``; ``model_state_bytes_per_param``;
-    - ``worst_stage``; ``stages``: per pipeline stage ``{"stage", "params", "fp8_params", "bytes", "total_bytes"}``;
+    - ``worst_stage``; ``stages``: per pipeline stage ``{"stage", "params", "fp8_params", "bytes", "total_bytes",
+      "dp_rank_bytes"}`` (``dp_rank_bytes``: the model-state categories of each data-parallel rank, which
+      differ only under O3's whole-tensor sharding);
     - ``layout``: ``{"tp", "pp", "dp", "vpp", "world_size", "sequence_parallel", "num_microbatches"}``;
       ``config``: the config as a dict.
     """
@@ -546,10 +577,13 @@ def plan_memory(config: PlannerConfig) -> dict:
             tensors = _stage_tensors(cfg, stage)
             by_kind[kind] = (*_model_state(cfg, tensors), sum(t.numel for t in tensors),
                              sum(t.numel for t in tensors if t.fp8))
-        state, transient, n_params, n_fp8 = by_kind[kind]
+        state, transient, per_rank, n_params, n_fp8 = by_kind[kind]
         b = {**state, "activations": _activations(cfg, stage), "communication_buffers": comm, **transient}
         total = sum(state.values()) + max(b["activations"] + comm, b["step_transients"])
-        stages.append({"stage": stage, "params": n_params, "fp8_params": n_fp8, "bytes": b, "total_bytes": total})
+        dp_rank_bytes = [dict(r) for r in per_rank] if len(per_rank) > 1 else \
+            [dict(per_rank[0]) for _ in range(cfg.data_parallel_size)]
+        stages.append({"stage": stage, "params": n_params, "fp8_params": n_fp8, "bytes": b, "total_bytes": total,
+                       "dp_rank_bytes": dp_rank_bytes})
     worst = max(stages, key=lambda s: (s["total_bytes"], -s["stage"]))
     biggest = max(stages, key=lambda s: s["params"])
     state_bytes = sum(worst["bytes"][c] for c in CATEGORIES[:5])
