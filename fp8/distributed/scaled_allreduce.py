@@ -22,6 +22,8 @@ scale comes from the finite values; ``NaN`` stays ``NaN``.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Iterator, Sequence
 
@@ -73,10 +75,15 @@ def _shared_scales(amax: torch.Tensor, fmt: FP8Format, mu_scale: torch.Tensor, w
     return scale.clamp(2.0**-126, top)
 
 
+@functools.lru_cache(maxsize=None)
+def _max_magnitude_bits(fmt: FP8Format) -> int:
+    """The byte of +fmt.max without its sign bit (a host constant, computed once per format)."""
+    return int(torch.tensor(fmt.max, dtype=fmt.dtype).view(torch.uint8)) & 0x7F
+
+
 def _count_at_max(payload: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """Number of payload values equal to +-fmt.max (0-d int64), compared bit-wise on the bytes."""
-    max_bits = int(torch.tensor(fmt.max, dtype=fmt.dtype).view(torch.uint8)) & 0x7F
-    return ((payload.view(torch.uint8) & 0x7F) == max_bits).sum()
+    return ((payload.view(torch.uint8) & 0x7F) == _max_magnitude_bits(fmt)).sum()
 
 
 def fp8_bucket_reduction(
