@@ -36,6 +36,8 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
                      "--pipeline-model-parallel-size", str(config.get("pp", 1))]
     if config.get("sp"):
         flags.append("--sequence-parallel")
+    if config.get("bf16"):
+        flags.append("--bf16")
     if config.get("distopt"):
         flags.append("--use-distributed-optimizer")
     if config.get("vp"):

@@ -35,6 +35,7 @@ TWO = [
     {"name": "pp2vp", "pp": 2, "vp": 1, "levels": ["none", "O2"]},
     {"name": "dp2", "levels": ["none", "O2"]},
     {"name": "dp2zero", "distopt": True, "levels": ["none"]},
+    {"name": "tp2spbf16", "tp": 2, "sp": True, "bf16": True, "levels": ["none", "O2"]},
 ]
 FOUR = [
     {"name": "tp2pp2sp", "tp": 2, "pp": 2, "sp": True, "levels": ["none", "O2"]},
@@ -79,7 +80,7 @@ def results(tmp_path_factory):
     return load
 
 
-CASES = [(c["name"], lvl) for c in TWO + FOUR for lvl in c["levels"]]
+CASES = [(c["name"], lvl) for c in TWO + FOUR if not c.get("bf16") for lvl in c["levels"]]
 
 
 @pytest.mark.parametrize("name,level", CASES)
@@ -139,3 +140,17 @@ def test_fp8_data_parallel_gradients_travel_in_fp8(results):
             assert f["comm_bytes"].get("fp8 grads", 0) > 0
             total_fp8 = f["comm_bytes"].get("fp8 grads", 0) + f["comm_bytes"].get("grads", 0)
             assert total_fp8 < 0.5 * b["comm_bytes"]["grads"]
+
+
+def test_bf16_autocast_with_sequence_parallelism(results):
+    """--bf16 (autocast) under TP=2 + SP: activations travel in BF16 in the baseline and as 1-byte values in
+    FP8 (half the bytes), and the losses stay within BF16 rounding of the fp32 single-process run."""
+    for level in ("none", "O2"):
+        reference = results("single", level)[0]["losses"]
+        losses = results("tp2spbf16", level)[0]["losses"]
+        for got, want in zip(losses, reference):
+            assert abs(got - want) <= 2e-2 * abs(want), (level, got, want)
+    for tag in ("sp all-gather", "sp reduce-scatter"):
+        base = _bytes(results, "tp2spbf16", "none", tag)
+        fp8 = _bytes(results, "tp2spbf16", "O2", tag)
+        assert all(b > 0 for b in base) and fp8 == [b / 2 for b in base], (tag, base, fp8)

@@ -142,29 +142,39 @@ def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype activations are computed and saved in: autocast's (e.g. BF16) when it is on, else ``x``'s."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 class _ColumnFunction(torch.autograd.Function):
     """Y_shard = gather(X) @ W_shard^T (+ b_shard); backward reduces dX over the group."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, record):
         comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
-        x2d = x.reshape(-1, x.shape[-1])
+        dtype = _compute_dtype(x)
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         rows = x2d.shape[0] * (comm.world_size if sp else 1)
         if fp8 is None:
             full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
-            out = _hp_mm(full, weight.t())
+            out = _hp_mm(full, weight.t().to(dtype))
             ctx.save_for_backward(full, weight)
         else:
             scale = layer.input_scaling.scale_for(x2d, record=record)
             payload = quantize(x2d, scale, layer.input_scaling.format)
             if sp:
                 payload = comm.all_gather(payload, "sp all-gather")
-            full = Float8Tensor(payload, scale, x.dtype)
-            out = fp8_mm(full, weight.t(), out_dtype=x.dtype, backend=fp8.gemm_backend)
+            full = Float8Tensor(payload, scale, dtype)
+            out = fp8_mm(full, weight.t(), out_dtype=dtype, backend=fp8.gemm_backend)
             ctx.save_for_backward(full, weight)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.layer, ctx.has_bias, ctx.x_shape, ctx.record = layer, bias is not None, x.shape, record
+        ctx.dtype = dtype
         lead = (x.shape[0] * comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
         assert out.shape[0] == rows
         return out.reshape(*lead, weight.shape[0])
@@ -177,8 +187,9 @@ class _ColumnFunction(torch.autograd.Function):
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if fp8 is None:
+            g2d = g2d.to(ctx.dtype)
             if ctx.needs_input_grad[0]:
-                dx = _hp_mm(g2d, weight)
+                dx = _hp_mm(g2d, weight.to(ctx.dtype))
                 dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
                 grad_x = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
@@ -210,22 +221,23 @@ class _RowFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer, record):
         comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
-        x2d = x.reshape(-1, x.shape[-1])
+        dtype = _compute_dtype(x)
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         if fp8 is None:
-            out = _hp_mm(x2d, weight.t())
+            out = _hp_mm(x2d, weight.t().to(dtype))
             out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
             ctx.save_for_backward(x2d, weight)
         else:
             scale = layer.input_scaling.scale_for(x2d, record=record)
-            xq = Float8Tensor(quantize(x2d, scale, layer.input_scaling.format), scale, x.dtype)
+            xq = Float8Tensor(quantize(x2d, scale, layer.input_scaling.format), scale, dtype)
             out = fp8_mm(xq, weight.t(), out_dtype=torch.float32, backend=fp8.gemm_backend)
             if sp:
-                out = comm.fp8_reduce_scatter(out, layer.output_scatter_scaling, x.dtype, record=record,
+                out = comm.fp8_reduce_scatter(out, layer.output_scatter_scaling, dtype, record=record,
                                               tag="sp reduce-scatter")
             else:
-                out = comm.all_reduce(out.to(x.dtype), "tp all-reduce")
+                out = comm.all_reduce(out.to(dtype), "tp all-reduce")
             ctx.save_for_backward(xq, weight)
-        ctx.layer, ctx.x_shape = layer, x.shape
+        ctx.layer, ctx.x_shape, ctx.dtype = layer, x.shape, dtype
         lead = (x.shape[0] // comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
         return out.reshape(*lead, weight.shape[0])
 
@@ -237,9 +249,10 @@ class _RowFunction(torch.autograd.Function):
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
         if fp8 is None:
+            g2d = g2d.to(ctx.dtype)
             full_g = comm.all_gather(g2d.contiguous(), "sp all-gather") if sp else g2d
             if ctx.needs_input_grad[0]:
-                grad_x = _hp_mm(full_g, weight).reshape(ctx.x_shape)
+                grad_x = _hp_mm(full_g, weight.to(ctx.dtype)).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 grad_w = _hp_mm(full_g.t(), saved_x).to(weight.dtype)
         else:

@@ -57,8 +57,15 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
-        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            out = F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        else:
+            out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        device = out.device.type
+        if torch.is_autocast_enabled(device):
+            # Normalised in fp32 (autocast's rule), handed on in the autocast dtype: the next GEMM's input, and
+            # the dtype megatron-core's output layer allocates its sequence-parallel buffers in.
+            out = out.to(torch.get_autocast_dtype(device))
+        return out
 
 
 class SDPAttention(nn.Module):
