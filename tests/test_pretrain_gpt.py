@@ -68,7 +68,7 @@ def test_dry_run_prints_parameters_per_rank_without_allocating():
     proc = _run(["pretrain_gpt.py", "--dry-run", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads",
                  "8", "--seq-length", "128", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                  "--sequence-parallel", "--data-parallel-size", "4", "--micro-batch-size", "2", "--vocab-size", "1000",
-                 "--fp8-opt-level", "O3"])
+                 "--fp8-opt-level", "O3", "--untie-embeddings-and-output-weights"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("dry run json: "))
     result = json.loads(line[len("dry run json: "):])

@@ -24,6 +24,7 @@ from torch import nn
 from ..kernels.backend import resolve_backend
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
+from .skipped import SkippedStepsCounter
 from .precision import STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, encode
 
 __all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where"]
@@ -78,7 +79,7 @@ def select_where(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torc
     return torch.where(ok, new, old)
 
 
-class FP8Optimizer(torch.optim.Optimizer):
+class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
     """Base class: compressed states, master weights, skip on non-finite gradients, exact checkpoints.
 
     Subclasses define ``_moment_roles(group)`` (state keys and their precision role) and ``_update(w, g,
@@ -102,8 +103,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         device = first.device if first is not None else torch.device("cpu")
-        self._skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
-        self._skipped_reported = 0
+        self._init_skipped_counter(device)
         self.scaling_module: nn.Module | None = None
         initial_masters = initial_masters or {}
         for group in self.param_groups:
@@ -159,28 +159,6 @@ class FP8Optimizer(torch.optim.Optimizer):
         """The fp32 master value of parameter ``p`` (its own value for FP32 parameters)."""
         state = self.state[p]
         return self._load(state, "master") if "master" in state else p.detach().to(torch.float32)
-
-    # -- skipped steps ------------------------------------------------------------------------------
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients. Reading it copies the device counter to the host (a
-        sync, outside the step) and logs a warning for skips not reported yet; the step itself never
-        syncs. :attr:`skipped_steps_counter` is the counter itself (no sync)."""
-        count = int(self._skipped_counter)
-        if count > self._skipped_reported:
-            logger.warning("fp8: non-finite gradient, optimizer step skipped (%d skipped so far)", count)
-        self._skipped_reported = count
-        return count
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int | torch.Tensor) -> None:
-        self._skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self._skipped_counter.device).clone()
-        self._skipped_reported = int(value)
-
-    @property
-    def skipped_steps_counter(self) -> torch.Tensor:
-        """The 0-d int64 device counter behind :attr:`skipped_steps` (reading it does not sync)."""
-        return self._skipped_counter
 
     # -- the step ---------------------------------------------------------------------------------
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
+from .skipped import SkippedStepsCounter
 from .base import grads_finite_flag
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["MasterWeightOptimizer"]
 
 
-class MasterWeightOptimizer(torch.optim.Optimizer):
+class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
     """Wraps ``optimizer`` so it steps on FP8 weights through their high-precision masters.
 
     ``pairs`` lists ``(master, fp8_weight)``: the master is a parameter of ``optimizer``, the FP8
@@ -59,8 +60,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         first = next((m for m, _ in pairs), None)
         if first is None:
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-        self._skipped_counter = torch.zeros((), dtype=torch.int64, device=first.device if first is not None else "cpu")
-        self._skipped_reported = 0
+        self._init_skipped_counter(first.device if first is not None else "cpu")
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -119,27 +119,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Re-quantize every FP8 weight from its master (current power-of-two scale)."""
         for master, fp8_weight in self.pairs:
             fp8_weight.copy_(master)
-
-    # -- skipped steps ------------------------------------------------------------------------------
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients. Reading it copies the device counter to the host (a
-        sync, outside the step) and logs a warning for skips not reported yet."""
-        count = int(self._skipped_counter)
-        if count > self._skipped_reported:
-            logger.warning("fp8: non-finite gradient, optimizer step skipped (%d skipped so far)", count)
-        self._skipped_reported = count
-        return count
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int | torch.Tensor) -> None:
-        self._skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self._skipped_counter.device).clone()
-        self._skipped_reported = int(value)
-
-    @property
-    def skipped_steps_counter(self) -> torch.Tensor:
-        """The 0-d int64 device counter behind :attr:`skipped_steps` (reading it does not sync)."""
-        return self._skipped_counter
 
     # -- the step ---------------------------------------------------------------------------------
     def _fused_found_inf(self) -> bool:

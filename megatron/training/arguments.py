@@ -171,6 +171,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                 "--num-layers-per-virtual-pipeline-stage needs PP >= 2 and must divide the layers per stage "
                 f"({per_stage})"
             )
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length % tp:

@@ -28,13 +28,10 @@ def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: in
     try:
         if not torch.cuda.is_available():
             cpu_compat.enable()
-        vp = None
-        if args.num_layers_per_virtual_pipeline_stage is not None:
-            vp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=vp, create_gloo_process_groups=False,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size, create_gloo_process_groups=False,
         )
         config = transformer_config_from_args(args, torch.bfloat16 if args.bf16 else torch.float32)
         with torch.device("meta"):

@@ -37,9 +37,7 @@ def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
 
 def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch.dtype) -> TransformerConfig:
     """megatron-core's ``TransformerConfig`` for ``args`` (CPU-friendly: no fusions, CPU initialisation)."""
-    vp = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        vp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+    vp = args.virtual_pipeline_model_parallel_size
     recompute = {}
     if args.recompute_activations:
         recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

@@ -59,13 +59,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if not cuda:
         cpu_compat.enable()
     if not parallel_state.model_parallel_is_initialized():
-        vp = None
-        if args.num_layers_per_virtual_pipeline_stage is not None:
-            vp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=vp,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         )
 
 
