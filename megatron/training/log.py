@@ -180,7 +180,7 @@ class TrainingLogger:
             self.json.close()
         if len(histories) > 1 or self.args.plot:
             path = self.args.plot or (os.path.join(os.path.dirname(os.path.abspath(self.args.log_json)), "loss_curves.png")
-                                      if self.args.log_json else "loss_curves.png")
+                                      if self.args.log_json else os.path.join("runs", "loss_curves.png"))
             plot_loss_curves(histories, path)
             self._print(f"loss curves: {path}")
         self._print(f"total time {time.perf_counter() - self.t_start:.1f} s")
