@@ -227,10 +227,15 @@ def section_planner() -> str:
         out.append(_missing("planner_validation.json"))
     else:
         s = val["summary"]
-        out.append("The planner against memory measured here (`benchmarks/planner_validation.py`: "
-                   "`fp8.memory_report` and saved-activation bytes of small models, several layouts and levels): "
-                   + ", ".join(f"{k.replace('_', ' ')} {v:.4%}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items())
-                   + ".\n")
+        out.append("The planner against memory measured here (`benchmarks/planner_validation.py`: `fp8.memory_report` "
+                   "after a step and the peak bytes autograd holds for backward, on TinyGPT and on the megatron-core GPT "
+                   "at TP, TP+SP, PP, TP x PP, DP x TP, DP x PP, levels none/O1/O2/O3, with and without recomputation; "
+                   "details and the known gaps in [scale.md](scale.md)):\n")
+        out.append("| quantity | error |\n| --- | ---: |")
+        for key, value in s.items():
+            if isinstance(value, (int, float)):
+                out.append(f"| {key.replace('_', ' ')} | {value:.4%} |")
+        out.append("")
     return "\n".join(out)
 
 
