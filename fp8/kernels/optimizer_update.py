@@ -8,6 +8,9 @@ power-of-two scales computed on device for the whole group at once, then per gro
 addresses are built on the host and uploaded without blocking (cached while the states stay in place),
 and only the gradients' addresses change from step to step. Results equal the torch path up to fp32
 rounding of the update math (fused multiply-adds); scales and skips are identical.
+
+With ``OptimizerPrecision(state_scaling="delayed")`` (opt-in) the parameters with a master take the
+single-pass kernel instead (:func:`_delayed_launch`; see ``docs/gpu.md``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ def _static_tables(optimizer, group_index: int, rows: list[tuple], device: torch
     if cached is not None and cached[0] == key:
         return cached[1]
     table, fmaxes, blocks = [], [], []
-    for i, (addrs, numel, codes, flags, fmax) in enumerate(rows):
-        table.append([*addrs, numel, codes, flags])
+    for i, (addrs, numel, codes, flags, fmax, *extra) in enumerate(rows):
+        table.append([*addrs, numel, codes, flags, *(extra[0] if extra else ())])
         fmaxes.append(list(fmax))
         blocks.extend([i, b] for b in range(max(1, -(-numel // _BLOCK))))
     tables = (_device_table(table, torch.int64, device), _device_table(fmaxes, torch.float32, device),
@@ -82,9 +85,21 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
     m_scaled = precision.format("exp_avg").scaled_max is not None
     v_scaled = precision.format("exp_avg_sq").scaled_max is not None
     master_scaled = precision.format("master").scaled_max is not None
+    delayed_mode = precision.state_scaling == "delayed"
+    if delayed_mode:
+        # The single pass writes as it reads, so whether the step is taken is decided before it: one
+        # finiteness reduction over the gradients (on device, no host sync).
+        from ..optim.base import grads_finite_flag
+
+        bad = bad | (~grads_finite_flag(params).to(device)).to(torch.int32).reshape(1)
     launches = []
     for group_index, group in enumerate(optimizer.param_groups):
         ps = [p for p in group["params"] if p.grad is not None]
+        if delayed_mode:
+            delayed_ps = [p for p in ps if "master_amax" in optimizer.state[p]]
+            if delayed_ps:
+                _delayed_launch(optimizer, group_index, group, delayed_ps, bad, scratch, ones)
+            ps = [p for p in ps if "master_amax" not in optimizer.state[p]]  # fp32 params: current scaling
         if not ps:
             continue
         beta1, beta2 = group["betas"]
@@ -133,6 +148,97 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
         adam_stage2_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, fmax_table, new_scales, bad,
                                         **scalars, **flags)
     return ok
+
+
+def _delayed_launch(optimizer, group_index: int, group: dict, ps: list[torch.Tensor], bad: torch.Tensor,
+                    scratch: torch.Tensor, ones: torch.Tensor) -> None:
+    """Delayed state scaling for the parameters ``ps`` of one group (those with a master): the single
+    pass (:func:`~fp8.kernels.triton_adam.adam_delayed_kernel`) reads every state from its buffer and
+    writes the other buffer of each state (two buffers per state, swapped after the step), so a state
+    that outgrew its delayed scale is recomputed from intact inputs by the fix-up launch, which does
+    nothing else for the other tensors. Scales, overflow decisions and amax histories are computed on
+    device over the group's tables: no host sync."""
+    from ..optim.precision import DELAYED_HEADROOM, delayed_or_current_scale
+    from .triton_adam import adam_delayed_fixup_kernel, adam_delayed_kernel
+    from .triton_formats import format_code
+
+    device = ps[0].device
+    precision = optimizer.precision
+    m_scaled = precision.format("exp_avg").scaled_max is not None
+    v_scaled = precision.format("exp_avg_sq").scaled_max is not None
+    master_scaled = precision.format("master").scaled_max is not None
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    spares = optimizer.__dict__.setdefault("_delayed_spares", {})
+    keys = ("master", "exp_avg", "exp_avg_sq")
+    rows, grads, old, hist = [], [], [], []
+    for p in ps:
+        state = optimizer.state[p]
+        g, g_scale = _payload_and_scale(p.grad)
+        g = g.contiguous()
+        is_fp8 = isinstance(p, Float8Tensor)
+        target = p.payload if is_fp8 else p.detach()
+        spare = spares.get(p)
+        if spare is None or any(
+            spare[k].shape != state[k].shape or spare[k].dtype != state[k].dtype or spare[k].device != state[k].device
+            or spare[k].data_ptr() == state[k].data_ptr() for k in keys
+        ):
+            spare = spares[p] = {k: torch.empty_like(state[k]) for k in keys}
+        w, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
+        w_scaled = is_fp8 and master_scaled
+        addrs = (w.data_ptr(), m.data_ptr(), v.data_ptr(), target.data_ptr(), state["master_scale"].data_ptr(),
+                 state["exp_avg_scale"].data_ptr(), state["exp_avg_sq_scale"].data_ptr(),
+                 (p.scale if is_fp8 else scratch).data_ptr(), state["step"].data_ptr())
+        extra = (spare["master"].data_ptr(), spare["exp_avg"].data_ptr(), spare["exp_avg_sq"].data_ptr(),
+                 state["exp_avg_amax"].data_ptr(), state["exp_avg_sq_amax"].data_ptr(), state["master_amax"].data_ptr(),
+                 (state["param_amax"] if is_fp8 else scratch).data_ptr())
+        codes = format_code(w.dtype) | format_code(m.dtype) << 4 | format_code(v.dtype) << 8 | format_code(target.dtype) << 12
+        flags = int(m_scaled) | int(v_scaled) << 1 | int(w_scaled) << 2 | int(is_fp8) << 3 | 1 << 4
+        rows.append((addrs, p.numel(), codes, flags,
+                     (_fmax(m.dtype), _fmax(v.dtype), _fmax(w.dtype), _fmax(target.dtype)), extra))
+        grads.append((g, [g.data_ptr(), format_code(g.dtype)]))
+        old.extend([g_scale, state["master_scale"], state["exp_avg_scale"], state["exp_avg_sq_scale"],
+                    p.scale if is_fp8 else ones])
+        hist.extend([state["exp_avg_amax"], state["exp_avg_sq_amax"], state["master_amax"],
+                     state["param_amax"] if is_fp8 else scratch.reshape(())])
+    parities = optimizer.__dict__.setdefault("_delayed_parity", {})  # which buffer is live, per group (cache key)
+    parity = parities.get(group_index, 0)
+    table, fmax, blocks, n_blocks = _static_tables(optimizer, ("delayed", group_index, parity), rows, device)
+    grad_table = _device_table([row for _, row in grads], torch.int64, device)
+    n = len(ps)
+    old_scales = torch.stack([s.reshape(()).to(torch.float32) for s in old]).view(n, 5)
+    history = torch.stack([h.reshape(()).to(torch.float32) for h in hist]).view(n, 4)
+    step64 = (torch.stack([optimizer.state[p]["step"] for p in ps]) + 1).to(torch.float64)
+    bc = torch.stack([lr / (1 - beta1**step64).to(torch.float32), (1 - beta2**step64).sqrt().to(torch.float32)],
+                     dim=1).contiguous()
+    flag_bits = table[:, 11]
+    one = torch.ones(n, dtype=torch.float32, device=device)
+    scaled = [(flag_bits & bit) != 0 for bit in (1, 2, 4, 8)]
+    delayed = torch.stack([torch.where(scaled[k], power_of_two_scale(history[:, k], fmax[:, k], margin=DELAYED_HEADROOM), one)
+                           for k in range(4)], dim=1).contiguous()
+    amax = torch.zeros(n, 3, dtype=torch.float32, device=device)
+    scalars = dict(lr=lr, omb1=1 - beta1, beta2=beta2, omb2=1 - beta2, eps=eps, weight_decay=wd, decay_factor=1 - lr * wd)
+    consts = dict(MAXIMIZE=bool(group.get("maximize", False)), DECOUPLED=bool(group["decoupled_weight_decay"]),
+                  HAS_DECAY=bool(wd), BLOCK=_BLOCK)
+    adam_delayed_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, fmax, delayed, amax, bad,
+                                     **scalars, **consts)
+    # The scales each state ends with: delayed where its new amax fits, current otherwise (as the torch path).
+    final_m = torch.where(scaled[0], delayed_or_current_scale(amax[:, 0], history[:, 0], fmax[:, 0], old_scales[:, 2]), one)
+    final_v = torch.where(scaled[1], delayed_or_current_scale(amax[:, 1], history[:, 1], fmax[:, 1], old_scales[:, 3]), one)
+    final_w = torch.where(scaled[2], delayed_or_current_scale(amax[:, 2], history[:, 2], fmax[:, 2], old_scales[:, 1]), one)
+    w_dtype = precision.format("master").dtype  # FP8 weights' masters share one dtype
+    stored = (amax[:, 2] * final_w).clamp(max=_fmax(w_dtype)).to(w_dtype).to(torch.float32) * final_w.reciprocal()
+    final_p = torch.where(scaled[3], delayed_or_current_scale(stored, history[:, 3], fmax[:, 3], old_scales[:, 4]), one)
+    final = torch.stack([final_m, final_v, final_w, final_p], dim=1).contiguous()
+    redo = (final != delayed).any(dim=1).to(torch.int32)
+    new_history = torch.stack([amax[:, 0], amax[:, 1], amax[:, 2], torch.where(scaled[3], stored, 0.0)], dim=1).contiguous()
+    adam_delayed_fixup_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, fmax, final, redo, new_history,
+                                           bad, **scalars, **consts)
+    for p in ps:  # the written buffers become the states (a skipped step copied the inputs into them)
+        state, spare = optimizer.state[p], spares[p]
+        for k in keys:
+            state[k], spare[k] = spare[k], state[k]
+    parities[group_index] = 1 - parity
 
 
 def _new_scales(optimizer, table: torch.Tensor, fmax: torch.Tensor, old: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ storage dtype plus an fp32 power-of-two scale (keys ``<role>`` and ``<role>_scal
 cannot carry their own master value get a master copy in ``state["master"]``: FP8 weights
 (:class:`Float8Tensor`) in the ``master`` precision, 16-bit parameters in fp32; FP32 parameters are
 their own master. The update runs in fp32;
-new scales come from the updated values; after the step each FP8 weight is re-quantized from its
+new scales come from the updated values (opt-in ``precision.state_scaling="delayed"``: from the previous
+step's amax of each state, current where the new amax does not fit; amax histories in ``<key>_amax``); after the step each FP8 weight is re-quantized from its
 master. A step whose gradients hold inf or NaN is skipped without touching any state: the decision is
 taken on device (every write is masked by one finiteness flag), so a step needs no host synchronisation;
 ``skipped_steps`` is a device counter, read (and any new skip logged) when the host asks for it.
@@ -22,10 +23,13 @@ import torch
 from torch import nn
 
 from ..kernels.backend import resolve_backend
-from ..scaling import discard_step_amaxes, update_scales
+from ..cast import quantize
+from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from .skipped import SkippedStepsCounter
-from .precision import STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, encode
+from .precision import (
+    STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, delayed_or_current_scale, encode, encode_delayed,
+)
 
 __all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where"]
 
@@ -119,9 +123,21 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         """Whether ``p`` keeps a separate master copy (FP8 weights and 16-bit parameters)."""
         return isinstance(p, Float8Tensor) or p.dtype in (torch.float16, torch.bfloat16)
 
+    _delayed_update = False  # set while a step stores states with delayed scaling (see _masked_param_update)
+
     def _store(self, state: dict, key: str, role: str, value: torch.Tensor, fmt: StorageFormat | None = None) -> None:
         previous = state.get(f"{key}_scale")
-        state[key], state[f"{key}_scale"] = encode(value, fmt or self.precision.format(role), previous)
+        fmt = fmt or self.precision.format(role)
+        if self._delayed_update and f"{key}_amax" in state:
+            state[key], state[f"{key}_scale"], state[f"{key}_amax"] = encode_delayed(
+                value, fmt, previous, state[f"{key}_amax"])
+            return
+        state[key], state[f"{key}_scale"] = encode(value, fmt, previous)
+
+    def _uses_delayed_state_scaling(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s states are stored with delayed scaling (``precision.state_scaling="delayed"``
+        and ``p`` keeps a master; FP32 parameters, their own master, keep current scaling)."""
+        return self.precision.state_scaling == "delayed" and self.needs_master(p)
 
     def _store_master(self, p: torch.Tensor, state: dict, value: torch.Tensor) -> None:
         # FP8 weights keep their master in the configured precision; the few 16-bit high-precision
@@ -145,6 +161,11 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         for key, role in self._moment_roles(group).items():
             self._store(state, key, role, zeros)
+        if self._uses_delayed_state_scaling(p):
+            # Amax histories of the delayed state scales: 0 = none yet, so the first step scales currently.
+            keys = [*self._moment_roles(group), "master"] + (["param"] if isinstance(p, Float8Tensor) else [])
+            for key in keys:
+                state[f"{key}_amax"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if self.needs_master(p):
             if initial_master is None:
                 initial_master = p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p
@@ -218,16 +239,35 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         has_master = "master" in state
         w = self._load(state, "master") if has_master else p.detach().to(torch.float32, copy=True)
         state["step"] = state["step"] + 1
-        self._update(w, g, state, group)
-        if has_master:
-            self._store_master(p, state, w)
+        delayed = "master_amax" in state
+        self._delayed_update = delayed
+        try:
+            self._update(w, g, state, group)
+            if has_master:
+                self._store_master(p, state, w)
+        finally:
+            self._delayed_update = False
         for key, old in before.items():
             if isinstance(old, torch.Tensor) and state[key] is not old:
                 state[key] = select_where(ok, state[key], old)
-        if has_master:
+        if delayed and isinstance(p, Float8Tensor):
+            self._refresh_param_delayed(p, state, ok)
+        elif has_master:
             self._refresh_param(p, state)  # a skipped step re-quantizes the unchanged master: same bits
         else:
             p.copy_(torch.where(ok, w.to(p.dtype), p))
+
+    def _refresh_param_delayed(self, p: Float8Tensor, state: dict, ok: torch.Tensor) -> None:
+        """Re-quantize FP8 weight ``p`` from its stored master with a delayed scale (from
+        ``state["param_amax"]``, the previous step's stored-master amax; current when it does not fit),
+        record the new amax; every write masked by ``ok``."""
+        value = self._load(state, "master")
+        amax = amax_of(value)
+        scale = delayed_or_current_scale(amax, state["param_amax"], p.format.max, p.scale)
+        payload = quantize(value, scale, p.format)
+        p.payload.copy_(select_where(ok, payload, p.payload))
+        p.scale.copy_(torch.where(ok, scale, p.scale))
+        state["param_amax"] = torch.where(ok, amax, state["param_amax"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (FP8 gradients included)."""
