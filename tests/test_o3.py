@@ -344,7 +344,11 @@ def test_o3_equals_o2_ddp_and_ranks_identical_every_step(launched):
             for name in differ:
                 rel = _rel(_value(o3[name], o2[name]), _value(o2[name], o2[name]))
                 later_tol = FP8_REQUANT_TOL if o3[name].dtype == torch.uint8 else O2_DDP_TOL
-                assert rel <= (1e-5 if step == 0 else later_tol), f"step {step} {name}: {rel}"
+                # Step 0 at 4 ranks: only the order of each fp32 gradient's 4-term sum differs, but Adam's first
+                # update g / (|g| + eps) turns that into a relative change of up to ~1e-4 on elements whose
+                # gradient is near eps (measured 6e-5 and 7.6e-5 on a bias vector, 1 seed in 5).
+                step0_tol = 5e-4
+                assert rel <= (step0_tol if step == 0 else later_tol), f"step {step} {name}: {rel}"
 
 
 def test_o3_matches_single_process_o2_on_the_global_batch(launched):
