@@ -44,7 +44,7 @@ from torch import nn
 from ..cast import quantize
 from ..distributed.bytes_counter import CommBytesCounter
 from ..gemm import fp8_mm
-from ..linear import Float8LinearConfig
+from ..linear import Float8LinearConfig, fp8_dims_problem
 from ..scaling import ScalingConfig, ScalingState
 from ..tensor import Float8Tensor, to_float8
 from .comm import TensorParallelComm
@@ -87,14 +87,13 @@ class _ParallelLinearBase(nn.Module):
             self.sequence_parallel = False
         params_dtype = getattr(config, "params_dtype", torch.float32)
         full_shape = (output_size, input_size)
-        local_out = output_size // tp if self.partition_dim == 0 else output_size
-        local_in = input_size // tp if self.partition_dim == 1 else input_size
-        _divide(full_shape[self.partition_dim], tp, "output_size" if self.partition_dim == 0 else "input_size")
-        if fp8 is not None and (local_in % 16 or local_out % 16):
+        local = _divide(full_shape[self.partition_dim], tp, "output_size" if self.partition_dim == 0 else "input_size")
+        local_out, local_in = (local, input_size) if self.partition_dim == 0 else (output_size, local)
+        problem = fp8_dims_problem(local_in, local_out) if fp8 is not None else None
+        if problem:
             raise ValueError(
-                f"{type(self).__name__}: the weight shard is {local_out} x {local_in} (full {output_size} x "
-                f"{input_size} over tensor-parallel size {tp}); FP8 GEMMs need both dimensions of the shard to be "
-                f"multiples of 16: pick hidden/FFN sizes that are multiples of 16 x the tensor-parallel size"
+                f"{type(self).__name__}: the weight shard of a {output_size} x {input_size} weight over tensor-parallel "
+                f"size {tp}: {problem}; pick hidden/FFN sizes that are multiples of 16 x the tensor-parallel size"
             )
         init = init_method if getattr(config, "perform_initialization", True) else None
         weight = initialize_sharded_weight(full_shape, self.partition_dim, self.comm.rank, tp, init, stride,
@@ -109,8 +108,7 @@ class _ParallelLinearBase(nn.Module):
         self.weight.partition_dim = self.partition_dim
         self.weight.partition_stride = stride
         if bias:
-            self.bias = nn.Parameter(torch.zeros(local_out if self.partition_dim == 0 else output_size,
-                                                 dtype=params_dtype))
+            self.bias = nn.Parameter(torch.zeros(local_out, dtype=params_dtype))
         else:
             self.register_parameter("bias", None)
         if fp8 is not None:
@@ -138,10 +136,6 @@ class _ParallelLinearBase(nn.Module):
         )
 
 
-def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a @ b
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype activations are computed and saved in: autocast's (e.g. BF16) when it is on, else ``x``'s."""
     device = x.device.type
@@ -158,10 +152,9 @@ class _ColumnFunction(torch.autograd.Function):
         comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
         dtype = _compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        rows = x2d.shape[0] * (comm.world_size if sp else 1)
         if fp8 is None:
             full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
-            out = _hp_mm(full, weight.t().to(dtype))
+            out = torch.mm(full, weight.t().to(dtype))
             ctx.save_for_backward(full, weight)
         else:
             scale = layer.input_scaling.scale_for(x2d, record=record)
@@ -173,10 +166,8 @@ class _ColumnFunction(torch.autograd.Function):
             ctx.save_for_backward(full, weight)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        ctx.layer, ctx.has_bias, ctx.x_shape, ctx.record = layer, bias is not None, x.shape, record
-        ctx.dtype = dtype
+        ctx.layer, ctx.has_bias, ctx.x_shape, ctx.dtype = layer, bias is not None, x.shape, dtype
         lead = (x.shape[0] * comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
-        assert out.shape[0] == rows
         return out.reshape(*lead, weight.shape[0])
 
     @staticmethod
@@ -189,11 +180,11 @@ class _ColumnFunction(torch.autograd.Function):
         if fp8 is None:
             g2d = g2d.to(ctx.dtype)
             if ctx.needs_input_grad[0]:
-                dx = _hp_mm(g2d, weight.to(ctx.dtype))
+                dx = torch.mm(g2d, weight.to(ctx.dtype))
                 dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
                 grad_x = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = _hp_mm(g2d.t(), full).to(weight.dtype)
+                grad_w = torch.mm(g2d.t(), full).to(weight.dtype)
         else:
             # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
             g_data, g_data_t, g_scale = layer.grad_output_scaling.quantize_transpose(g2d)
@@ -224,7 +215,7 @@ class _RowFunction(torch.autograd.Function):
         dtype = _compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         if fp8 is None:
-            out = _hp_mm(x2d, weight.t().to(dtype))
+            out = torch.mm(x2d, weight.t().to(dtype))
             out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
             ctx.save_for_backward(x2d, weight)
         else:
@@ -252,9 +243,9 @@ class _RowFunction(torch.autograd.Function):
             g2d = g2d.to(ctx.dtype)
             full_g = comm.all_gather(g2d.contiguous(), "sp all-gather") if sp else g2d
             if ctx.needs_input_grad[0]:
-                grad_x = _hp_mm(full_g, weight.to(ctx.dtype)).reshape(ctx.x_shape)
+                grad_x = torch.mm(full_g, weight.to(ctx.dtype)).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = _hp_mm(full_g.t(), saved_x).to(weight.dtype)
+                grad_w = torch.mm(full_g.t(), saved_x).to(weight.dtype)
         else:
             state = layer.grad_output_scaling
             if sp:

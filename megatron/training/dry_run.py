@@ -21,18 +21,12 @@ __all__ = ["dry_run"]
 def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: int) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from . import cpu_compat
     from .model import build_model, transformer_config_from_args
+    from .training import initialize_model_parallel
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        if not torch.cuda.is_available():
-            cpu_compat.enable()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size, create_gloo_process_groups=False,
-        )
+        initialize_model_parallel(args, create_gloo_process_groups=False)
         config = transformer_config_from_args(args, torch.bfloat16 if args.bf16 else torch.float32)
         with torch.device("meta"):
             chunks = build_model(args, config, vocab_size)

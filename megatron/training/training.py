@@ -35,7 +35,7 @@ from .model import build_model, padded_vocab_size, transformer_config_from_args
 from .optimizer import build_optimizer
 from .p2p import FP8P2PCommunicator
 
-__all__ = ["pretrain", "initialize_distributed", "train_level", "RunHistory"]
+__all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory"]
 
 
 def _free_port() -> int:
@@ -57,13 +57,22 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
     if not cuda:
-        cpu_compat.enable()
+        cpu_compat.enable()  # also when the groups were set up by the caller
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        )
+        initialize_model_parallel(args)
+
+
+def initialize_model_parallel(args: argparse.Namespace, **kwargs) -> None:
+    """megatron-core's model-parallel groups for ``args``'s layout (``kwargs`` go to
+    ``parallel_state.initialize_model_parallel``); on machines without CUDA, the CPU compatibility layer first."""
+    if not torch.cuda.is_available():
+        cpu_compat.enable()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        **kwargs,
+    )
 
 
 class RunHistory(dict):
