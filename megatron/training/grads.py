@@ -16,18 +16,10 @@ from torch import nn
 
 from fp8.distributed.bytes_counter import CommBytesCounter
 from fp8.optim.base import grad_value
+from fp8.parallel.comm import TensorParallelComm
 from fp8.tensor import Float8Tensor
 
 __all__ = ["finalize_model_grads", "global_grad_norm"]
-
-
-def _all_reduce(t: torch.Tensor, group, counter: CommBytesCounter | None, tag: str) -> None:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    if counter is not None:
-        counter.record("all_reduce", t.numel() * t.element_size(), size, tag)
-    dist.all_reduce(t, group=group)
 
 
 def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_embeddings: bool,
@@ -38,7 +30,7 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
                 if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if sp_grads and dist.get_world_size(tp_group) > 1:
         flat = torch.cat([g.reshape(-1) for g in sp_grads])
-        _all_reduce(flat, tp_group, counter, "sp param grads")
+        TensorParallelComm(tp_group, counter).all_reduce(flat, "sp param grads")
         offset = 0
         for g in sp_grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -52,7 +44,7 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
                 continue
             if isinstance(weight.grad, Float8Tensor):
                 raise RuntimeError("tied embeddings are expected in high precision")
-            _all_reduce(weight.grad, embd_group, counter, "tied embedding grads")
+            TensorParallelComm(embd_group, counter).all_reduce(weight.grad, "tied embedding grads")
 
 
 @torch.no_grad()
