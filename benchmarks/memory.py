@@ -30,7 +30,9 @@ import fp8  # noqa: E402
 from examples import quickstart  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
-VARIANTS = ("FP32", "BF16 mixed precision", "O1", "O2")
+VARIANTS = ("FP32", "BF16 mixed precision", "O1", "O2", "O1, E4M3 gradients", "O2, E4M3 gradients")
+"""``O1``/``O2`` hold FP8-weight gradients as fp32 sums (``grad_accumulation="fp32"``, the default);
+``..., E4M3 gradients`` as 1-byte ``Float8Tensor``s (``grad_accumulation="fp8"``)."""
 
 
 def build(variant: str, model: torch.nn.Module):
@@ -40,8 +42,10 @@ def build(variant: str, model: torch.nn.Module):
         model = model.to(torch.bfloat16)
         return model, fp8.optim.AdamW(model.parameters(), lr=1e-4, precision="O1")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    level = {"FP32": "O0", "O1": "O1", "O2": "O2"}[variant]
-    return fp8.initialize(model, optimizer, opt_level=level)
+    name, _, grads = variant.partition(", ")
+    level = {"FP32": "O0", "O1": "O1", "O2": "O2"}[name]
+    config = fp8.Float8LinearConfig(grad_accumulation="fp8" if grads else "fp32")
+    return fp8.initialize(model, optimizer, opt_level=level, config=config)
 
 
 def measure(variant: str, make_model, make_loss) -> dict:
@@ -187,6 +191,7 @@ def main() -> None:
     print(f"model-state bytes per parameter (fp8.memory_report, at the peak of a step); "
           f"GPT d_model={args.d_model} n_layer={args.n_layer}: {rows[0]['params']:,} parameters")
     header = f"{'model':<16} {'variant':<21}" + "".join(f"{c[:12]:>13}" for c in categories)
+    print("(O1/O2: FP8-weight gradients as fp32 sums, grad_accumulation='fp32'; 'E4M3 gradients': 'fp8')")
     print(header)
     for row in rows:
         print(f"{row['model']:<16} {row['variant']:<21}" + "".join(f"{row['bytes_per_param'][c]:>13.3f}" for c in categories))

@@ -223,3 +223,11 @@ def test_fp8_mm_payload_is_fp8_mm_on_payloads(gen):
     assert str(direct.value) == str(payload.value)
     with pytest.raises(ValueError, match="backend must be one of"):
         fp8_mm_payload(a.payload, a.scale, b.payload, b.scale, backend="cuda")
+
+
+def test_repr_reads_no_values():
+    """repr is called by Inductor's trace logging on traced (symbolic) tensors and by debuggers on CUDA tensors:
+    metadata only, no host read of the scale (a meta-device tensor has no values to read)."""
+    t = fp8.Float8Tensor(torch.empty(4, 8, dtype=torch.float8_e4m3fn, device="meta"),
+                         torch.empty((), device="meta"), torch.bfloat16)
+    assert repr(t) == "Float8Tensor(format=e4m3, shape=(4, 8), dtype=torch.bfloat16, device=meta)"
