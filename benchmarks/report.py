@@ -158,6 +158,17 @@ def section_comm() -> str:
     return "\n".join(out)
 
 
+def _parity_table(parity: dict) -> str:
+    """Final losses per level of a ``benchmarks/loss_parity.py`` result, against the baseline."""
+    base = next(s for s in parity["summaries"] if s["level"] == "none")
+    rows = ["| level | final train loss (last 10 it.) | final val loss | vs baseline | skipped steps |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for s in parity["summaries"]:
+        rows.append(f"| {s['level']} | {s['final_train_loss']:.4f} | {s['final_val_loss']:.4f} | "
+                    f"{_pct(s['final_val_loss'], base['final_val_loss'], 2)} | {s['skipped_steps']} |")
+    return "\n".join(rows)
+
+
 def section_loss() -> str:
     out = ["## Loss parity on the demo GPT\n",
            "FP8-LM: FP8 training matches BF16 loss curves without changing hyper-parameters.\n"]
@@ -168,12 +179,7 @@ def section_loss() -> str:
                f"{parity['iters']} iterations of 16 x 128 tokens over {parity.get('data_parallel', 1)} data-parallel "
                f"ranks (FP8 levels: FP8 gradient all-reduce; O3: sharded optimizer), same seed and data per level, "
                f"CPU (baseline FP32):\n")
-    base = next(s for s in parity["summaries"] if s["level"] == "none")
-    out.append("| level | final train loss (last 10 it.) | final val loss | vs baseline | skipped steps |")
-    out.append("| --- | ---: | ---: | ---: | ---: |")
-    for s in parity["summaries"]:
-        out.append(f"| {s['level']} | {s['final_train_loss']:.4f} | {s['final_val_loss']:.4f} | "
-                   f"{_pct(s['final_val_loss'], base['final_val_loss'], 2)} | {s['skipped_steps']} |")
+    out.append(_parity_table(parity))
     from megatron.training.log import plot_loss_curves
 
     histories = [{"level": level, "train": [{"iteration": i, "loss": l} for i, l in zip(c["iteration"], c["loss"])],
@@ -219,13 +225,7 @@ def section_grad_accumulation() -> str:
                f"{parity['global_batch_size']} sequences of 128 tokens over {parity['data_parallel']} data-parallel ranks "
                f"in micro-batches of {parity['micro_batch_size']}, i.e. {parity['micro_batches_per_rank']} micro-batches "
                f"per rank per step before the gradient reduction (FP8 levels: FP8 all-reduce; O3: owner-reduce):\n")
-    base = next(s for s in parity["summaries"] if s["level"] == "none")
-    out.append("| level | final train loss | final val loss | vs baseline | skipped steps |")
-    out.append("| --- | ---: | ---: | ---: | ---: |")
-    for s in parity["summaries"]:
-        out.append(f"| {s['level']} | {s['final_train_loss']:.4f} | {s['final_val_loss']:.4f} | "
-                   f"{_pct(s['final_val_loss'], base['final_val_loss'], 2)} | {s['skipped_steps']} |")
-    out.append("")
+    out.append(_parity_table(parity) + "\n")
     return "\n".join(out)
 
 
