@@ -20,23 +20,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8.optim.base import FP8Optimizer
 from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.sharded import convert_to_sharded, register_sharded_optimizer
 from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "step_optimizer"]
 
 
 def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.optim.Optimizer:
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
-    # On CUDA the fused kernel: one launch, and no host synchronisation per step (the default keeps `step`
-    # on the host); O1's wrapper then passes its skip decision in as `found_inf`.
-    fused = all(p.is_cuda for g in groups for p in g["params"])
+    # The fused kernel (CUDA and CPU): one launch, `step` kept on device, and a skip decided on device through
+    # its `found_inf` input (the training loop's, or O1's wrapper's): no host synchronisation per step.
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             fused=fused or None)
+                             fused=True)
 
 
 def build_optimizer(
@@ -85,3 +85,28 @@ def build_optimizer(
             register_sharded_optimizer(chunk, optimizer)
     optimizer.scaling_module = scaling_module
     return optimizer
+
+
+@torch.no_grad()
+def step_optimizer(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """One optimizer step, skipped on device when the 0-d bool ``finite`` is not set.
+
+    The FP8 optimizers (O1's master-weight wrapper, O2, O3, the ZeRO-1 baseline) skip a step whose
+    gradients are not finite by themselves, on device (the training loop turns every gradient into NaN
+    when the global norm is not finite, :func:`megatron.training.grads.clip_and_poison_`); a fused
+    ``torch.optim`` optimizer (the baseline's AdamW) gets ``found_inf``, as torch's GradScaler passes it.
+    Only a non-fused optimizer (``--optimizer sgd`` at level ``none``: torch's fused SGD mis-initialises
+    its momentum when its first step is skipped) decides on the host.
+    """
+    if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)) or getattr(optimizer, "skips_on_device", False):
+        optimizer.step()
+        return
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    if bool(finite):  # host read (non-fused baseline optimizer only)
+        optimizer.step()
