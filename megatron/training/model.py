@@ -64,7 +64,7 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=args.sequence_parallel,
-        params_dtype=torch.float32,
+        params_dtype=getattr(args, "params_dtype", torch.float32),
         pipeline_dtype=pipeline_dtype,
         use_cpu_initialization=True,
         perform_initialization=True,

@@ -30,6 +30,7 @@ from . import cpu_compat
 from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
 from .log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
+from .mixed_precision import cast_to_bf16_, main_grad_bytes
 from .optimizer import build_optimizer, step_optimizer
 from .p2p import FP8P2PCommunicator
 
@@ -176,13 +177,17 @@ class _Run:
         self.counter = CommBytesCounter()
         cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
-        self.autocast = args.bf16
+        # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
+        # masters in the optimizer (megatron/training/mixed_precision.py).
+        self.autocast = False
         pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.config = transformer_config_from_args(args, pipeline_dtype)
         self.vocab_size = padded_vocab_size(datasets.vocab_size, args)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         chunks = build_model(args, self.config, self.vocab_size)
+        if args.bf16:
+            cast_to_bf16_(chunks)
         chunks = [_to_device(c, device) for c in chunks]
         for chunk in chunks:
             for module in chunk.modules():
@@ -198,7 +203,8 @@ class _Run:
         self.optimizer = build_optimizer(args, chunks, self.dp_group)
         if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
             self.optimizer.counter = self.counter
-        if self.dp_size > 1:
+        self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
+        if self.dp_size > 1 and self.main_grads is None:
             self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter) for c in chunks]
             self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         else:
@@ -226,7 +232,6 @@ class _Run:
             self.schedule_kwargs = {"p2p_communicator": p2p, "pg_collection": pgs}
         self.forward_backward = get_forward_backward_func()
         self.skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
-        self.main_grads = None
         self.world_group = dist.group.WORLD
         self.params = sum(p.numel() for c in chunks for p in c.parameters())
 
@@ -406,8 +411,12 @@ class _PendingRecords:
                 "skipped_steps": int(values["skipped_steps"]), "mu": values["mu"], "comm_bytes": item["comm_bytes"],
                 "comm_bytes_total": item["comm_bytes_total"], "comm_bytes_all_ranks": summed,
             })
-        records[-1]["memory"] = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
-                                              torch.nn.ModuleList(run.bare_chunks), run.optimizer)
+        memory = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
+                               torch.nn.ModuleList(run.bare_chunks), run.optimizer)
+        main = main_grad_bytes(run.optimizer)  # --bf16's FP32 main gradients, held across the step
+        memory["weight gradients"] += main
+        memory["total"] += main
+        records[-1]["memory"] = memory
         self.items = []
         return records
 
