@@ -151,3 +151,24 @@ def test_distributed_optimizer_matches_the_replicated_one(results):
     # Same FP32 main gradients and Adam arithmetic, sharded: equal up to FP32 rounding of the two
     # Adam implementations (torch's fused AdamW, fp8.optim's FP32 Adam), then BF16 rounding of the weights.
     assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)
+
+
+def test_planner_agrees_with_the_bf16_model():
+    """tools/memory_planner.py against fp8.memory_report (plus the FP32 main gradients) of pretrain_gpt.py's
+    --bf16 model at DP=2 (one launch): model state per category exact, for the baseline (BF16 weights 2 +
+    FP32 main gradients 4 + FP32 master 4 + FP32 Adam 8 = 18 B/param) and O1 (FP32 masters of the BF16
+    parameters too), and the gradient peak in backward."""
+    from benchmarks import planner_validation as pv
+
+    rows = pv.validate_megatron(2, [{"name": "dp2bf16", "layout": "DP=2", "flags": ["--bf16"],
+                                     "levels": ["none", "O1"], "recompute": [False]}], timeout=600)
+    state = [r for r in rows if r["what"] in (*pv.STATE_KEYS, "model state", "gradients, peak in backward")]
+    assert {r["level"] for r in state} == {"none", "O1"} and {r["rank"] for r in state} == {0, 1}
+    for row in state:
+        if row["what"] == "gradients, peak in backward":
+            assert row["planned"] == pytest.approx(row["measured"], rel=1e-3), row
+        else:
+            assert row["planned"] == pytest.approx(row["measured"], rel=1e-4, abs=16), row
+    none_total = next(r for r in state if r["level"] == "none" and r["what"] == "model state")
+    params = next(r for r in state if r["level"] == "none" and r["what"] == "weights")["measured"] / 2
+    assert none_total["measured"] == pytest.approx(18 * params, rel=1e-3)

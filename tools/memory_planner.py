@@ -167,6 +167,7 @@ class PlannerConfig:
     fp8_output_layer: bool = False
     dp_bucket_bytes: int = 25 * _MiB
     fp8_amax_history_len: int = 16
+    pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -322,7 +323,12 @@ class PlannerConfig:
             num_layers_per_virtual_pipeline_stage=get("num_layers_per_virtual_pipeline_stage"),
             sequence_parallel=bool(get("sequence_parallel", False)), recompute_granularity=recompute,
             data_parallel_size=dp, fp8_opt_level="none" if level in ("O0", None) else level,
-            bf16=bool(get("bf16", False)), fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False)),
+            bf16=bool(get("bf16", False)),
+            # pretrain_gpt.py's --bf16 (validated args carry params_dtype) is Megatron's: FP32 main gradients at
+            # level none (megatron/training/mixed_precision.py), stepped by torch's fused AdamW.
+            fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))
+            or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and level in ("none", "O0", None)),
+            pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
         )
@@ -447,7 +453,7 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 out["gradients"] += grad_hp * n
                 out["master_weights"] += -(-hp_master * n // share)
                 out["optimizer_states"] += -(-8 * n // share) + 4
-                if level == "none" and hp == 2:
+                if level == "none" and hp == 2 and not cfg.pretrain_bf16:
                     out["fp8_scaling_metadata"] += 3 * 4  # fp8.optim.AdamW(precision="O1"): m, v, master scales
             else:
                 mine["gradients"] += grad_hp * n
