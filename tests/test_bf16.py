@@ -142,15 +142,16 @@ def test_bf16_replicas_stay_identical_and_track_fp32(results, name):
     ref = results[0]["fp32-none"]["losses"]
     got = results[0][name]["losses"]
     # BF16 weights and activations (8-bit mantissa) over 4 steps from the same initial weights: measured
-    # |difference| <= 2.1e-3 over seeds (FP8 levels included); the bound keeps 2x+ headroom.
+    # max |difference| over 5 seeds: 2.3e-4 (none), 1.4e-3 (O1), 1.4e-3 (O2); the bound keeps 3.5x headroom.
     assert max(abs(x - y) for x, y in zip(got, ref)) < 5e-3, (got, ref)
 
 
 def test_distributed_optimizer_matches_the_replicated_one(results):
     a, b = results[0]["bf16-none"]["losses"], results[0]["bf16-none-distopt"]["losses"]
-    # Same FP32 main gradients and Adam arithmetic, sharded: equal up to FP32 rounding of the two
-    # Adam implementations (torch's fused AdamW, fp8.optim's FP32 Adam), then BF16 rounding of the weights.
-    assert max(abs(x - y) for x, y in zip(a, b)) < 2e-3, (a, b)
+    # Same FP32 main gradients and Adam arithmetic, sharded: equal up to FP32 rounding differences of the two
+    # Adam implementations (torch's fused AdamW, fp8.optim's FP32 Adam), which BF16 rounding of the weights
+    # mostly absorbs: measured identical losses over 5 seeds; the bound allows a few such roundings.
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, (a, b)
 
 
 def test_planner_agrees_with_the_bf16_model():
