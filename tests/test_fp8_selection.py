@@ -72,7 +72,7 @@ def test_pretrain_applies_min_dim_and_announces_it():
     assert out == {"0": 8, "128": 0}  # 2 layers x 4 linears in FP8, or none below --fp8-min-dim 128
     lines = [line for line in proc.stderr.splitlines() if "linear layer(s) run in FP8" in line]
     assert len(lines) == 2, proc.stderr[-2000:]
-    assert "pipeline stage 0: 8 of 9 linear layer(s) run in FP8; 1 stay in high precision: 1 the vocabulary " \
-           "projection (output layer)" in lines[0]
+    assert "pipeline stage 0: 8 of 9 linear layer(s) run in FP8; 1 stay in high precision: 1 vocabulary " \
+           "projection (output layer: high precision, as in Transformer Engine): output_layer" in lines[0]
     assert "0 of 9 linear layer(s) run in FP8" in lines[1] and "below min_fp8_dim=128" not in lines[1]
     assert "8 smaller than min_fp8_dim=128" in lines[1] and lines[1].endswith("no FP8 GEMM will run")

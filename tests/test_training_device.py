@@ -131,6 +131,31 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                     "next_step_trains": not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2])),
                     "params": [t for t in snapshots[-1]],
                 }
+        # Pipeline parallel (PP=2, 1F1B, FP8 messages at O2): the step reads nothing either, and a NaN
+        # gradient on the last stage only skips the step on both stages (the norm is summed over them).
+        results["pp2"] = {}
+        for level in ("none", "O2", "O2-interleaved"):
+            flags = FLAGS + ["--num-layers", "4", "--fp8-opt-level", level.split("-")[0], "--seed", str(seed),
+                             "--pipeline-model-parallel-size", "2"]
+            if level.endswith("interleaved"):
+                flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+            args = validate_args(parse_args(flags), world_size=world)
+            state["sharded"] = True  # poison rank 1 (the last stage) only
+            parallel_state.destroy_model_parallel()
+            training.initialize_distributed(args)
+            run = training._Run(args, training._Datasets(args))
+            source = run.data_iterators(training._Datasets(args).train)
+            data = ([iter([next(src) for _ in range(5 * args.num_microbatches)]) for src in source]
+                    if isinstance(source, list) else iter([next(source) for _ in range(5 * args.num_microbatches)]))
+            run.train_step(data, 0)
+            with HostSyncDetector() as step_detector:
+                skipped = []
+                for it in range(1, 5):
+                    state["poison"] = it == 2
+                    skipped.append(run.train_step(data, it)["skipped"])
+                    state["poison"] = False
+            results["pp2"][level] = {"step_hits": step_detector.hits[:3], "skipped": [bool(x) for x in skipped],
+                                     "overlapped": run.schedule_kwargs["p2p_communicator"].overlapped_calls}
         _meta_checks(results)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -187,3 +212,13 @@ def test_reductions_hand_collectives_tensors_on_the_groups_device(results):
         assert out["meta_group_refuses_cpu"]  # the check can fail: a CPU tensor is refused by this group
         for key in ("norm_device", "finite_device", "loss_device", "empty_loss_device", "o3_clip_device"):
             assert out[key] == "meta", key
+
+
+@pytest.mark.parametrize("level", ["none", "O2", "O2-interleaved"])
+def test_pipeline_parallel_step_reads_nothing_and_skips_on_every_stage(results, level):
+    for rank, out in enumerate(results):
+        r = out["pp2"][level]
+        assert not r["step_hits"], f"stage {rank}: host reads in the step:\n" + "\n".join(r["step_hits"])
+        assert r["skipped"] == [False, True, False, False]
+        # The interleaved schedule overlaps its pipeline messages (asynchronous requests); 1F1B waits at once.
+        assert (r["overlapped"] > 0) == level.endswith("interleaved"), r["overlapped"]

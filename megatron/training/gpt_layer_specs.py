@@ -188,7 +188,7 @@ def fp8_layer_selection(chunks: list[nn.Module]) -> tuple[int, list[tuple[str, s
                 else:
                     kept.append((prefix + name, getattr(module, "fp8_kept_reason", None) or "built without FP8"))
             elif isinstance(module, (CoreColumn, CoreRow)):
-                kept.append((prefix + name, "the vocabulary projection (output layer) stays in high precision"))
+                kept.append((prefix + name, "vocabulary projection (output layer: high precision, as in Transformer Engine)"))
     return n_fp8, kept
 
 
