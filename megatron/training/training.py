@@ -94,11 +94,19 @@ def _lr_at(args: argparse.Namespace, it: int) -> float:
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     device = next(model.parameters()).device
-    # The data pipeline builds micro-batches on the host; copy them to the model's device (asynchronous
-    # from pinned memory; no host read either way).
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    # The data pipeline builds micro-batches on the host; copy them to the model's device from pinned memory,
+    # asynchronously (no host read, no device synchronisation).
+    batch = {k: _to_device_async(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
