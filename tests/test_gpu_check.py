@@ -55,3 +55,24 @@ def test_gpu_tests_are_marked_and_skip_with_a_reason_without_cuda():
         pytest.skip("CUDA is available: the gpu tests ran")
     assert " passed" not in proc.stdout and "skipped" in proc.stdout
     assert "needs a CUDA GPU" in proc.stdout
+
+
+def test_gpu_step_smoke_mode_runs_every_path_on_cpu(tmp_path):
+    """benchmarks/gpu_step.py without CUDA: the smoke mode (tiny shapes) runs the model variants and the
+    linears and writes its JSON; no target is judged from CPU timings."""
+    import json
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: make gpu-check runs the full mode")
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--json", str(out), "--iters", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "smoke" and result["targets"] == ["targets are checked in full mode on a GPU only"]
+    assert [r["variant"] for r in result["model"]][:5] == ["bf16", "bf16_mixed", "O1", "O2", "O3"]
+    assert all("ms" in r for r in result["model"][:5]), result["model"]
+    fp8lm = [r for r in result["linear"] if r["variant"] == "fp8lm"]
+    assert len(fp8lm) == 4 and all(r["fp8"] and "speedup_vs_bf16" in r for r in fp8lm)  # CPU: min_fp8_dim 0
