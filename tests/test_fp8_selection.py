@@ -76,3 +76,19 @@ def test_pretrain_applies_min_dim_and_announces_it():
            "projection (output layer: high precision, as in Transformer Engine): output_layer" in lines[0]
     assert "0 of 9 linear layer(s) run in FP8" in lines[1] and "below min_fp8_dim=128" not in lines[1]
     assert "8 smaller than min_fp8_dim=128" in lines[1] and lines[1].endswith("no FP8 GEMM will run")
+
+
+def test_planner_applies_the_same_selection(monkeypatch):
+    from fp8.convert import CUDA_MIN_FP8_DIM
+    from tools.memory_planner import PlannerConfig, plan_memory
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
+             "--vocab-size", "256", "--fp8-opt-level", "O2"]
+    small = PlannerConfig.from_args(validate_args(parse_args(flags + ["--fp8-min-dim", "128"]), world_size=1))
+    every = PlannerConfig.from_args(validate_args(parse_args(flags + ["--fp8-min-dim", "0"]), world_size=1))
+    assert plan_memory(small)["fp8_params_per_gpu"] == 0
+    assert plan_memory(every)["fp8_params_per_gpu"] == 2 * (3 * 64 * 64 + 64 * 64 + 2 * 4 * 64 * 64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from tools import memory_planner
+
+    assert memory_planner._default_min_fp8_dim() == CUDA_MIN_FP8_DIM  # pretrain_gpt's CUDA default

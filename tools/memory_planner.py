@@ -168,6 +168,7 @@ class PlannerConfig:
     dp_bucket_bytes: int = 25 * _MiB
     fp8_amax_history_len: int = 16
     pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
+    min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -329,6 +330,8 @@ class PlannerConfig:
             fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))
             or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and level in ("none", "O0", None)),
             pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
+            # pretrain_gpt.py's --fp8-min-dim and its default (2048 on CUDA, 0 elsewhere), as the model applies it.
+            min_fp8_dim=get("fp8_min_dim", _default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
         )
@@ -347,6 +350,13 @@ class _Tensor:
     fp8: bool  # an FP8 weight (one Float8Linear each)
 
 
+def _default_min_fp8_dim() -> int:
+    """pretrain_gpt.py's default ``--fp8-min-dim``: 2048 on CUDA (``fp8.convert.CUDA_MIN_FP8_DIM``), else 0."""
+    import torch
+
+    return 2048 if torch.cuda.is_available() else 0
+
+
 def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
     """The parameters one GPU of pipeline stage ``stage`` holds (any TP rank: all hold the same sizes)."""
     h, f, tp, pp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
@@ -360,7 +370,7 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
             tensors.append(_Tensor(f"{prefix}.bias", h, False))
 
     def linear(prefix: str, n_out: int, n_in: int, bias_numel: int) -> None:
-        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8))
+        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim))
         if bias:
             tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False))
 
