@@ -7,6 +7,11 @@ hidden 128, Shakespeare with a 2,048-piece sentencepiece vocabulary, 16 x 128 to
 loss curves) and ``benchmarks/results/loss_parity.png``::
 
     python benchmarks/loss_parity.py --iters 600      # ~15 min on 2 idle cores
+
+With gradient accumulation (64 micro-batches of one sequence per rank per step, so FP8 weight gradients are
+summed over 64 backward passes before the FP8 all-reduce; results in ``loss_parity_accum.json``)::
+
+    python benchmarks/loss_parity.py --accumulate 64 --iters 80
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (16 must be divisible by it)")
     p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "loss_parity"))
+    p.add_argument("--accumulate", type=int, default=0,
+                   help="micro-batches of one sequence per rank per step (global batch = this x nproc); "
+                        "0: the demo's batch of 16 split over the ranks in one micro-batch each")
+    p.add_argument("--out", default=None, help="path stem (default: benchmarks/results/loss_parity[_accum])")
     a = p.parse_args()
-    out = Path(a.out)
+    default = "loss_parity_accum" if a.accumulate else "loss_parity"
+    out = Path(a.out or ROOT / "benchmarks" / "results" / default)
+    micro, global_batch = (1, a.accumulate * a.nproc) if a.accumulate else (16 // a.nproc, 16)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".jsonl")
     import socket
@@ -39,7 +49,7 @@ def main() -> None:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port", str(port),
            "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-           "--seq-length", "128", "--micro-batch-size", str(16 // a.nproc), "--global-batch-size", "16",
+           "--seq-length", "128", "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
            "--train-iters", str(a.iters),
            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", str(max(1, a.iters // 10)),
            "--eval-interval", str(a.eval_interval), "--eval-iters", "8", "--fp8-opt-level", "O2",
@@ -62,7 +72,9 @@ def main() -> None:
                 c["val_loss"].append(r["val_loss"])
     for s in summaries:
         s.pop("memory", None)
-    result = {"command": cmd[1:], "iters": a.iters, "data_parallel": a.nproc, "summaries": summaries, "curves": curves}
+    result = {"command": cmd[1:], "iters": a.iters, "data_parallel": a.nproc, "micro_batch_size": micro,
+              "global_batch_size": global_batch, "micro_batches_per_rank": global_batch // (micro * a.nproc),
+              "summaries": summaries, "curves": curves}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 

@@ -107,9 +107,11 @@ class Float8Tensor(torch.Tensor):
         return dequantize(self._data, self._scale, dtype or self.dtype)
 
     def __repr__(self) -> str:  # type: ignore[override]
+        # Metadata only: no host read of the scale (a device sync on CUDA), and no format spec on values,
+        # which are symbolic while torch.compile traces (Inductor's trace logging calls repr).
         return (
             f"Float8Tensor(format={self.format.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"scale={self._scale.item():g}, device={self.device})"
+            f"device={self.device})"
         )
 
     # -- subclass protocol (torch.compile, FSDP2, serialization) ----------------------------

@@ -253,7 +253,7 @@ def test_float8_inplace_add_runs_the_accumulation_kernel(gen, monkeypatch):
     for backend in ("torch", "triton"):
         monkeypatch.setattr(fp8.Float8Tensor, "accumulate_backend", backend)
         torch.manual_seed(1)
-        layer = fp8.Float8Linear(32, 48)
+        layer = fp8.Float8Linear(32, 48, config=fp8.Float8LinearConfig(grad_accumulation="fp8"))
         for xi in x:
             layer(xi).pow(2).sum().backward()
         grads[backend] = layer.weight.grad

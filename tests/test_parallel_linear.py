@@ -48,8 +48,8 @@ def test_one_rank_parallel_linear_equals_float8_linear(cls, seed):
     out.backward(g)
     out_ref.backward(g)
     assert torch.equal(x1.grad, x2.grad)
-    assert isinstance(layer.weight.grad, Float8Tensor)
-    assert torch.equal(layer.weight.grad.dequantize(), ref.weight.grad.dequantize())
+    assert type(layer.weight.grad) is torch.Tensor  # grad_accumulation="fp32": the GEMM's fp32 output
+    assert torch.equal(layer.weight.grad, ref.weight.grad)
     assert torch.equal(layer.bias.grad, ref.bias.grad)
 
 

@@ -33,9 +33,17 @@ precision, 2 weight + 2 gradient + 4 master + 8 Adam, and so does this planner's
 | level | FP8-layer weights | high-precision parameters |
 | --- | --- | --- |
 | none | hp weight + hp grad + FP32 master (bf16 only) + FP32 Adam m, v = 16 | same = 16 |
-| O1 | FP8 weight 1 + FP8 grad 1 + FP32 master 4 + FP32 m, v 8 = 14 | 16 |
-| O2 | 1 + 1 + FP16 master 2 + E4M3 m 1 + FP16 v 2 = 7 | hp + hp + FP32 master (bf16 only) + 1 + 2 = 11 |
-| O3 | O2 with masters, m, v and (after reduction) gradients kept only for the tensors this DP rank owns | |
+| O1 | FP8 weight 1 + grad G + FP32 master 4 + FP32 m, v 8 = 13 + G | 16 |
+| O2 | 1 + G + FP16 master 2 + E4M3 m 1 + FP16 v 2 = 6 + G | hp + hp + FP32 master (bf16 only) + 1 + 2 = 11 |
+| O3 | O2 with masters, m, v kept only for the tensors this DP rank owns | |
+
+G, the gradient of an FP8 weight, follows ``grad_accumulation`` (``fp8.Float8LinearConfig``, pretrain_gpt's
+``--fp8-grad-accumulation``): ``"fp32"`` (default) holds the fp32 sum over micro-batches, G = 4 on every rank
+(O3 included: ownership applies only after the last micro-batch's reduction, which leaves 1 byte per element);
+``"fp8"`` holds E4M3, G = 1 (plus a 4-byte scale per tensor), kept after the reduction only by the owner at O3.
+Both are the peak of the accumulation window (the last micro-batch's backward). With several DP ranks and one
+micro-batch per step, fp32 gradients turn into 1-byte ones bucket by bucket during backward, so the planner's
+G = 4 is an upper bound there.
 
 ``use_distributed_optimizer=True`` (BF16 baseline only: Megatron's distributed optimizer, ZeRO-1) splits
 the FP32 masters and Adam states evenly over DP and keeps the full gradient buffer. ``fp32_grads=True``
@@ -51,9 +59,7 @@ each FP8 parallel linear's current-scaling state of its FP8 reduce-scatter (69 B
 ownership follows ``fp8.optim.partition_by_size`` (whole tensors, largest first to the least-loaded rank;
 re-implemented in :func:`whole_tensor_partition` so planning imports no torch) over each stage's tensors;
 the worst DP rank (by bytes) is reported (every rank's in ``stages[i]["dp_rank_bytes"]``). Gradients are
-counted after the data-parallel reduction: with gradient accumulation (several micro-batches per step)
-every rank holds all its gradients until the last micro-batch's backward reduces them to their owners, so
-O3's peak gradient memory is the unsharded one (measured in benchmarks/planner_validation.py; not added).
+counted at the peak of the accumulation window (G above).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 adapted). Per layer and token, with hp-byte activations: norm inputs (hp x h each, plus fp32 mean/rstd),
@@ -84,7 +90,8 @@ quantizes and sums in fp32); tensor parallel with SP: one all-gather buffer of a
 pipeline (PP > 1): a send and a receive buffer of one micro-batch's hidden states.
 
 Optimizer-step transients (not at the same time as activations): O1 dequantizes every FP8 gradient into
-an FP32 master gradient before stepping (4 B per FP8 parameter); per-tensor optimizers (none, O2, O3) hold
+an FP32 master gradient before stepping (4 B per FP8 parameter; none for an fp32 gradient sum at one DP rank,
+which the master uses as it is); per-tensor optimizers (none, O2, O3) hold
 fp32 temporaries of the largest tensor (grad, master, m, v: 16 B per element); O3 also holds the FP8 weight
 all-gather (send shard + DP x shard, shard = the largest rank's FP8 elements, 1 B each, and the same for
 the high-precision parameters in hp). An Adam without fused kernels (torch's foreach AdamW) adds 4 B per
@@ -118,6 +125,7 @@ CATEGORIES = (
 _NORMS = ("LayerNorm", "RMSNorm")
 _POSITIONS = ("learned_absolute", "rope")
 _RECOMPUTE = ("none", "selective", "full")
+_GRAD_ACCUMULATION = ("fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
 _MiB = 2**20
 GiB = 2**30
 
@@ -167,6 +175,7 @@ class PlannerConfig:
     fp8_output_layer: bool = False
     dp_bucket_bytes: int = 25 * _MiB
     fp8_amax_history_len: int = 16
+    grad_accumulation: str = "fp32"
     pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
     min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
 
@@ -185,6 +194,9 @@ class PlannerConfig:
         tp, pp, dp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.data_parallel_size
         if self.fp8_opt_level not in OPT_LEVELS:
             raise ValueError(f"--fp8-opt-level must be one of {'|'.join(OPT_LEVELS)}, got {self.fp8_opt_level!r}")
+        if self.grad_accumulation not in _GRAD_ACCUMULATION:
+            raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(_GRAD_ACCUMULATION)}, "
+                             f"got {self.grad_accumulation!r}")
         if self.normalization not in _NORMS:
             raise ValueError(f"--normalization must be one of {'|'.join(_NORMS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITIONS:
@@ -334,6 +346,7 @@ class PlannerConfig:
             min_fp8_dim=get("fp8_min_dim", _default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
+            grad_accumulation=get("fp8_grad_accumulation", "fp32"),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -446,16 +459,21 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
             out["fp8_scaling_metadata"] += 4 + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scale, states
             if sp_scatter and not t.name.endswith("output_layer.weight"):
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
-            if level == "O1":
+            if cfg.grad_accumulation == "fp32":
+                out["gradients"] += 4 * n  # the fp32 sum, on every rank until the last micro-batch's reduction
+            elif level == "O1":
                 out["gradients"] += n
                 out["fp8_scaling_metadata"] += 4  # gradient scale
+            else:  # E4M3 gradient after the reduction: with the owner (O3)
+                mine["gradients"] += n
+                mine["fp8_scaling_metadata"] += 4
+            if level == "O1":
                 out["master_weights"] += 4 * n
                 out["optimizer_states"] += 8 * n + 4
-            else:  # O2, O3: gradient (after reduction), master, m, v and their scales live with the owner
-                mine["gradients"] += n
+            else:  # O2, O3: master, m, v and their scales live with the owner
                 mine["master_weights"] += 2 * n
                 mine["optimizer_states"] += 3 * n + 4
-                mine["fp8_scaling_metadata"] += 4 + 3 * 4  # gradient, master, m, v scales
+                mine["fp8_scaling_metadata"] += 3 * 4  # master, m, v scales
         else:
             out["weights"] += hp * n
             if level in ("none", "O1"):
@@ -475,7 +493,10 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
     largest = max(t.numel for t in tensors)
     fp8_numel = sum(t.numel for t in tensors if t.fp8)
     if level == "O1":
-        transient = 4 * fp8_numel
+        # FP8 gradients are dequantized into fp32 master gradients; an fp32 sum not reduced to FP8 (one DP rank)
+        # is the master gradient itself.
+        held_in_fp32 = cfg.grad_accumulation == "fp32" and cfg.data_parallel_size == 1
+        transient = 0 if held_in_fp32 else 4 * fp8_numel
     else:
         transient = 16 * largest
     if level == "O3" and cfg.data_parallel_size > 1:
@@ -800,6 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=_RECOMPUTE)
     p.add_argument("--data-parallel-size", type=int, default=None, help="default: WORLD_SIZE / (TP x PP), else 1")
     p.add_argument("--fp8-opt-level", choices=OPT_LEVELS, default="none")
+    p.add_argument("--fp8-grad-accumulation", choices=_GRAD_ACCUMULATION, default="fp32")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="BF16 baseline: Megatron's ZeRO-1")

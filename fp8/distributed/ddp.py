@@ -1,9 +1,10 @@
 """``DistributedDataParallel``: torch DDP's contract, with FP8 weight gradients sent as 1-byte values.
 
 Gradients come out averaged over the process group, as with ``torch.nn.parallel.DistributedDataParallel``.
-FP8 weight gradients (``fp8.Float8Tensor`` ``.grad`` of ``Float8Tensor`` parameters) are reduced with
-the scaled FP8 all-reduce and stay ``Float8Tensor`` (payload + scale); every other gradient is
-all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
+Gradients of FP8 weights (``Float8Tensor`` parameters) are reduced with the scaled FP8 all-reduce: an fp32
+gradient (``grad_accumulation="fp32"``, summed over ``no_sync()`` micro-batches) is quantized once for the
+wire, an E4M3 ``Float8Tensor`` gradient (``"fp8"``) is sent as it is, and either becomes a ``Float8Tensor``
+(payload + scale, 1 byte per element); every other gradient is all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
 parameter marks it ready, full buckets are launched in a fixed order with asynchronous collectives,
 and a callback queued on the autograd engine finishes them all at the end of backward, then closes
 the step of the scaling factor mu.
@@ -255,7 +256,8 @@ class DistributedDataParallel(nn.Module):
         for param, grad in zip(bucket.params, reduced):
             if grad is None:  # owner mode, not this rank's parameter: free its gradient
                 param.grad = None
-            elif param.grad is None:
+            elif param.grad is None or type(param.grad) is not type(grad):
+                # No gradient yet, or an fp32 sum (grad_accumulation="fp32") replaced by its reduced FP8 value.
                 param.grad = grad.clone()
             else:
                 param.grad.copy_(grad)  # Float8Tensor.copy_ of a Float8Tensor: payload and scale

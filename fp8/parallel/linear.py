@@ -11,7 +11,8 @@ the tensor-parallel group, as for sequence-parallel norms).
 
 ``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) computes like
 :class:`fp8.Float8Linear`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
-gradient, FP8 GEMMs with fp32 accumulation and an E4M3 weight gradient. Communication:
+gradient, FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
+(fp32 by default, summed exactly over micro-batches; see :mod:`fp8.linear`). Communication:
 
 ===========================  =========================================  ==========================================
 layer / pass                 sequence parallel                          tensor parallel only
@@ -44,7 +45,7 @@ from torch import nn
 from ..cast import quantize
 from ..distributed.bytes_counter import CommBytesCounter
 from ..gemm import fp8_mm
-from ..linear import Float8LinearConfig, fp8_dims_problem
+from ..linear import Float8LinearConfig, fp8_dims_problem, weight_grad
 from ..scaling import ScalingConfig, ScalingState
 from ..tensor import Float8Tensor, to_float8
 from .comm import TensorParallelComm
@@ -102,7 +103,7 @@ class _ParallelLinearBase(nn.Module):
             self.weight = nn.Parameter(weight.to(params_dtype))
             self.initial_master = None
         else:
-            self.weight = nn.Parameter(to_float8(weight, fp8.weight_fmt, dtype=params_dtype))
+            self.weight = nn.Parameter(to_float8(weight, fp8.weight_fmt, dtype=fp8.weight_dtype(params_dtype)))
             self.initial_master = weight
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
@@ -200,7 +201,7 @@ class _ColumnFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), full, out_dtype=torch.float32,
                             backend=fp8.gemm_backend)
-                grad_w = to_float8(dw, fp8.weight_grad_fmt, dtype=weight.dtype)
+                grad_w = weight_grad(dw, fp8, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b, None, None
@@ -260,7 +261,7 @@ class _RowFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), saved_x, out_dtype=torch.float32,
                             backend=fp8.gemm_backend)
-                grad_w = to_float8(dw, fp8.weight_grad_fmt, dtype=weight.dtype)
+                grad_w = weight_grad(dw, fp8, weight.dtype)
         return grad_x, grad_w, None, None
 
 

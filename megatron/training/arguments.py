@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fp8-opt-level", choices=OPT_LEVEL_CHOICES, default="O2")
     f.add_argument("--fp8-amax-history-len", type=int, default=16)
     f.add_argument("--fp8-margin", type=int, default=0)
+    f.add_argument("--fp8-grad-accumulation", choices=("fp32", "fp8"), default="fp32",
+                   help="FP8 weight gradients over micro-batches: summed in fp32 and quantized once for the "
+                        "data-parallel reduction, or held as E4M3 (Float8LinearConfig.grad_accumulation)")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")
