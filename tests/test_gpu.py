@@ -53,15 +53,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # -- FP8 GEMM and linear --------------------------------------------------------------------------------
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_scaled_mm_is_bit_exact_with_the_emulation_on_exact_inputs(gen, out_dtype):
-    """Integer payloads in [-8, 8] and power-of-two scales: every product and every partial sum over
-    K=512 (|sum| <= 512 * 64) is an integer below 2**24, so fp32 accumulation is exact in any order and
-    both paths must give the same bits."""
+    """Integer payloads in [-4, 4] and power-of-two scales: every product and every partial sum over
+    K=256 (|sum| <= 256 * 16 = 2**12) is an integer that even a tensor-core accumulator with ~14 mantissa
+    bits (Hopper's FP8 MMA before promotion to fp32) holds exactly, so any summation order gives the same
+    value and both paths must give the same bits."""
     from fp8.gemm import fp8_mm_payload
 
     device = _fp8_gpu()
-    m, k, n = 256, 512, 128
-    a = torch.randint(-8, 9, (m, k), generator=gen).float().to(torch.float8_e4m3fn).to(device)
-    b = torch.randint(-8, 9, (n, k), generator=gen).float().to(torch.float8_e4m3fn).to(device).t()  # column-major
+    m, k, n = 256, 256, 128
+    a = torch.randint(-4, 5, (m, k), generator=gen).float().to(torch.float8_e4m3fn).to(device)
+    b = torch.randint(-4, 5, (n, k), generator=gen).float().to(torch.float8_e4m3fn).to(device).t()  # column-major
     sa, sb = torch.tensor(0.5, device=device), torch.tensor(4.0, device=device)
     hw = fp8_mm_payload(a, sa, b, sb, out_dtype, backend="scaled_mm")
     em = fp8_mm_payload(a, sa, b, sb, out_dtype, backend="emulated")
@@ -69,8 +70,10 @@ def test_scaled_mm_is_bit_exact_with_the_emulation_on_exact_inputs(gen, out_dtyp
 
 
 def test_scaled_mm_matches_the_emulation_within_the_accumulation_bound(gen):
-    """Random E4M3 operands: the two paths differ only by fp32 summation order, bounded elementwise by
-    K * 2**-24 * sum_k |a_ik b_kj| (each of K additions rounds by at most half an ulp of the running sum)."""
+    """Random E4M3 operands: the two paths differ by summation order and accumulator precision only. fp32
+    order alone is bounded by K * 2**-24 * sum_k |a_ik b_kj|; Hopper's FP8 MMA keeps ~14 mantissa bits before
+    promoting to fp32 (DeepSeek-V3 report, sec. 3.3.2), i.e. up to ~2**-13 relative: bound 2**-11 of the
+    magnitude (4x that)."""
     from fp8.gemm import fp8_mm_payload
 
     device = _fp8_gpu()
@@ -81,7 +84,7 @@ def test_scaled_mm_matches_the_emulation_within_the_accumulation_bound(gen):
     hw = fp8_mm_payload(a, sa, b, sb, torch.float32, backend="scaled_mm")
     em = fp8_mm_payload(a, sa, b, sb, torch.float32, backend="emulated")
     magnitude = (a.float().abs() / sa) @ (b.float().abs() / sb)
-    assert ((hw - em).abs() <= k * 2**-24 * magnitude + 1e-30).all()
+    assert ((hw - em).abs() <= 2**-11 * magnitude + 1e-30).all()
 
 
 def test_float8_linear_on_cuda_matches_the_emulated_linear(gen):
