@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart quickstart-engine test
+.PHONY: install quickstart quickstart-engine test gpu-check
 
 install:
 	$(PIP) "$(TORCH_SPEC)"
@@ -20,3 +20,31 @@ quickstart-engine: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# The one GPU check (docs/gpu.md). Without a CUDA GPU it stops at once, installing nothing. On a CUDA machine:
+# the CUDA build of torch (kept if already there, else installed from TORCH_CUDA_INDEX), torchao and
+# Transformer Engine tried (optional: their benchmark rows are skipped when they cannot be installed), then the
+# CUDA-gated tests (alone in their process: real Triton kernels) and benchmarks/gpu_step.py, which writes
+# benchmarks/results/gpu_check.json. Budget: under 8 minutes on one H200 (tests ~3, benchmark <= GPU_STEP_BUDGET_S).
+TORCH_CUDA_SPEC ?= torch==2.13.0
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+GPU_STEP_BUDGET_S ?= 240
+
+gpu-check:
+	@if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU "; then \
+		echo "make gpu-check needs a CUDA GPU: nvidia-smi lists none on this machine. Nothing was installed or run;" \
+		     "run it on a machine with an NVIDIA GPU (FP8 needs compute capability >= 8.9, e.g. H100/H200)." >&2; \
+		exit 2; \
+	fi
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "gpu-check: keeping the installed CUDA build of torch"; \
+	else \
+		echo "gpu-check: installing the CUDA build of torch ($(TORCH_CUDA_SPEC) from $(TORCH_CUDA_INDEX))"; \
+		$(PIP) "$(TORCH_CUDA_SPEC)" --index-url "$(TORCH_CUDA_INDEX)" || { echo "gpu-check: could not install a CUDA build of torch" >&2; exit 1; }; \
+	fi
+	@$(PYTHON) -c "import fp8, megatron.core" 2>/dev/null || $(PIP) -e ".[test]"
+	@$(PYTHON) -c "import torchao" 2>/dev/null || $(PIP) torchao || echo "gpu-check: torchao not installable: its rows are skipped"
+	@$(PYTHON) -c "import transformer_engine.pytorch" 2>/dev/null || $(PIP) --no-build-isolation "transformer_engine[pytorch]" \
+		|| echo "gpu-check: Transformer Engine not installable: its rows are skipped"
+	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
+	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_step.py --budget-s $(GPU_STEP_BUDGET_S) --json benchmarks/results/gpu_check.json

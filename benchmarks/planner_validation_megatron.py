@@ -49,6 +49,7 @@ from fp8.memory import memory_report  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.mixed_precision import main_grad_bytes  # noqa: E402
 from tools.memory_planner import PlannerConfig, plan_memory  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
@@ -71,8 +72,10 @@ class GradientPeak:
     def sample(self, *_) -> None:
         seen, total = set(), 0
         for p in self.params:
-            if p.grad is not None:
-                for x in _tensors(p.grad):
+            for grad in (p.grad, getattr(p, "main_grad", None)):  # --bf16: FP32 main gradients
+                if grad is None:
+                    continue
+                for x in _tensors(grad):
                     key = _storage_key(x)
                     if key not in seen:
                         seen.add(key)
@@ -117,7 +120,11 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
 
     def step(*a, **kw):  # the report the optimizer step sees: after backward, reduction and clipping
         model = run.bare_chunks[0] if len(run.bare_chunks) == 1 else torch.nn.ModuleList(run.bare_chunks)
-        reports.append(memory_report(model, run.optimizer))
+        report = memory_report(model, run.optimizer)
+        main = main_grad_bytes(run.optimizer)  # --bf16's FP32 main gradients (level none)
+        report["weight gradients"] += main
+        report["total"] += main
+        reports.append(report)
         return real_step(*a, **kw)
 
     run.optimizer.step = step

@@ -11,7 +11,8 @@ from torch import nn
 
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
-__all__ = ["ConvertedLinear", "convert_to_float8_linear", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim"]
+__all__ = ["ConvertedLinear", "convert_to_float8_linear", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+           "announce_fp8_selection", "fp8_selection_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,14 @@ def convert_to_float8_linear(
         raise ValueError(f"min_fp8_dim must be >= 0 (0 converts every eligible layer), got {min_fp8_dim}")
     use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     converted: list[ConvertedLinear] = []
+    kept: list[tuple[str, str]] = []
     for fqn, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         reason = _skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim)
         if reason:
             logger.info("fp8: kept %s in high precision: %s", fqn or "<root>", reason)
+            kept.append((fqn or "<root>", reason))
             continue
         new = Float8Linear.from_linear(module, config)
         converted.append(ConvertedLinear(fqn, module.weight, new))
@@ -91,5 +94,41 @@ def convert_to_float8_linear(
             continue
         parent_name, _, child_name = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
-    logger.info("fp8: converted %d linear layer(s) to FP8", len(converted))
+    announce_fp8_selection(len(converted), kept, min_fp8_dim)
     return model, converted
+
+
+def _reason_kind(reason: str, min_fp8_dim: int) -> str:
+    """The reason without the layer's own sizes, so layers kept for the same cause group together."""
+    if "below min_fp8_dim" in reason:
+        return f"smaller than min_fp8_dim={min_fp8_dim} (too small to gain from FP8; pass min_fp8_dim=0 / --fp8-min-dim 0)"
+    if "multiples of 16" in reason:
+        return "dimensions not multiples of 16 (FP8 GEMMs need them)"
+    return reason
+
+
+def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int, max_names: int = 6) -> str:
+    """How many linear layers run in FP8 and which stay in high precision, grouped by reason."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in kept:
+        groups.setdefault(_reason_kind(reason, min_fp8_dim), []).append(name)
+    total = n_fp8 + len(kept)
+    message = f"fp8: {n_fp8} of {total} linear layer(s) run in FP8"
+    if kept:
+        parts = []
+        for kind, names in groups.items():
+            shown = ", ".join(names[:max_names]) + (f", ... ({len(names) - max_names} more)" if len(names) > max_names else "")
+            parts.append(f"{len(names)} {kind}: {shown}")
+        message += f"; {len(kept)} stay in high precision: " + "; ".join(parts)
+    if n_fp8 == 0 and total:
+        message += " -- no FP8 GEMM will run"
+    return message
+
+
+def announce_fp8_selection(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int,
+                           log: logging.Logger | None = None) -> str:
+    """Log :func:`fp8_selection_message` at WARNING (a model whose layers are all under ``min_fp8_dim``
+    runs no FP8 GEMM: that must not pass unnoticed). Returns the message."""
+    message = fp8_selection_message(n_fp8, kept, min_fp8_dim)
+    (log or logger).warning(message)
+    return message

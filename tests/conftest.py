@@ -33,3 +33,13 @@ def seed(request) -> int:
 def gen(seed) -> torch.Generator:
     """A torch.Generator seeded with :func:`seed`."""
     return torch.Generator().manual_seed(seed)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, on machines without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine: make gpu-check")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

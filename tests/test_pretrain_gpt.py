@@ -140,3 +140,14 @@ def test_cpu_compat_rebinds_only_megatron_core(monkeypatch):
     assert schedules.torch.zeros(2, device="cuda").device.type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.enable() is False  # nothing to do where CUDA exists
+
+
+@pytest.mark.parametrize("flag,expected", [([], "fp32"), (["--fp8-grad-accumulation", "fp8"], "fp8"),
+                                           (["--fp8-grad-accumulation", "fp32"], "fp32")])
+def test_fp8_grad_accumulation_flag_reaches_the_linear_recipe(flag, expected):
+    from megatron.training.model import fp8_recipe_from_args
+
+    args = _validate(["--fp8-opt-level", "O2", *flag])
+    assert fp8_recipe_from_args(args).grad_accumulation == expected
+    with pytest.raises(SystemExit):
+        parse_args(["--fp8-grad-accumulation", "bf16"])

@@ -176,6 +176,8 @@ class PlannerConfig:
     dp_bucket_bytes: int = 25 * _MiB
     fp8_amax_history_len: int = 16
     grad_accumulation: str = "fp32"
+    pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
+    min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -334,7 +336,14 @@ class PlannerConfig:
             num_layers_per_virtual_pipeline_stage=get("num_layers_per_virtual_pipeline_stage"),
             sequence_parallel=bool(get("sequence_parallel", False)), recompute_granularity=recompute,
             data_parallel_size=dp, fp8_opt_level="none" if level in ("O0", None) else level,
-            bf16=bool(get("bf16", False)), fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False)),
+            bf16=bool(get("bf16", False)),
+            # pretrain_gpt.py's --bf16 (validated args carry params_dtype) is Megatron's: FP32 main gradients at
+            # level none (megatron/training/mixed_precision.py), stepped by torch's fused AdamW.
+            fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))
+            or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and level in ("none", "O0", None)),
+            pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
+            # pretrain_gpt.py's --fp8-min-dim and its default (2048 on CUDA, 0 elsewhere), as the model applies it.
+            min_fp8_dim=get("fp8_min_dim", _default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
             grad_accumulation=get("fp8_grad_accumulation", "fp32"),
@@ -354,6 +363,13 @@ class _Tensor:
     fp8: bool  # an FP8 weight (one Float8Linear each)
 
 
+def _default_min_fp8_dim() -> int:
+    """pretrain_gpt.py's default ``--fp8-min-dim``: 2048 on CUDA (``fp8.convert.CUDA_MIN_FP8_DIM``), else 0."""
+    import torch
+
+    return 2048 if torch.cuda.is_available() else 0
+
+
 def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
     """The parameters one GPU of pipeline stage ``stage`` holds (any TP rank: all hold the same sizes)."""
     h, f, tp, pp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
@@ -367,7 +383,7 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
             tensors.append(_Tensor(f"{prefix}.bias", h, False))
 
     def linear(prefix: str, n_out: int, n_in: int, bias_numel: int) -> None:
-        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8))
+        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim))
         if bias:
             tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False))
 
@@ -465,7 +481,7 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 out["gradients"] += grad_hp * n
                 out["master_weights"] += -(-hp_master * n // share)
                 out["optimizer_states"] += -(-8 * n // share) + 4
-                if level == "none" and hp == 2:
+                if level == "none" and hp == 2 and not cfg.pretrain_bf16:
                     out["fp8_scaling_metadata"] += 3 * 4  # fp8.optim.AdamW(precision="O1"): m, v, master scales
             else:
                 mine["gradients"] += grad_hp * n

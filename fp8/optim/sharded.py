@@ -203,13 +203,16 @@ class ShardedFP8Optimizer(FP8Optimizer):
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"O3 clips with norm_type 2 or inf, got {norm_type}")
         grads = [p.grad for p in self.owned_params if p.grad is not None]
-        norms = [_norm(g, float(norm_type)) for g in grads]
+        # Partial norms live on the parameters' device (the process group's: CUDA for NCCL), also on a rank
+        # that owns no gradient this step; the all-reduce then needs no host copy.
+        device = self._skipped_counter.device
+        norms = [_norm(g, float(norm_type)).to(device) for g in grads]
         if norm_type == 2.0:
-            local = torch.stack([n.square() for n in norms]).sum() if norms else torch.zeros(())
+            local = torch.stack([n.square() for n in norms]).sum() if norms else torch.zeros((), device=device)
             self._comm.all_reduce(local, tag="grad norm").wait()
             total = local.sqrt()
         else:
-            local = torch.stack(norms).max() if norms else torch.zeros(())
+            local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
             self._comm.all_reduce(local, op=dist.ReduceOp.MAX, tag="grad norm").wait()
             total = local
         scale_grads_to_norm_(grads, total, max_norm)

@@ -43,6 +43,10 @@ class PipelineCodec:
             return torch.empty(tuple(shape), dtype=self.dtype, device=device)
         return torch.empty(self.wire_numel(shape), dtype=torch.uint8, device=device)
 
+    def empty_output(self, shape, device: torch.device | str) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` in the decoded dtype (what :meth:`decode` returns)."""
+        return torch.empty(tuple(shape), dtype=self.dtype, device=device)
+
     @torch.no_grad()
     def encode(self, tensor: torch.Tensor) -> torch.Tensor:
         """The wire buffer for ``tensor`` (FP8 payload + fp32 scale, or ``tensor`` in ``dtype``).

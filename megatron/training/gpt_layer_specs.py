@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 __all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
-           "layer_init_seed"]
+           "layer_init_seed", "SelectiveColumnParallelLinear", "SelectiveRowParallelLinear", "fp8_layer_selection"]
 
 
 class Norm(nn.Module):
@@ -134,6 +134,64 @@ class SeededTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
 
 
+def _select_fp8(partition_dim: int, input_size: int, output_size: int, fp8: Float8LinearConfig | None,
+                min_fp8_dim: int, config, tp_group) -> tuple[Float8LinearConfig | None, str | None]:
+    """FP8 or high precision for one parallel linear: high precision when the GEMM this rank runs (the local
+    weight shard) has ``min(in, out) < min_fp8_dim`` (too small to gain from FP8, see
+    :data:`fp8.convert.CUDA_MIN_FP8_DIM`). Returns ``(fp8 config or None, reason kept or None)``."""
+    if fp8 is None:
+        return None, "baseline (--fp8-opt-level none)"
+    tp = tp_group.size() if tp_group is not None else int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    local_in, local_out = (input_size, output_size // tp) if partition_dim == 0 else (input_size // tp, output_size)
+    if min(local_in, local_out) < min_fp8_dim:
+        return None, (f"in_features={local_in}, out_features={local_out} (per tensor-parallel rank) below "
+                      f"min_fp8_dim={min_fp8_dim} (too small to gain from FP8; --fp8-min-dim 0 converts it)")
+    return fp8, None
+
+
+class SelectiveColumnParallelLinear(ColumnParallelLinear):
+    """:class:`fp8.parallel.ColumnParallelLinear` that stays in high precision below ``min_fp8_dim``
+    (``fp8_kept_reason`` says why)."""
+
+    def __init__(self, input_size: int, output_size: int, *, fp8: Float8LinearConfig | None = None,
+                 min_fp8_dim: int = 0, **kwargs) -> None:
+        fp8, reason = _select_fp8(0, input_size, output_size, fp8, min_fp8_dim, kwargs.get("config"),
+                                  kwargs.get("tp_group"))
+        super().__init__(input_size, output_size, fp8=fp8, **kwargs)
+        self.fp8_kept_reason = reason
+
+
+class SelectiveRowParallelLinear(RowParallelLinear):
+    """:class:`fp8.parallel.RowParallelLinear` that stays in high precision below ``min_fp8_dim``."""
+
+    def __init__(self, input_size: int, output_size: int, *, fp8: Float8LinearConfig | None = None,
+                 min_fp8_dim: int = 0, **kwargs) -> None:
+        fp8, reason = _select_fp8(1, input_size, output_size, fp8, min_fp8_dim, kwargs.get("config"),
+                                  kwargs.get("tp_group"))
+        super().__init__(input_size, output_size, fp8=fp8, **kwargs)
+        self.fp8_kept_reason = reason
+
+
+def fp8_layer_selection(chunks: list[nn.Module]) -> tuple[int, list[tuple[str, str]]]:
+    """``(number of linears running in FP8, [(name, reason kept in high precision), ...])`` over this
+    rank's model chunks: fp8lm's parallel linears, and megatron-core's own linears (the output layer)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear as CoreColumn
+    from megatron.core.tensor_parallel.layers import RowParallelLinear as CoreRow
+
+    n_fp8, kept = 0, []
+    for i, chunk in enumerate(chunks):
+        prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        for name, module in chunk.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                if module.fp8 is not None:
+                    n_fp8 += 1
+                else:
+                    kept.append((prefix + name, getattr(module, "fp8_kept_reason", None) or "built without FP8"))
+            elif isinstance(module, (CoreColumn, CoreRow)):
+                kept.append((prefix + name, "vocabulary projection (output layer: high precision, as in Transformer Engine)"))
+    return n_fp8, kept
+
+
 def get_gpt_layer_fp8_spec(
     fp8: Float8LinearConfig | None = None,
     *,
@@ -141,18 +199,21 @@ def get_gpt_layer_fp8_spec(
     counter: CommBytesCounter | None = None,
     init_seed: int | None = None,
     qk_layernorm: bool = False,
+    min_fp8_dim: int = 0,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
     ``fp8``: the FP8 recipe (default ``Float8LinearConfig()``: E4M3 weights/activations, E5M2 output
     gradients, delayed scaling); ``high_precision=True`` builds the same layer without FP8 (the
     baseline). ``counter`` counts every tensor-parallel byte the linears send; ``init_seed`` makes
-    initialisation independent of the pipeline split (see :class:`SeededTransformerLayer`).
+    initialisation independent of the pipeline split (see :class:`SeededTransformerLayer`);
+    ``min_fp8_dim``: linears whose per-rank GEMM has ``min(in, out)`` below it stay in high precision
+    (:class:`SelectiveColumnParallelLinear`; 0 converts every linear).
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
     recipe = None if high_precision else (fp8 or Float8LinearConfig())
-    linear_params = {"fp8": recipe, "counter": counter}
+    linear_params = {"fp8": recipe, "counter": counter, "min_fp8_dim": min_fp8_dim}
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "init_seed": init_seed}
@@ -160,15 +221,15 @@ def get_gpt_layer_fp8_spec(
     layer.input_layernorm = Norm
     layer.pre_mlp_layernorm = Norm
     attention = layer.self_attention.submodules
-    attention.linear_qkv = ModuleSpec(module=ColumnParallelLinear, params=linear_params)
-    attention.linear_proj = ModuleSpec(module=RowParallelLinear, params=linear_params)
+    attention.linear_qkv = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
+    attention.linear_proj = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
     attention.core_attention = SDPAttention
     if qk_layernorm:
         attention.q_layernorm = Norm
         attention.k_layernorm = Norm
     mlp = layer.mlp.submodules
-    mlp.linear_fc1 = ModuleSpec(module=ColumnParallelLinear, params=linear_params)
-    mlp.linear_fc2 = ModuleSpec(module=RowParallelLinear, params=linear_params)
+    mlp.linear_fc1 = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
+    mlp.linear_fc2 = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
     return spec
 
 

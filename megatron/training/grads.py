@@ -15,19 +15,19 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8.distributed.bytes_counter import CommBytesCounter
-from fp8.optim.base import grad_value
+from fp8.optim.clip import _norm as _fp8_norm
 from fp8.parallel.comm import TensorParallelComm
 from fp8.tensor import Float8Tensor
 
-__all__ = ["finalize_model_grads", "global_grad_norm"]
+__all__ = ["finalize_model_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
 
 
 def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_embeddings: bool,
                          counter: CommBytesCounter | None = None) -> None:
     """Sum sequence-parallel parameter gradients over ``tp_group`` and tied embedding gradients over
     ``embd_group`` (when ``tied_embeddings`` and the pipeline has more than one stage)."""
-    sp_grads = [p.grad for c in chunks for p in c.parameters()
-                if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    sp_grads = [main_grad(p) for c in chunks for p in c.parameters()
+                if getattr(p, "sequence_parallel", False) and main_grad(p) is not None]
     if sp_grads and dist.get_world_size(tp_group) > 1:
         flat = torch.cat([g.reshape(-1) for g in sp_grads])
         TensorParallelComm(tp_group, counter).all_reduce(flat, "sp param grads")
@@ -40,29 +40,100 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
             if not (getattr(chunk, "pre_process", False) or getattr(chunk, "post_process", False)):
                 continue
             weight = chunk.shared_embedding_or_output_weight()
-            if weight is None or weight.grad is None:
+            grad = None if weight is None else main_grad(weight)
+            if grad is None:
                 continue
-            if isinstance(weight.grad, Float8Tensor):
+            if isinstance(grad, Float8Tensor):
                 raise RuntimeError("tied embeddings are expected in high precision")
-            TensorParallelComm(embd_group, counter).all_reduce(weight.grad, "tied embedding grads")
+            TensorParallelComm(embd_group, counter).all_reduce(grad, "tied embedding grads")
+
+
+def main_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer steps on for parameter ``p``: its FP32 main gradient under ``--bf16``
+    (:mod:`megatron.training.mixed_precision`), otherwise ``p.grad``."""
+    grad = getattr(p, "main_grad", None)
+    return grad if grad is not None else p.grad
+
+
+def model_grads(chunks: list[nn.Module]) -> list[torch.Tensor]:
+    """Every gradient of ``chunks`` once (main gradients where they exist)."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            grad = main_grad(p)
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
+def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared L2 norms of ``grads`` as a 0-d fp32 tensor on ``device``: one ``_foreach_norm``
+    per (device, dtype) group of plain gradients, FP8 gradients through payload and scale; no host
+    synchronisation (nothing is read back, nothing is copied per parameter)."""
+    parts = [torch.zeros((), dtype=torch.float32, device=device)]
+    plain: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, Float8Tensor):
+            parts.append(_fp8_norm(g, 2.0).square().reshape(()))
+        else:
+            plain.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), group in plain.items():
+        norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        parts.append(torch.stack(norms).square().sum())
+    return torch.stack([p.to(device) for p in parts]).sum()
 
 
 @torch.no_grad()
-def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stage: bool) -> torch.Tensor:
-    """L2 norm (fp32) of all gradients of the model across ``group`` (the ranks holding distinct parts
-    of the model: tensor x pipeline parallel, and data parallel when gradients are sharded, O3)."""
-    total = torch.zeros((), dtype=torch.float32)
+def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stage: bool,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """L2 norm (0-d fp32 tensor on ``device``) of all gradients of the model across ``group`` (the ranks
+    holding distinct parts of the model: tensor x pipeline parallel, and data parallel when gradients
+    are sharded, O3). ``device`` (default: the first parameter's) is where the partial sums live and
+    what is all-reduced: the process group's device (CUDA for NCCL). No host synchronisation."""
     seen: set[int] = set()
+    counted = []
     for chunk in chunks:
         for p in chunk.parameters():
-            if id(p) in seen or p.grad is None:
+            if id(p) in seen:
                 continue
             seen.add(id(p))
+            if device is None:
+                device = p.device
+            grad = main_grad(p)
+            if grad is None:
+                continue
             if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
                 continue
             if getattr(p, "shared_embedding", False) and not pp_first_stage:
                 continue  # the last stage's copy of a tied embedding: counted on the first stage
-            total = total + grad_value(p.grad).square().sum().to(total.device)
+            counted.append(grad)
+    total = _squared_norms(counted, device if device is not None else torch.device("cpu"))
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
+
+
+@torch.no_grad()
+def clip_and_poison_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale ``grads`` (global norm ``norm``) by ``min(1, max_norm / norm)`` (no clipping when ``max_norm``
+    is 0), or by NaN when ``norm`` is not finite: every rank then sees non-finite gradients, and each
+    optimizer skips the step on device (every opt level decides its skip from its own gradients), so
+    the skip needs no host read and all model-parallel ranks agree. Returns the 0-d bool ``finite``.
+
+    FP8 gradients are scaled through their scale (exact), others multiplied in place."""
+    finite = torch.isfinite(norm)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    else:
+        coef = torch.ones_like(norm)
+    coef = torch.where(finite, coef, torch.full_like(coef, float("nan")))
+    for g in grads:
+        if isinstance(g, Float8Tensor):
+            g.scale.div_(coef)
+        else:
+            g.mul_(coef.to(g.dtype))
+    return finite

@@ -15,7 +15,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
-__all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size"]
+__all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
+           "resolved_min_fp8_dim", "announce_layer_selection"]
+
+
+def resolved_min_fp8_dim(args: argparse.Namespace) -> int:
+    """``--fp8-min-dim``, or its default: :data:`fp8.convert.CUDA_MIN_FP8_DIM` on CUDA (the measured
+    crossover below which an FP8 GEMM is slower than BF16), 0 on CPU (no FP8 units: every eligible linear
+    is converted, as in ``fp8.initialize``)."""
+    from fp8.convert import CUDA_MIN_FP8_DIM
+
+    value = getattr(args, "fp8_min_dim", None)
+    if value is None:
+        return CUDA_MIN_FP8_DIM if torch.cuda.is_available() else 0
+    return value
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -32,6 +45,7 @@ def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
     return Float8LinearConfig(
         input=ScalingConfig("e4m3", "delayed", history, margin),
         grad_output=ScalingConfig("e5m2", "delayed", history, margin),
+        grad_accumulation=getattr(args, "fp8_grad_accumulation", "fp32"),
     )
 
 
@@ -51,7 +65,7 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=args.sequence_parallel,
-        params_dtype=torch.float32,
+        params_dtype=getattr(args, "params_dtype", torch.float32),
         pipeline_dtype=pipeline_dtype,
         use_cpu_initialization=True,
         perform_initialization=True,
@@ -71,6 +85,9 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         cross_entropy_loss_fusion=False,
         batch_p2p_comm=False,
         batch_p2p_sync=False,
+        # The interleaved schedule overlaps its pipeline sends/receives with compute (Megatron-LM's default
+        # there); megatron.training.p2p hands it asynchronous requests.
+        overlap_p2p_comm=vp is not None,
         **recompute,
     )
 
@@ -81,7 +98,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
     Call after ``parallel_state.initialize_model_parallel`` and after seeding (``cpu_compat.seed``).
     """
     fp8 = fp8_recipe_from_args(args)
-    layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed)
+    layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed,
+                                        min_fp8_dim=resolved_min_fp8_dim(args))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
@@ -106,3 +124,22 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
         )
         chunks.append(model)
     return chunks
+
+
+def announce_layer_selection(args: argparse.Namespace, chunks: list, log: bool = True) -> tuple[int, list]:
+    """How many of this rank's linears run in FP8 and which stay in high precision, and why; logged at
+    WARNING (by the caller's choice of rank) for the FP8 levels. Returns ``(n_fp8, kept)``."""
+    import logging
+
+    from fp8.convert import fp8_selection_message
+
+    from .gpt_layer_specs import fp8_layer_selection
+
+    n_fp8, kept = fp8_layer_selection(chunks)
+    if log and args.fp8_opt_level != "none":
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        logger = logging.getLogger("megatron.training")
+        message = fp8_selection_message(n_fp8, kept, resolved_min_fp8_dim(args))
+        logger.warning("pretrain_gpt.py --fp8-opt-level %s, pipeline stage %d: %s", args.fp8_opt_level, stage,
+                       message.removeprefix("fp8: "))
+    return n_fp8, kept

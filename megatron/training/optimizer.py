@@ -20,23 +20,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8.optim.base import FP8Optimizer
 from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.sharded import convert_to_sharded, register_sharded_optimizer
 from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
-__all__ = ["build_optimizer"]
+from .mixed_precision import BF16MasterOptimizer, MainGrads, bf16_params
+
+__all__ = ["build_optimizer", "step_optimizer"]
 
 
 def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.optim.Optimizer:
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
-    # On CUDA the fused kernel: one launch, and no host synchronisation per step (the default keeps `step`
-    # on the host); O1's wrapper then passes its skip decision in as `found_inf`.
-    fused = all(p.is_cuda for g in groups for p in g["params"])
+    # The fused kernel (CUDA and CPU): one launch, `step` kept on device, and a skip decided on device through
+    # its `found_inf` input (the training loop's, or O1's wrapper's): no host synchronisation per step.
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             fused=fused or None)
+                             fused=True)
 
 
 def build_optimizer(
@@ -49,6 +51,11 @@ def build_optimizer(
     for chunk in chunks:
         for weight, initial in take_initial_masters(chunk).items():
             masters[weight] = nn.Parameter(initial.to(weight.device), requires_grad=weight.requires_grad)
+    if getattr(args, "bf16", False) and level in ("none", "O1"):
+        # --bf16: FP32 masters of the BF16 parameters (O2/O3's fp8.optim keeps FP32 masters of 16-bit
+        # parameters itself).
+        for p in bf16_params(chunks):
+            masters[p] = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
     decay, no_decay = [], []
     seen: set[int] = set()
     for chunk in chunks:
@@ -64,6 +71,8 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     base = _torch_optimizer(args, groups)
     scaling_module = nn.ModuleList(chunks)
+    if level == "none" and getattr(args, "bf16", False):
+        return _bf16_baseline(args, base, masters, scaling_module, dp_group)
     if level == "none":
         if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
@@ -85,3 +94,56 @@ def build_optimizer(
             register_sharded_optimizer(chunk, optimizer)
     optimizer.scaling_module = scaling_module
     return optimizer
+
+
+def _no_gather() -> None:
+    return None
+
+
+def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
+                   dp_group) -> BF16MasterOptimizer:
+    """Megatron's ``--bf16`` baseline: FP32 masters (sharded over data parallel with
+    ``--use-distributed-optimizer``) stepped on FP32 main gradients, copied back into the BF16 parameters."""
+    inner = base
+    owns = None
+    if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
+        # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
+        inner = convert_to_sharded(base, {}, "O1", {}, dp_group)
+        inner.scaling_module = None
+        inner.gather_params = _no_gather  # BF16MasterOptimizer gathers the BF16 parameters instead
+        with torch.no_grad():
+            for master in masters.values():
+                if not inner.owns(master):
+                    master.data = torch.empty(0, dtype=master.dtype, device=master.device)
+        master_of = dict(masters)
+
+        def owns(p, _inner=inner, _master_of=master_of):
+            return _inner.owns(_master_of[p])
+    main_grads = MainGrads(list(masters), dp_group, owns)
+    return BF16MasterOptimizer(inner, [(master, p) for p, master in masters.items()], scaling_module, main_grads)
+
+
+@torch.no_grad()
+def step_optimizer(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """One optimizer step, skipped on device when the 0-d bool ``finite`` is not set.
+
+    The FP8 optimizers (O1's master-weight wrapper, O2, O3, the ZeRO-1 baseline) skip a step whose
+    gradients are not finite by themselves, on device (the training loop turns every gradient into NaN
+    when the global norm is not finite, :func:`megatron.training.grads.clip_and_poison_`); a fused
+    ``torch.optim`` optimizer (the baseline's AdamW) gets ``found_inf``, as torch's GradScaler passes it.
+    Only a non-fused optimizer (``--optimizer sgd`` at level ``none``: torch's fused SGD mis-initialises
+    its momentum when its first step is skipped) decides on the host.
+    """
+    if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)) or getattr(optimizer, "skips_on_device", False):
+        optimizer.step()
+        return
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    if bool(finite):  # host read (non-fused baseline optimizer only)
+        optimizer.step()

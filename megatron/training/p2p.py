@@ -6,6 +6,11 @@ activations sent forward as E4M3 with their scale, their gradients sent back as 
 per value plus 4 bytes per message. With ``fp8=False`` it sends the high-precision tensors (the
 baseline), through the same code, counted the same way. Receive buffers live on the model's device, so
 this works on CPU (gloo) and GPU (NCCL) alike.
+
+Overlap: with ``wait_on_reqs=False`` (megatron-core's ``overlap_p2p_comm``, which pretrain_gpt.py turns on
+for the interleaved schedule, as Megatron-LM does) the requests are handed to the schedule and the
+received tensor is filled (decoded) when the schedule waits on its request; otherwise every request has
+completed on return (megatron-core's 1F1B schedule waits right away too).
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ class FP8P2PCommunicator(P2PCommunicator):
         self.backward_codec = PipelineCodec("e5m2" if fp8 else None, config.pipeline_dtype)
         self.device = torch.device(device)
         self.counter = counter
+        self.overlapped_calls = 0  # calls that handed the schedule asynchronous requests (wait_on_reqs=False)
 
-    def _send(self, codec: PipelineCodec, tensor: torch.Tensor, peer: int, tag: str) -> dist.Work:
+    def _send_wire(self, codec: PipelineCodec, tensor: torch.Tensor, tag: str) -> torch.Tensor:
         wire = codec.encode(tensor)
         if self.counter is not None:
             self.counter.record("send", wire.numel() * wire.element_size(), self.pp_group.size(), tag)
-        return dist.isend(wire, peer, group=self.pp_group)
+        return wire
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs: bool = True):
@@ -50,20 +56,41 @@ class FP8P2PCommunicator(P2PCommunicator):
             raise RuntimeError("tensor_shape must be given to receive (seq_length, micro_batch_size, hidden_size)")
         if self.config.variable_seq_lengths:
             raise ValueError("FP8P2PCommunicator needs fixed sequence lengths (variable_seq_lengths=False)")
-        works = []
+        works = {}
         recv_prev_wire = recv_next_wire = None
         # Receives are posted before sends; every call is asynchronous, so the order cannot deadlock.
         if recv_prev:
             recv_prev_wire = self.forward_codec.empty_wire(tensor_shape, self.device)
-            works.append(dist.irecv(recv_prev_wire, self.prev_rank, group=self.pp_group))
+            works["recv_prev"] = dist.irecv(recv_prev_wire, self.prev_rank, group=self.pp_group)
         if recv_next:
             recv_next_wire = self.backward_codec.empty_wire(tensor_shape, self.device)
-            works.append(dist.irecv(recv_next_wire, self.next_rank, group=self.pp_group))
+            works["recv_next"] = dist.irecv(recv_next_wire, self.next_rank, group=self.pp_group)
+        sent = {}
         if tensor_send_next is not None:
-            works.append(self._send(self.forward_codec, tensor_send_next, self.next_rank, "pp activations"))
+            sent["send_next"] = self._send_wire(self.forward_codec, tensor_send_next, "pp activations")
+            works["send_next"] = dist.isend(sent["send_next"], self.next_rank, group=self.pp_group)
         if tensor_send_prev is not None:
-            works.append(self._send(self.backward_codec, tensor_send_prev, self.prev_rank, "pp gradients"))
-        for work in works:
+            sent["send_prev"] = self._send_wire(self.backward_codec, tensor_send_prev, "pp gradients")
+            works["send_prev"] = dist.isend(sent["send_prev"], self.prev_rank, group=self.pp_group)
+        if not wait_on_reqs:
+            # Overlap (megatron-core's interleaved schedule with overlap_p2p_comm): hand the schedule its
+            # requests; a receive's wait() also decodes the wire into the tensor returned now, which the
+            # schedule reads only after waiting on that request. Sends keep their wire buffers alive.
+            self.overlapped_calls += 1
+            handles = {}
+            recv_prev_tensor = recv_next_tensor = None
+            if recv_prev_wire is not None:
+                recv_prev_tensor = self.forward_codec.empty_output(tensor_shape, self.device).requires_grad_(True)
+                handles["recv_prev"] = _DecodeOnWait(works["recv_prev"], self.forward_codec, recv_prev_wire,
+                                                     recv_prev_tensor, tensor_shape)
+            if recv_next_wire is not None:
+                recv_next_tensor = self.backward_codec.empty_output(tensor_shape, self.device).requires_grad_(True)
+                handles["recv_next"] = _DecodeOnWait(works["recv_next"], self.backward_codec, recv_next_wire,
+                                                     recv_next_tensor, tensor_shape)
+            for key, wire in sent.items():
+                handles[key] = _SendRequest(works[key], wire)
+            return recv_prev_tensor, recv_next_tensor, handles
+        for work in works.values():
             work.wait()
         recv_prev_tensor = recv_next_tensor = None
         if recv_prev_wire is not None:
@@ -73,3 +100,38 @@ class FP8P2PCommunicator(P2PCommunicator):
         # Everything has completed: no handles left for the schedule to wait on.
         handles = [] if self.config.batch_p2p_comm else {}
         return recv_prev_tensor, recv_next_tensor, handles
+
+
+class _DecodeOnWait:
+    """A pipeline receive request: ``wait()`` waits for the wire buffer, then decodes it (FP8 payload and
+    scale, or the high-precision values) into the tensor the schedule was handed (once)."""
+
+    def __init__(self, work: dist.Work, codec: PipelineCodec, wire: torch.Tensor, out: torch.Tensor, shape) -> None:
+        self.work, self.codec, self.wire, self.out, self.shape = work, codec, wire, out, shape
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            with torch.no_grad():
+                self.out.copy_(self.codec.decode(self.wire, self.shape))
+            self.work = self.wire = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class _SendRequest:
+    """A pipeline send request holding its wire buffer until the send has completed."""
+
+    def __init__(self, work: dist.Work, wire: torch.Tensor) -> None:
+        self.work, self.wire = work, wire
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.wire = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()

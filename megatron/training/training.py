@@ -20,19 +20,18 @@ import torch.distributed as dist
 
 from fp8.distributed import CommBytesCounter, DistributedDataParallel
 from fp8.memory import memory_report
-from fp8.optim.clip import scale_grads_to_norm_
 from fp8.parallel.linear import _ParallelLinearBase
-from fp8.scaling import discard_step_amaxes
 from fp8.tensor import Float8Tensor
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import cpu_compat
-from .grads import finalize_model_grads, global_grad_norm
+from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
 from .log import TrainingLogger
-from .model import build_model, padded_vocab_size, transformer_config_from_args
-from .optimizer import build_optimizer
+from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
+from .mixed_precision import cast_to_bf16_, main_grad_bytes
+from .optimizer import build_optimizer, step_optimizer
 from .p2p import FP8P2PCommunicator
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory"]
@@ -94,8 +93,20 @@ def _lr_at(args: argparse.Namespace, it: int) -> float:
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    # The data pipeline builds micro-batches on the host; copy them to the model's device from pinned memory,
+    # asynchronously (no host read, no device synchronisation).
+    batch = {k: _to_device_async(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -174,13 +185,17 @@ class _Run:
         self.counter = CommBytesCounter()
         cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
-        self.autocast = args.bf16
+        # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
+        # masters in the optimizer (megatron/training/mixed_precision.py).
+        self.autocast = False
         pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.config = transformer_config_from_args(args, pipeline_dtype)
         self.vocab_size = padded_vocab_size(datasets.vocab_size, args)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         chunks = build_model(args, self.config, self.vocab_size)
+        if args.bf16:
+            cast_to_bf16_(chunks)
         chunks = [_to_device(c, device) for c in chunks]
         for chunk in chunks:
             for module in chunk.modules():
@@ -189,11 +204,15 @@ class _Run:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
+        # FP8 layer selection, announced once per pipeline stage (its first tensor- and data-parallel rank).
+        self.fp8_selection = announce_layer_selection(
+            args, chunks, log=self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0)
         self.bare_chunks = chunks
         self.optimizer = build_optimizer(args, chunks, self.dp_group)
         if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
             self.optimizer.counter = self.counter
-        if self.dp_size > 1:
+        self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
+        if self.dp_size > 1 and self.main_grads is None:
             self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter) for c in chunks]
             self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         else:
@@ -220,7 +239,8 @@ class _Run:
             pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
             self.schedule_kwargs = {"p2p_communicator": p2p, "pg_collection": pgs}
         self.forward_backward = get_forward_backward_func()
-        self.skipped_steps = 0
+        self.skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
+        self.world_group = dist.group.WORLD
         self.params = sum(p.numel() for c in chunks for p in c.parameters())
 
     def _model_arg(self):
@@ -232,15 +252,31 @@ class _Run:
         its = [_batches(dataset, self.args, self.dp_rank, self.dp_size, consumed=consumed) for _ in self.chunks]
         return its if len(its) > 1 else its[0]
 
-    def _average_loss(self, losses: list[dict]) -> float:
-        """Mean ``lm loss`` over micro-batches and data-parallel ranks, known on every rank."""
+    def _loss_sum_count(self, losses: list[dict]) -> torch.Tensor:
+        """``[sum of lm loss, number of micro-batches]`` over this step's micro-batches and every rank
+        (fp32, on the run's device: the all-reduce's tensor lives on the group's device, CUDA for NCCL;
+        nothing is read to the host). Ranks off the last pipeline stage contribute zeros."""
         if losses:
-            vals = torch.stack([d["lm loss"].float().reshape(()) for d in losses])
-            t = torch.tensor([vals.sum().item(), float(len(losses))], dtype=torch.float64)
+            vals = torch.stack([d["lm loss"].detach().float().reshape(()) for d in losses]).to(self.device)
+            t = torch.stack([vals.sum(), torch.full((), float(len(losses)), device=self.device)])
         else:
-            t = torch.zeros(2, dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+            t = torch.zeros(2, dtype=torch.float32, device=self.device)
+        dist.all_reduce(t, group=self.world_group)
+        return t
+
+    @staticmethod
+    def _mean(sum_count: torch.Tensor) -> torch.Tensor:
+        return torch.where(sum_count[1] > 0, sum_count[0] / sum_count[1].clamp(min=1),
+                           torch.full_like(sum_count[0], float("nan")))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (reads the device counter: call at log/save time only)."""
+        return int(self.skipped_counter)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value) -> None:
+        self.skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self.device).clone()
 
     def _context(self):
         if self.autocast:
@@ -259,20 +295,18 @@ class _Run:
                 model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
+        if self.main_grads is not None:
+            self.main_grads.finish(self.counter)  # --bf16: FP32 main gradients reduced over data parallel
         finalize_model_grads(self.bare_chunks, self.tp_group, self.embd_group, self.tied and self.pp_size > 1,
                              self.counter)
-        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_group, self.first_stage)
-        finite = bool(torch.isfinite(norm))
-        if finite:
-            if args.clip_grad > 0:
-                grads = [p.grad for c in self.bare_chunks for p in c.parameters() if p.grad is not None]
-                scale_grads_to_norm_(grads, norm, args.clip_grad)
-            self.optimizer.step()
-        else:
-            self.skipped_steps += 1
-            for chunk in self.bare_chunks:
-                discard_step_amaxes(chunk)
-        return {"loss": self._average_loss(losses), "lr": lr, "grad_norm": float(norm), "skipped": not finite}
+        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_group, self.first_stage, self.device)
+        # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
+        # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
+        finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
+        step_optimizer(self.optimizer, finite)
+        self.skipped_counter += (~finite).to(torch.int64)
+        return {"loss": self._mean(self._loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
+                "skipped": ~finite}
 
     @torch.no_grad()
     def evaluate(self, dataset) -> float:
@@ -290,23 +324,14 @@ class _Run:
                 )
         for chunk in self.chunks:
             chunk.train()
-        return self._average_loss(losses)
+        return float(self._mean(self._loss_sum_count(losses)))  # one host read per evaluation
 
-    def mu(self) -> float | None:
+    def mu(self) -> torch.Tensor | None:
+        """The data-parallel gradient scaling factor mu after this step (a device value, or None)."""
         if self.dp_size > 1 and self.args.fp8_opt_level != "none" and hasattr(self.chunks[0], "grad_scaling"):
-            return float(self.chunks[0].grad_scaling.mu)
+            mu = self.chunks[0].grad_scaling.mu
+            return mu.detach().clone() if isinstance(mu, torch.Tensor) else torch.tensor(float(mu))
         return None
-
-
-def _sum_over_ranks(by_tag: dict[str, float]) -> dict[str, float]:
-    """Bytes sent per tag, summed over every rank of the job."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dict(by_tag))
-    total: dict[str, float] = {}
-    for part in gathered:
-        for tag, value in part.items():
-            total[tag] = total.get(tag, 0.0) + value
-    return total
 
 
 def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger) -> RunHistory:
@@ -319,33 +344,104 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
         start = load_checkpoint(args.load, run)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=start * args.global_batch_size)
-    tokens_per_iter = args.global_batch_size * args.seq_length
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
+    pending = _PendingRecords(args, run)
     for it in range(start, args.train_iters):
         run.counter.reset()
-        t0 = time.perf_counter()
         step = run.train_step(data, it)
-        elapsed = time.perf_counter() - t0
-        record = {
-            "level": args.fp8_opt_level, "iteration": it + 1, **step, "iteration_time_s": elapsed,
-            "tokens_per_s": tokens_per_iter / elapsed, "skipped_steps": run.skipped_steps,
-            "mu": run.mu(), "comm_bytes": dict(run.counter.by_tag),
-            "comm_bytes_total": run.counter.total, "comm_bytes_all_ranks": _sum_over_ranks(run.counter.by_tag),
-        }
-        record["memory"] = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
-                                         torch.nn.ModuleList(run.bare_chunks), run.optimizer)
-        if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
-            record["val_loss"] = run.evaluate(datasets.valid)
-            history["valid"].append({"iteration": it + 1, "val_loss": record["val_loss"]})
-        history["train"].append(record)
-        logger.log_iteration(record)
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+        pending.add(it + 1, step, dict(run.counter.by_tag), run.counter.total, run.mu())
+        evaluate = bool(args.eval_interval) and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters)
+        save = bool(args.save and args.save_interval and (it + 1) % args.save_interval == 0)
+        if evaluate or save or (it + 1) % max(1, args.log_interval) == 0 or it + 1 == args.train_iters:
+            records = pending.flush()  # the one host read of the interval (every rank at the same iterations)
+            if evaluate:
+                records[-1]["val_loss"] = run.evaluate(datasets.valid)
+                history["valid"].append({"iteration": it + 1, "val_loss": records[-1]["val_loss"]})
+            for record in records:
+                history["train"].append(record)
+                logger.log_iteration(record)
+        if save:
             save_checkpoint(args.save, run, it + 1)
     if args.save:
         save_checkpoint(args.save, run, args.train_iters)
     history["summary"] = _summary(history, run)
     logger.end_level(history["summary"])
     return history
+
+
+class _PendingRecords:
+    """Per-iteration values kept on device until the next log point, then read to the host in one
+    batch (:meth:`flush`): loss, gradient norm, skip flag, skipped-steps counter, mu.
+
+    Wall time is measured between log points (a GPU runs asynchronously, so only a point where the host
+    waits for the device gives true times): each record of an interval gets the interval's mean
+    iteration time. The bytes each rank sent (host-side counters) are summed over ranks at the flush.
+    """
+
+    _KEYS = ("loss", "grad_norm", "skipped", "skipped_steps", "mu")
+
+    def __init__(self, args: argparse.Namespace, run: _Run) -> None:
+        self.args, self.run = args, run
+        self.items: list[dict] = []
+        self.t_last = time.perf_counter()
+
+    def add(self, iteration: int, step: dict, comm_bytes: dict, comm_total: float, mu) -> None:
+        values = {"loss": step["loss"], "grad_norm": step["grad_norm"], "skipped": step["skipped"],
+                  "skipped_steps": self.run.skipped_counter.clone(), "mu": mu}
+        self.items.append({"iteration": iteration, "lr": step["lr"], "values": values, "comm_bytes": comm_bytes,
+                           "comm_bytes_total": comm_total})
+
+    def flush(self) -> list[dict]:
+        if not self.items:
+            return []
+        run, args = self.run, self.args
+        device_values = [item["values"][k] for item in self.items for k in self._KEYS if item["values"][k] is not None]
+        host = torch.stack([v.detach().reshape(()).to(run.device, torch.float64) for v in device_values]).tolist()
+        now = time.perf_counter()
+        per_iteration = (now - self.t_last) / len(self.items)
+        self.t_last = now
+        all_ranks = _sum_over_ranks_per_iteration([item["comm_bytes"] for item in self.items])
+        tokens = args.global_batch_size * args.seq_length
+        records = []
+        cursor = 0
+        for item, summed in zip(self.items, all_ranks):
+            values = {}
+            for key in self._KEYS:
+                if item["values"][key] is None:
+                    values[key] = None
+                else:
+                    values[key] = host[cursor]
+                    cursor += 1
+            records.append({
+                "level": args.fp8_opt_level, "iteration": item["iteration"], "loss": values["loss"], "lr": item["lr"],
+                "grad_norm": values["grad_norm"], "skipped": bool(values["skipped"]),
+                "iteration_time_s": per_iteration, "tokens_per_s": tokens / max(per_iteration, 1e-12),
+                "skipped_steps": int(values["skipped_steps"]), "mu": values["mu"], "comm_bytes": item["comm_bytes"],
+                "comm_bytes_total": item["comm_bytes_total"], "comm_bytes_all_ranks": summed,
+            })
+        memory = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
+                               torch.nn.ModuleList(run.bare_chunks), run.optimizer)
+        main = main_grad_bytes(run.optimizer)  # --bf16's FP32 main gradients, held across the step
+        memory["weight gradients"] += main
+        memory["total"] += main
+        records[-1]["memory"] = memory
+        self.items = []
+        return records
+
+
+def _sum_over_ranks_per_iteration(per_iteration: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Bytes sent per tag and iteration, summed over every rank of the job (one object all-gather for
+    the whole interval)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(per_iteration))
+    out = []
+    for i in range(len(per_iteration)):
+        total: dict[str, float] = {}
+        for part in gathered:
+            for tag, value in part[i].items():
+                total[tag] = total.get(tag, 0.0) + value
+        out.append(total)
+    return out
 
 
 def _summary(history: RunHistory, run: _Run) -> dict:
