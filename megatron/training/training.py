@@ -312,13 +312,16 @@ def _sum_over_ranks(by_tag: dict[str, float]) -> dict[str, float]:
 def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger) -> RunHistory:
     """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history."""
     from .checkpointing import load_checkpoint, save_checkpoint
+    from .exit import ExitPolicy
 
     run = _Run(args, datasets)
     start = 0
+    run.consumed_samples = 0
     if args.load:
         start = load_checkpoint(args.load, run)
+    exit_policy = ExitPolicy(args, run.device)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
-    data = run.data_iterators(datasets.train, consumed=start * args.global_batch_size)
+    data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
     tokens_per_iter = args.global_batch_size * args.seq_length
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
     for it in range(start, args.train_iters):
@@ -339,10 +342,17 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
             history["valid"].append({"iteration": it + 1, "val_loss": record["val_loss"]})
         history["train"].append(record)
         logger.log_iteration(record)
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+        stop = exit_policy.reason(it + 1)
+        if args.save and (stop or (args.save_interval and (it + 1) % args.save_interval == 0)
+                          or it + 1 == args.train_iters):
             save_checkpoint(args.save, run, it + 1)
-    if args.save:
-        save_checkpoint(args.save, run, args.train_iters)
+        if stop:
+            history["stopped"] = {"iteration": it + 1, "reason": stop, "saved": bool(args.save)}
+            if dist.get_rank() == 0:
+                print(f"stopping after iteration {it + 1} ({stop})"
+                      + (f"; checkpoint saved in {args.save}" if args.save else ""), flush=True)
+            break
+    exit_policy.close()
     history["summary"] = _summary(history, run)
     logger.end_level(history["summary"])
     return history
