@@ -318,7 +318,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
     start = 0
     run.consumed_samples = 0
     if args.load:
-        start = load_checkpoint(args.load, run)
+        start = load_checkpoint(args.load, run, getattr(args, "ckpt_step", None))
     exit_policy = ExitPolicy(args, run.device)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
