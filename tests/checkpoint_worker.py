@@ -50,6 +50,14 @@ def run_task(task: dict, seed: int, out: str) -> None:
 
         dcp.FileSystemWriter.finish = finish
     result: dict = {"name": task["name"]}
+    if task.get("init_only"):  # build the model and save it untrained (iteration 0)
+        from megatron.training.checkpointing import save_checkpoint
+
+        run = training._Run(args, training._Datasets(args))
+        save_checkpoint(task["init_only"], run, 0)
+        with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(result, f)
+        return
     try:
         datasets = training._Datasets(args)
         logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)

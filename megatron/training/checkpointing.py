@@ -38,6 +38,7 @@ import io
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -571,12 +572,14 @@ def read_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         raise FileNotFoundError(f"{path} is neither a --save directory (no {LATEST}) nor a checkpoint directory")
     path = resolve_checkpoint(path)
     verify_checksums(path)
-    meta = _read_meta(path, distributed=False)
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata().state_dict_metadata
-    request = {k: _empty(v) for k, v in md.items()
-               if k.startswith("model/") and not isinstance(v, BytesStorageMetadata)}
-    dcp.load(request, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP notes that it reads in one process: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        meta = _read_meta(path, distributed=False)
+        reader = dcp.FileSystemReader(str(path))
+        md = reader.read_metadata().state_dict_metadata
+        request = {k: _empty(v) for k, v in md.items()
+                   if k.startswith("model/") and not isinstance(v, BytesStorageMetadata)}
+        dcp.load(request, storage_reader=reader, no_dist=True)
     tp = int(meta["layout"]["tp"])
     state: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
