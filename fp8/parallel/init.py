@@ -32,7 +32,7 @@ import torch
 __all__ = ["initialize_sharded_weight", "fill_normal_shard_", "normal_shard", "name_key", "draw_key", "reinitialize_named_"]
 
 _M32 = 0xFFFFFFFF
-_CHUNK = 1 << 22  # elements generated per step: bounds the int64 temporaries (~40 B per element)
+_CHUNK = 1 << 20  # elements generated per step: bounds the int64 temporaries (~40 B per element, ~40 MB)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -111,13 +111,15 @@ class _Datasets:
 
     def __init__(self, args: argparse.Namespace) -> None:
         needed = args.train_iters * args.global_batch_size
-        eval_samples = max(1, args.eval_iters) * args.global_batch_size
+        # No evaluation asked for: no validation samples needed (a corpus too small for a validation split trains).
+        eval_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
         if args.mock_data:
             from .mock_data import MockGPTDataset
 
             self.vocab_size = args.vocab_size
             self.train = MockGPTDataset(args.vocab_size, args.seq_length, needed, args.seed)
-            self.valid = MockGPTDataset(args.vocab_size, args.seq_length, eval_samples, args.seed + 1)
+            self.valid = MockGPTDataset(args.vocab_size, args.seq_length, max(eval_samples, args.global_batch_size),
+                                        args.seed + 1)
             self.tokenizer = None
             return
         from .data import build_gpt_datasets, check_data_files, prepare_default_corpus
