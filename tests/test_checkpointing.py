@@ -204,5 +204,6 @@ def test_sigterm_saves_and_stops(tmp_path):
     output = "".join(lines) + rest
     assert proc.returncode == 0, output
     assert "(SIGTERM); checkpoint saved in" in output, output
+    assert (tmp_path / "progress.txt").read_text().startswith("iteration ")
     latest = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= latest < 100000 and (tmp_path / f"iter_{latest:07d}").is_dir()

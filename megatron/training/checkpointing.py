@@ -6,6 +6,7 @@ Layout::
     DIR/iter_0000100/                     one DCP checkpoint (written by every rank, atomically, with
                                           checksums: fp8.checkpoint.write_atomically)
     DIR/latest_checkpointed_iteration.txt the iteration of the newest complete checkpoint, written last
+    DIR/progress.txt                      "iteration N of TRAIN_ITERS" (for launchers deciding to requeue)
 
 Flat keys of each checkpoint (names are megatron-core ``GPTModel`` names with *global* layer numbers,
 so they do not depend on the pipeline split; tensor-parallel shards are stored per shard):
@@ -61,6 +62,7 @@ FORMAT = "fp8lm-megatron/1"
 """The format tag written in ``meta``."""
 
 LATEST = "latest_checkpointed_iteration.txt"
+PROGRESS = "progress.txt"
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
@@ -98,14 +100,19 @@ def latest_iteration(directory: str | os.PathLike) -> int | None:
                          f"of a complete checkpoint into it") from None
 
 
-def _write_latest(directory: Path, iteration: int) -> None:
-    marker = directory / LATEST
-    tmp = directory / (LATEST + ".tmp")
+def _write_small(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, marker)
+    os.replace(tmp, path)
+
+
+def _write_latest(directory: Path, iteration: int, train_iters: int) -> None:
+    _write_small(directory / LATEST, f"{iteration}\n")
+    # For launchers (the Slurm script requeues while the run is unfinished), no Python needed to read it.
+    _write_small(directory / PROGRESS, f"iteration {iteration} of {train_iters}\n")
 
 
 # -- the run's tensors under global names ---------------------------------------------------------
@@ -263,7 +270,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     path = checkpoint_dir(directory, iteration)
     write_atomically(path, state)
     if dist.get_rank() == 0:
-        _write_latest(directory, iteration)
+        _write_latest(directory, iteration, args.train_iters)
     dist.barrier()
     return path
 

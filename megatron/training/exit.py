@@ -1,7 +1,7 @@
 """Stopping a run early, as Megatron-LM does: ``--exit-interval N`` (stop after an iteration that is a
 multiple of N), ``--exit-duration-in-mins M`` (stop once M minutes have passed since start-up) and
-``--exit-signal-handler`` (SIGTERM, e.g. a Slurm preemption or time limit: finish the running
-iteration). The run saves a checkpoint first when ``--save`` is given, then stops.
+``--exit-signal-handler`` (SIGTERM or SIGUSR1, e.g. a Slurm preemption or the warning before the time
+limit: finish the running iteration). The run saves a checkpoint first when ``--save`` is given, then stops.
 
 The decision is agreed by every rank (one 2-value all-reduce per iteration, on the process group's
 device) so that all ranks save the same iteration; without any of the three flags nothing runs.
@@ -29,33 +29,34 @@ class ExitPolicy:
         minutes = getattr(args, "exit_duration_in_mins", None)
         self.deadline = None if minutes is None else _START + 60.0 * minutes
         self.device = device
-        self.signalled = False
-        self._previous = None
+        self.signalled: str | None = None
+        self._previous: dict = {}
         if getattr(args, "exit_signal_handler", False):
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.signalled = True
+        self.signalled = signal.Signals(signum).name
 
     def close(self) -> None:
-        """Restore the previous SIGTERM handler."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Restore the previous signal handlers."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
     def reason(self, iteration: int) -> str | None:
         """Why the run stops after ``iteration`` (1-based count of finished iterations), or None."""
         if self.interval and iteration % self.interval == 0:
             return f"--exit-interval {self.interval}"
-        if self.deadline is None and self._previous is None:
+        if self.deadline is None and not self._previous:
             return None
-        local = [float(self.signalled), float(self.deadline is not None and time.time() >= self.deadline)]
+        local = [float(self.signalled is not None), float(self.deadline is not None and time.time() >= self.deadline)]
         flags = torch.tensor(local, dtype=torch.float32, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, late = flags.tolist()
         if signalled:
-            return "SIGTERM"
+            return self.signalled or "a signal on another rank"
         if late:
             return "--exit-duration-in-mins"
         return None
