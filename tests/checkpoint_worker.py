@@ -58,6 +58,28 @@ def run_task(task: dict, seed: int, out: str) -> None:
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
         return
+    if task.get("export_eval"):  # load an exported state dict (safetensors) strictly, evaluate one global batch
+        import torch
+        from safetensors.torch import load_file
+
+        datasets = training._Datasets(args)
+        run = training._Run(args, datasets)
+        (chunk,) = run.bare_chunks
+        state = load_file(task["export_eval"])
+        own = chunk.state_dict()
+        result["extra_keys"] = sorted(set(own) - set(state))
+        chunk.load_state_dict({**{k: v for k, v in own.items() if k not in state}, **state}, strict=True)
+        result["missing_in_model"] = sorted(set(state) - set(own))
+        data = run.data_iterators(datasets.train, consumed=task["consumed"])
+        with torch.no_grad():
+            losses = run.forward_backward(forward_step_func=training._forward_step, data_iterator=data,
+                                          model=run._model_arg(), num_microbatches=args.num_microbatches,
+                                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                          forward_only=True)
+        result["eval_loss"] = run._average_loss(losses)
+        with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(result, f)
+        return
     try:
         datasets = training._Datasets(args)
         logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)

@@ -81,7 +81,15 @@ def runs(tmp_path_factory):
         _train("dp2_resume", "O3", load("dp2")),
         _train("tp2_resume", "O2", ["--tensor-model-parallel-size", "2", "--swiglu", *load("tp2")]),
         _train("pp2_resume", "O2", ["--pipeline-model-parallel-size", "2", *load("pp2")]),
+        _train("tp2_none", "none", ["--tensor-model-parallel-size", "2", "--swiglu", *save("tp2_none")]),
     ], out)
+    # tools/convert_checkpoint.py on a --save directory: the TP2 checkpoint of iteration 3, merged.
+    sys.path.insert(0, str(ROOT))
+    from tools.convert_checkpoint import main as convert
+
+    exported = out / "tp2_none_it3.safetensors"
+    convert([str(ck / "tp2_none"), str(exported), "--dtype", "fp32", "--iteration", "3"])
+    convert([str(ck / "tp2"), str(out / "tp2_latest.safetensors"), "--dtype", "bf16"])
     corrupt = ck / "corrupt"
     shutil.copytree(ck / "tp2", corrupt)
     data = sorted((corrupt / "iter_0000003").glob("*.distcp"))[-1]
@@ -102,6 +110,7 @@ def runs(tmp_path_factory):
         _train("corrupt", "O2", ["--tensor-model-parallel-size", "1", "--swiglu", *load("corrupt")]),
         _train("duration", "none", ["--exit-duration-in-mins", "0", "--save", str(ck / "duration")]),
         _train("ref4", "O2", ["--train-iters", "4"]),
+        _train("export_eval", "none", ["--swiglu"], export_eval=str(exported), consumed=3 * 16),
         _train("killed", "O2", ["--train-iters", "4", "--save", str(ck / "killed"), "--save-interval", "2"],
                kill_in_save=2),
     ], out, allow_kill=True)
@@ -116,6 +125,7 @@ def runs(tmp_path_factory):
     result.killed_dir = killed_dir
     result.latest_after_kill = latest_after_kill
     result.ck = ck
+    result.out = out
     return result
 
 
@@ -207,3 +217,20 @@ def test_sigterm_saves_and_stops(tmp_path):
     assert (tmp_path / "progress.txt").read_text().startswith("iteration ")
     latest = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= latest < 100000 and (tmp_path / f"iter_{latest:07d}").is_dir()
+
+
+def test_converted_save_directory_loads_into_the_single_process_model(runs):
+    """tools/convert_checkpoint.py on the TP2 run's --save directory (iteration 3): the merged state dict
+    loads strictly into the single-process megatron-core GPTModel, whose loss on iteration 4's batch equals
+    the TP2 run's iteration-4 loss (computed with the same weights) to fp32 summation order (2e-5)."""
+    from safetensors.torch import load_file
+
+    (result,) = runs("export_eval")
+    assert "error" not in result, result
+    assert result["missing_in_model"] == [], result
+    assert all(k.endswith("._extra_state") for k in result["extra_keys"]), result  # megatron-core's empty entries
+    tp2 = _losses(runs("tp2_none"))
+    assert abs(result["eval_loss"] - tp2[4]) <= 2e-5 * abs(tp2[4]), (SEED, result["eval_loss"], tp2[4])
+    latest = load_file(str(runs.out / "tp2_latest.safetensors"))  # the latest (6) checkpoint, FP8 run's masters
+    assert all(v.dtype.is_floating_point for v in latest.values())
+    assert latest["decoder.layers.3.mlp.linear_fc1.weight"].shape == (512, 64)  # SwiGLU: 2 x 256 rows, merged

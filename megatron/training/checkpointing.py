@@ -55,7 +55,7 @@ from fp8.optim.precision import STORAGE_FORMATS, decode, encode
 from fp8.scaling import ScalingState
 from fp8.tensor import Float8Tensor, to_float8
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "checkpoint_dir", "latest_iteration",
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
            "CheckpointMismatchError", "FORMAT", "LATEST"]
 
 FORMAT = "fp8lm-megatron/1"
@@ -565,12 +565,32 @@ def _load_optimizer(optimizer, states: dict[int, dict], masters: dict[int, torch
 
 
 # -- reading for tools ----------------------------------------------------------------------------
-def read_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``pretrain_gpt.py --save`` directory or one of its ``iter_XXXXXXX`` checkpoints."""
+    path = Path(path)
+    if (path / LATEST).exists():
+        return True
+    if not (path / ".metadata").exists():
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return _read_meta(path, distributed=False).get("format") == FORMAT
+    except CheckpointMismatchError:
+        return False
+
+
+def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
+                    source: str = "fp8") -> tuple[dict, dict[str, torch.Tensor]]:
     """``(args, state)`` of a ``pretrain_gpt.py --save`` checkpoint, read in this process (no
     ``torch.distributed`` needed): ``path`` is the ``--save`` directory (its latest checkpoint, or
     ``iteration``'s) or one ``iter_XXXXXXX`` directory. ``args``: the saved run's arguments; ``state``:
     the whole model in megatron-core ``GPTModel`` names (global layer numbers, tensor-parallel shards
-    merged), every tensor fp32, FP8 weights dequantized."""
+    merged; tied output weights appear once, as ``embedding.word_embeddings.weight``), every tensor fp32.
+    FP8 weights: dequantized (``source="fp8"``, the weights the model computed with) or their optimizer
+    master copies decoded (``source="master"``, O1-O3: the more precise value)."""
+    if source not in ("fp8", "master"):
+        raise ValueError(f"source must be 'fp8' or 'master', got {source!r}")
     path = Path(path)
     if (path / LATEST).exists() or iteration is not None:
         iteration = latest_iteration(path) if iteration is None else iteration
@@ -584,14 +604,19 @@ def read_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         meta = _read_meta(path, distributed=False)
         reader = dcp.FileSystemReader(str(path))
         md = reader.read_metadata().state_dict_metadata
-        request = {k: _empty(v) for k, v in md.items()
-                   if k.startswith("model/") and not isinstance(v, BytesStorageMetadata)}
+        wanted = ("model/",) + (("optim/",) if source == "master" else ())
+        request = {k: _empty(v) for k, v in md.items() if k.startswith(wanted) and not isinstance(v, BytesStorageMetadata)
+                   and (k.startswith("model/") or k.endswith(("/master", "/master_scale")))}
         dcp.load(request, storage_reader=reader, no_dist=True)
     tp = int(meta["layout"]["tp"])
     state: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
         keys = [f"{name}/tp{i}" for i in range(tp)] if info["sharded"] else [name]
-        if info["fp8"]:
+        if info["fp8"] and source == "master" and all(f"optim/{k}/master" in request for k in keys):
+            values = [request[f"optim/{k}/master"].to(torch.float32) for k in keys]
+            if all(f"optim/{k}/master_scale" in request for k in keys):  # O2/O3: payload / power-of-two scale
+                values = [v / request[f"optim/{k}/master_scale"] for v, k in zip(values, keys)]
+        elif info["fp8"]:
             fp8 = getattr(torch, info["fp8"])
             values = [request[f"model/{k}/payload"].view(fp8).to(torch.float32) / request[f"model/{k}/scale"]
                       for k in keys]
