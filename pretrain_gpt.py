@@ -33,11 +33,13 @@ def main(argv: list[str] | None = None) -> int:
 
         dry_run(args)
         return 0
+    from fp8.checkpoint import CheckpointCorruptedError
+    from megatron.training.checkpointing import CheckpointMismatchError
     from megatron.training.training import pretrain
 
     try:
         pretrain(args)
-    except (FileNotFoundError, ConfigurationError) as error:
+    except (FileNotFoundError, ConfigurationError, CheckpointMismatchError, CheckpointCorruptedError) as error:
         print(f"pretrain_gpt.py: {error}", file=sys.stderr)
         return 2
     finally:

@@ -48,7 +48,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
-           "CHECKPOINT_VERSION", "CHECKSUMS"]
+           "CheckpointCorruptedError", "CHECKPOINT_VERSION", "CHECKSUMS"]
 
 CHECKPOINT_VERSION = 1
 """Layout version written in ``meta``."""
@@ -133,6 +133,10 @@ def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, A
                   if isinstance(p, Float8Tensor) and id(p) in params}
     return {"version": CHECKPOINT_VERSION, "world_size": world, "param_groups": groups,
             "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes}
+
+
+class CheckpointCorruptedError(ValueError):
+    """A checkpoint file does not match its checksum, or is missing; the message names the files."""
 
 
 CHECKSUMS = "checksums.sha256"
@@ -236,7 +240,7 @@ def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGrou
                 problems.append(f"{name} does not match its checksum")
     messages = sorted({m for part in _gather(problems, process_group, distributed) for m in part})
     if messages:
-        raise ValueError(f"checkpoint {path} is corrupted: {'; '.join(messages[:8])}"
+        raise CheckpointCorruptedError(f"checkpoint {path} is corrupted: {'; '.join(messages[:8])}"
                          f"{' ...' if len(messages) > 8 else ''}; restore the files or load another checkpoint")
 
 

@@ -175,7 +175,7 @@ def test_mismatched_checkpoints_name_the_difference(runs):
 
 def test_corrupted_file_is_detected(runs):
     message = _error(runs, "corrupt")
-    assert "is corrupted" in message and "does not match its checksum" in message and ".distcp" in message
+    assert "CheckpointCorruptedError" in message and "is corrupted" in message and "does not match its checksum" in message and ".distcp" in message
 
 
 def test_exit_duration_saves_and_stops(runs):
