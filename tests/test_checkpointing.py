@@ -14,7 +14,7 @@ reduction order is the layout's own). Resharded: losses of iterations 4-6 within
 run (the issue's bound). What differs: the order of fp32 sums (the layouts' runs agree within 2e-5 for
 fp32 and 0.5% for FP8 in test_megatron_parallel.py) and the re-encoding of compressed optimizer states
 at the new shard's scale (power-of-two scales: the first moment's E4M3 rounding, <= 2^-4 relative per
-value); measured differences are printed (pytest -s) and were below 0.3%.
+value); measured differences are printed (pytest -s): at most 3.3e-5 relative in the runs so far.
 """
 
 from __future__ import annotations
