@@ -50,11 +50,12 @@ def run_task(task: dict, seed: int, out: str) -> None:
 
         dcp.FileSystemWriter.finish = finish
     result: dict = {"name": task["name"]}
-    if task.get("init_only"):  # build the model and save it untrained (iteration 0)
-        from megatron.training.checkpointing import save_checkpoint
+    if task.get("init_only"):  # build the model and save it untrained (iteration 0), or as loaded (--load)
+        from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
         run = training._Run(args, training._Datasets(args))
-        save_checkpoint(task["init_only"], run, 0)
+        iteration = load_checkpoint(args.load, run, args.ckpt_step) if args.load else 0
+        save_checkpoint(task["init_only"], run, iteration)
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
         return

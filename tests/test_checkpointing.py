@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "checkpoint_worker.py"
@@ -82,6 +83,8 @@ def runs(tmp_path_factory):
         _train("tp2_resume", "O2", ["--tensor-model-parallel-size", "2", "--swiglu", *load("tp2")]),
         _train("pp2_resume", "O2", ["--pipeline-model-parallel-size", "2", *load("pp2")]),
         _train("tp2_none", "none", ["--tensor-model-parallel-size", "2", "--swiglu", *save("tp2_none")]),
+        # vocabulary 300: padded to 512 rows at TP2, 384 at TP1 (the padding rows are cut when resharding)
+        _train("tp2v300", "none", ["--tensor-model-parallel-size", "2", "--vocab-size", "300", *save("tp2v300")]),
     ], out)
     # tools/convert_checkpoint.py on a --save directory: the TP2 checkpoint of iteration 3, merged.
     sys.path.insert(0, str(ROOT))
@@ -100,6 +103,8 @@ def runs(tmp_path_factory):
         _train("from_dp2", "O3", load("dp2")),
         _train("from_tp2", "O2", ["--swiglu", *load("tp2")]),
         _train("from_pp2", "O2", load("pp2")),
+        _train("from_tp2v300", "none", ["--vocab-size", "300", *load("tp2v300")], init_only=str(ck / "tp1v300")),
+        _train("bad_vocab", "none", ["--vocab-size", "320", *load("tp2v300")]),
         _train("none", "none", save("none")),
         _train("none_resume", "none", load("none")),
         _train("o1", "O1", save("o1")),
@@ -169,6 +174,8 @@ def test_mismatched_checkpoints_name_the_difference(runs):
     assert "CheckpointMismatchError" in level and "--fp8-opt-level 'O1' (checkpoint) vs 'O2' (this run)" in level
     shape = _error(runs, "bad_shape")
     assert "--hidden-size 64 (checkpoint) vs 128 (this run)" in shape and "(checkpoint) vs 'O2'" not in shape and "--num-layers" not in shape
+    vocab = _error(runs, "bad_vocab")
+    assert "vocabulary 300 (checkpoint) vs 320 (this run" in vocab, vocab
     schedule = _error(runs, "bad_schedule")
     assert "--lr 0.003 (checkpoint) vs 0.001 (this run)" in schedule and "--override-opt-param-scheduler" in schedule
 
@@ -234,3 +241,21 @@ def test_converted_save_directory_loads_into_the_single_process_model(runs):
     latest = load_file(str(runs.out / "tp2_latest.safetensors"))  # the latest (6) checkpoint, FP8 run's masters
     assert all(v.dtype.is_floating_point for v in latest.values())
     assert latest["decoder.layers.3.mlp.linear_fc1.weight"].shape == (512, 64)  # SwiGLU: 2 x 256 rows, merged
+
+
+def test_reshard_across_vocabulary_paddings(runs):
+    """Vocabulary 300 pads to 512 rows at TP2 and 384 at TP1: a TP2 checkpoint loaded at TP1 (and saved
+    again) holds every parameter exactly, the vocabulary rows below 300 included; only padding rows are
+    cut. (Losses then differ by more than the unpadded case, ~3.7% measured three steps into training:
+    megatron-core's softmax runs over the padded vocabulary, so the padding count is part of the loss.)"""
+    from megatron.training.checkpointing import read_checkpoint
+
+    _, tp2 = read_checkpoint(runs.ck / "tp2v300", 3)
+    _, tp1 = read_checkpoint(runs.ck / "tp1v300", 3)
+    assert sorted(tp1) == sorted(tp2)
+    for key, value in tp2.items():
+        if key == "embedding.word_embeddings.weight":
+            assert value.shape[0] == 512 and tp1[key].shape[0] == 384
+            assert torch.equal(tp1[key], value[:384]), key
+        else:
+            assert torch.equal(tp1[key], value), key

@@ -72,7 +72,10 @@ _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
                "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
-               "use_distributed_optimizer")
+               "use_distributed_optimizer", "make_vocab_size_divisible_by")
+# Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
+# resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size")
 
 
@@ -264,7 +267,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
         "skipped_steps": run.skipped_steps, "optimizer_skipped_steps": skipped_opt,
         "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"],
                    "vp": args.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
-        "vocab_size": run.vocab_size, "args": _run_args(args), "params": dict(sorted(params.items())),
+        "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(args), "args": _run_args(args), "params": dict(sorted(params.items())),
     }
     state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
     path = checkpoint_dir(directory, iteration)
@@ -312,13 +315,25 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _raw_vocab(args: argparse.Namespace) -> int | None:
+    """The vocabulary before padding: ``--vocab-size`` (mock data) or the tokenizer's."""
+    if getattr(args, "mock_data", False) or not getattr(args, "tokenizer_model", None):
+        return args.vocab_size
+    from .tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(args.tokenizer_model).vocab_size
+
+
 def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
     saved = meta["args"]
     diffs = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
              for k in _MODEL_ARGS if saved.get(k) != getattr(args, k, None)]
-    if meta["vocab_size"] != vocab_size:
-        diffs.append(f"padded vocabulary {meta['vocab_size']} (checkpoint) vs {vocab_size} (this run; tokenizer "
-                     f"vocabulary padded to --make-vocab-size-divisible-by x TP)")
+    raw = _raw_vocab(args)
+    if meta.get("raw_vocab_size") != raw:
+        diffs.append(f"vocabulary {meta.get('raw_vocab_size')} (checkpoint) vs {raw} (this run: --vocab-size or the "
+                     f"tokenizer's)")
+    elif meta["layout"]["tp"] == getattr(args, "tensor_model_parallel_size", 1) and meta["vocab_size"] != vocab_size:
+        diffs.append(f"padded vocabulary {meta['vocab_size']} (checkpoint) vs {vocab_size} (this run)")
     if diffs:
         raise CheckpointMismatchError(
             f"checkpoint {path} does not fit this run: " + "; ".join(diffs)
@@ -498,7 +513,7 @@ def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:
         values = [payload.to(torch.float32) / scale for payload, scale in bufs]
     else:
         values = [b for b, _ in bufs]
-    full = _merge(values, e.dim, e.stride)
+    full = _fit_vocab(e, _merge(values, e.dim, e.stride), ranks)
     mine = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
     if mine.shape != p.shape:
         raise CheckpointMismatchError(f"{e.name}: the checkpoint's tensor {tuple(full.shape)} does not split into this "
@@ -509,6 +524,18 @@ def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:
         p.scale.copy_(q.scale)
     else:
         p.data.copy_(mine)
+
+
+def _fit_vocab(e: _Entry, full: torch.Tensor, ranks: dict) -> torch.Tensor:
+    """``full`` with as many vocabulary rows as this layout pads to (zero rows added, padding rows cut)."""
+    if e.name not in _VOCAB_PARAMS or full.dim() == 0 or e.dim != 0:
+        return full
+    rows = e.param.shape[0] * ranks["tp_size"]
+    if full.shape[0] > rows:
+        return full[:rows]
+    if full.shape[0] < rows:
+        return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+    return full
 
 
 def _optimizer_state(e: _Entry, bufs: dict[str, list], optimizer, ranks: dict, reshard: bool) -> dict:
@@ -524,11 +551,13 @@ def _optimizer_state(e: _Entry, bufs: dict[str, list], optimizer, ranks: dict, r
             continue
         if f"{key}_scale" in bufs:  # compressed: payload / scale (a power of two), re-encoded at the new scale
             values = [decode(payload, scale) for payload, scale in zip(shards, bufs[f"{key}_scale"])]
-            mine = _split(_merge(values, e.dim, e.stride), e.dim, ranks["tp"], ranks["tp_size"], e.stride)
+            full = _fit_vocab(e, _merge(values, e.dim, e.stride), ranks)
+            mine = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
             dtype = live[key].dtype if isinstance(live.get(key), torch.Tensor) else shards[0].dtype
             out[key], out[f"{key}_scale"] = encode(mine, _fmt_of(dtype))
         elif shards[0].dim() == e.param.dim() and shards[0].dim() > 0:
-            out[key] = _split(_merge(list(shards), e.dim, e.stride), e.dim, ranks["tp"], ranks["tp_size"], e.stride)
+            full = _fit_vocab(e, _merge(list(shards), e.dim, e.stride), ranks)
+            out[key] = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
         elif key.endswith("_amax"):
             out[key] = torch.stack([s.reshape(()) for s in shards]).max()
         else:  # step and other per-parameter scalars: the same on every shard

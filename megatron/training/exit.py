@@ -1,5 +1,6 @@
 """Stopping a run early, as Megatron-LM does: ``--exit-interval N`` (stop after an iteration that is a
-multiple of N), ``--exit-duration-in-mins M`` (stop once M minutes have passed since start-up) and
+multiple of N), ``--exit-duration-in-mins M`` (stop once M minutes have passed since start-up, start-up
+included as in Megatron-LM) and
 ``--exit-signal-handler`` (SIGTERM or SIGUSR1, e.g. a Slurm preemption or the warning before the time
 limit: finish the running iteration). The run saves a checkpoint first when ``--save`` is given, then stops.
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["ExitPolicy"]
 
-_START = time.time()  # import time of the training modules: start-up included, as Megatron counts it
+_START = time.time()  # when ``args.start_time`` (pretrain_gpt.py's start) is not set
 
 
 class ExitPolicy:
@@ -27,7 +28,8 @@ class ExitPolicy:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.interval = getattr(args, "exit_interval", None)
         minutes = getattr(args, "exit_duration_in_mins", None)
-        self.deadline = None if minutes is None else _START + 60.0 * minutes
+        start = getattr(args, "start_time", None) or _START
+        self.deadline = None if minutes is None else start + 60.0 * minutes
         self.device = device
         self.signalled: str | None = None
         self._previous: dict = {}
