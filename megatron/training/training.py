@@ -182,8 +182,7 @@ class _Run:
         self.vocab_size = padded_vocab_size(datasets.vocab_size, args)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
-        with torch.device(device):  # every shard is generated where it lives (fp8.parallel.init)
-            chunks = build_model(args, self.config, self.vocab_size)
+        chunks = build_model(args, self.config, self.vocab_size)
         chunks = [_to_device(c, device) for c in chunks]
         for chunk in chunks:
             for module in chunk.modules():
