@@ -10,6 +10,7 @@ sequence, pipeline and data parallelism (``--help`` lists the flags).
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 from megatron.training.arguments import ConfigurationError, parse_args, validate_args
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core.*")
     args = parse_args(argv)
+    args.start_time = time.time()  # --exit-duration-in-mins counts from here
     try:
         validate_args(args)
     except ConfigurationError as error:
@@ -33,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
 
         dry_run(args)
         return 0
+    from fp8.checkpoint import CheckpointCorruptedError
+    from megatron.training.checkpointing import CheckpointMismatchError
     from megatron.training.training import pretrain
 
     try:
         pretrain(args)
-    except (FileNotFoundError, ConfigurationError) as error:
+    except (FileNotFoundError, ConfigurationError, CheckpointMismatchError, CheckpointCorruptedError) as error:
         print(f"pretrain_gpt.py: {error}", file=sys.stderr)
         return 2
     finally:

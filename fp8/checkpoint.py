@@ -19,11 +19,15 @@ Atomicity: every rank writes into ``<path>.partial``; only after all ranks finis
 the previous checkpoint aside (``<path>.old``), rename ``.partial`` to ``<path>`` and delete the old
 one. A write that fails on any rank (DCP raises on every rank) leaves ``<path>`` untouched; if the
 process dies between the two renames, :func:`load_checkpoint` falls back to ``<path>.old``. Ranks must
-share the filesystem.
+share the filesystem. Before the rename, the ranks hash the written files (SHA-256, each rank a share of
+them) into ``checksums.sha256``; every load verifies them first and names any corrupted or missing file.
+:func:`write_atomically` and :func:`verify_checksums` are the same machinery for other flat state dicts
+(``pretrain_gpt.py --save`` uses them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -43,7 +47,8 @@ from .optim.sharded import ShardedFP8Optimizer
 from .scaling import ScalingState
 from .tensor import Float8Tensor
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CHECKPOINT_VERSION"]
+__all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
+           "CheckpointCorruptedError", "CHECKPOINT_VERSION", "CHECKSUMS"]
 
 CHECKPOINT_VERSION = 1
 """Layout version written in ``meta``."""
@@ -130,14 +135,42 @@ def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, A
             "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes}
 
 
-def save_checkpoint(
-    path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
-    process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Write ``model`` (bare, or its ``fp8.distributed.DistributedDataParallel`` wrapper: mu included)
-    and ``optimizer`` (O2 or O3) to the directory ``path``, atomically (module docstring). Call on
-    every rank of ``process_group`` (the data-parallel group; None: the default group). A failure on
-    any rank raises ``RuntimeError`` on every rank and keeps the previous checkpoint."""
+class CheckpointCorruptedError(ValueError):
+    """A checkpoint file does not match its checksum, or is missing; the message names the files."""
+
+
+CHECKSUMS = "checksums.sha256"
+"""File in every checkpoint directory: ``<sha256>  <file name>`` per file, written before the
+directory is renamed into place and verified by every load."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _my_files(directory: Path, rank: int, world: int) -> list[Path]:
+    """The files of ``directory`` this rank hashes (every ``world``-th, by name): the work is shared."""
+    files = sorted(f for f in directory.iterdir() if f.is_file() and f.name != CHECKSUMS)
+    return files[rank::world]
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None, distributed: bool) -> list[Any]:
+    if not distributed:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def write_atomically(path: str | os.PathLike, state: dict[str, Any], *,
+                     process_group: dist.ProcessGroup | None = None) -> None:
+    """Write the flat DCP ``state`` to the directory ``path`` with checksums, atomically (module
+    docstring): call on every rank of ``process_group``. A failure on any rank raises ``RuntimeError``
+    on every rank and keeps the previous checkpoint at ``path``."""
     path = Path(path)
     rank, world = _group_info(process_group)
     partial, old = path.with_name(path.name + _PARTIAL), path.with_name(path.name + _OLD)
@@ -147,8 +180,6 @@ def save_checkpoint(
         path.parent.mkdir(parents=True, exist_ok=True)
     if distributed:
         dist.barrier(group=process_group)
-    state = _state(model, optimizer, process_group, rank)
-    state["meta"] = io.BytesIO(json.dumps(_meta(_split(model)[0], optimizer, world), default=_jsonable).encode())
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=process_group,
                  no_dist=not distributed)
@@ -163,7 +194,16 @@ def save_checkpoint(
         raise
     if distributed:
         dist.barrier(group=process_group)  # every rank's files are complete
+    sums = {f.name: _sha256(f) for f in _my_files(partial, rank, world)}
+    all_sums = _gather(sums, process_group, distributed)
     if rank == 0:
+        merged = dict(sorted(kv for part in all_sums for kv in part.items()))
+        tmp = partial / (CHECKSUMS + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(f"{digest}  {name}\n" for name, digest in merged.items())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, partial / CHECKSUMS)
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
@@ -173,7 +213,55 @@ def save_checkpoint(
         dist.barrier(group=process_group)
 
 
-def _resolve(path: Path) -> Path:
+def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None) -> None:
+    """Check every file of the checkpoint directory ``path`` against its ``checksums.sha256`` (the
+    ranks of ``process_group`` share the files); raise ``ValueError`` on every rank naming the files
+    that differ or are missing. Call on every rank of the group."""
+    path = Path(path)
+    rank, world = _group_info(process_group)
+    distributed = dist.is_available() and dist.is_initialized()
+    problems: list[str] = []
+    listing = path / CHECKSUMS
+    if not listing.exists():
+        problems.append(f"{CHECKSUMS} is missing (not written by a complete save)")
+        expected: dict[str, str] = {}
+    else:
+        expected = {}
+        for line in listing.read_text().splitlines():
+            digest, _, name = line.partition("  ")
+            expected[name] = digest
+    if expected:
+        names = sorted(expected)[rank::world]
+        for name in names:
+            f = path / name
+            if not f.exists():
+                problems.append(f"{name} is missing")
+            elif _sha256(f) != expected[name]:
+                problems.append(f"{name} does not match its checksum")
+    messages = sorted({m for part in _gather(problems, process_group, distributed) for m in part})
+    if messages:
+        raise CheckpointCorruptedError(f"checkpoint {path} is corrupted: {'; '.join(messages[:8])}"
+                         f"{' ...' if len(messages) > 8 else ''}; restore the files or load another checkpoint")
+
+
+def save_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write ``model`` (bare, or its ``fp8.distributed.DistributedDataParallel`` wrapper: mu included)
+    and ``optimizer`` (O2 or O3) to the directory ``path``, atomically (module docstring). Call on
+    every rank of ``process_group`` (the data-parallel group; None: the default group). A failure on
+    any rank raises ``RuntimeError`` on every rank and keeps the previous checkpoint."""
+    rank, world = _group_info(process_group)
+    state = _state(model, optimizer, process_group, rank)
+    state["meta"] = io.BytesIO(json.dumps(_meta(_split(model)[0], optimizer, world), default=_jsonable).encode())
+    write_atomically(path, state, process_group=process_group)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The directory to read for the checkpoint written at ``path`` (``path``, or its ``.old`` copy when a
+    save was interrupted between its two renames)."""
+    path = Path(path)
     if path.exists():
         return path
     old = path.with_name(path.name + _OLD)
@@ -190,9 +278,10 @@ def load_checkpoint(
     at any data-parallel size: each rank reads the states of the parameters it owns now. Build them as
     for training (``fp8.initialize``, the wrapper) first; the precision must match the saved one.
     Returns the checkpoint's ``meta`` (world size it was written at, hyper-parameters)."""
-    path = _resolve(Path(path))
+    path = resolve_checkpoint(path)
     rank, world = _group_info(process_group)
     distributed = dist.is_available() and dist.is_initialized()
+    verify_checksums(path, process_group=process_group)
     reader = dcp.FileSystemReader(str(path))
     meta_holder: dict[str, Any] = {"meta": io.BytesIO()}
     dcp.load(meta_holder, storage_reader=reader, process_group=process_group, no_dist=not distributed)
@@ -212,3 +301,6 @@ def load_checkpoint(
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
     optimizer.skipped_steps = int(meta["skipped_steps"])
     return meta
+
+
+_resolve = resolve_checkpoint  # the name tools/convert_checkpoint.py imported

@@ -26,7 +26,8 @@ SHELL_FILES = sorted([*GPT3.glob("*.sh"), GPT3 / "slurm_pretrain_gpt3.sbatch"])
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "RDZV_ID", "TP", "PP",
                "FP8_OPT_LEVEL", "DRY_RUN", "PLAN_ONLY", "PLAN_JSON", "TORCHRUN", "DATA_PATH", "TOKENIZER_MODEL",
                "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "EXTRA_ARGS", "SEQUENCE_PARALLEL", "RECOMPUTE", "MODEL",
-               "REPO_ROOT", "WORLD_SIZE", "CHECKPOINT_DIR", "LOG_JSON", "DISTRIBUTED_OPTIMIZER", "VPP")
+               "REPO_ROOT", "WORLD_SIZE", "CHECKPOINT_DIR", "LOG_JSON", "DISTRIBUTED_OPTIMIZER", "VPP", "MOCK_DATA",
+               "VOCAB_SIZE", "EXIT_SIGNAL_HANDLER", "EXIT_DURATION_IN_MINS")
 
 
 def run_script(script: str | Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -96,7 +97,8 @@ def fake_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*"\n')
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a01\\ngpu-a02\\n"\n')
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a01\\ngpu-a02\\n"\n'
+                                      '[[ "$1" == requeue ]] && echo "scontrol requeue $2"\nexit 0\n')
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n"
         'echo "srun $*"\n'
@@ -110,17 +112,28 @@ def fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def test_torchrun_command_from_the_environment(fake_bin):
+@pytest.fixture
+def data_prefix(tmp_path):
+    """A data prefix with its tokenizer model next to it (the scripts only check that the model exists)."""
+    (tmp_path / "pile.model").write_bytes(b"model")
+    return str(tmp_path / "pile_text_document")
+
+
+def test_torchrun_command_from_the_environment(fake_bin, data_prefix):
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3",
-           "MASTER_PORT": "29999", "FP8_OPT_LEVEL": "O3", "DATA_PATH": "/data/pile", "EXTRA_ARGS": "--seed 7 --log-interval 1"}
+           "MASTER_PORT": "29999", "FP8_OPT_LEVEL": "O3", "DATA_PATH": data_prefix,
+           "EXTRA_ARGS": "--seed 7 --log-interval 1"}
     out = run_script("pretrain_gpt3_13B.sh", env)
     assert out.returncode == 0, out.stderr
     cmd = out.stdout.split()
     assert cmd[:12] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1", "--master-addr",
                         "10.1.2.3", "--master-port", "29999", "pretrain_gpt.py"]
     joined = " ".join(cmd)
+    assert "--vocab-size" not in joined and "--mock-data" not in joined  # the vocabulary comes from the tokenizer
     for flag in ("--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 1", "--fp8-opt-level O3",
-                 "--seq-length 2048", "--sequence-parallel", "--data-path /data/pile", "--bf16", "--seed 7 --log-interval 1"):
+                 "--seq-length 2048", "--sequence-parallel", f"--data-path {data_prefix}", "--bf16",
+                 f"--tokenizer-model {data_prefix[:-len('_text_document')]}.model", "--exit-signal-handler",
+                 "--seed 7 --log-interval 1"):
         assert flag in joined, flag
     elastic = run_script("pretrain_gpt3_7B.sh", {**env, "RDZV_ID": "job42"})
     assert "--rdzv-backend c10d --rdzv-endpoint 10.1.2.3:29999 --rdzv-id job42" in elastic.stdout
@@ -136,9 +149,38 @@ def test_bad_environment_names_the_fix(env, message):
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("script", sorted(s for s, *_ in MODELS.values()))
+def test_without_data_path_stops_before_launching(fake_bin, script, data_prefix):
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    out = run_script(script, env)
+    assert out.returncode == 2 and "torchrun" not in out.stdout, out.stdout
+    assert "DATA_PATH is not set" in out.stderr and "MOCK_DATA=1" in out.stderr, out.stderr
+    mock = run_script(script, {**env, "MOCK_DATA": "1"})
+    assert mock.returncode == 0 and "--mock-data --vocab-size 50257" in mock.stdout, mock.stderr
+    assert "--data-path" not in mock.stdout
+    assert "--vocab-size 1000" in run_script(script, {**env, "MOCK_DATA": "1", "VOCAB_SIZE": "1000"}).stdout
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"VOCAB_SIZE": "1000"}, "VOCAB_SIZE=1000 applies to MOCK_DATA=1 only"),
+    ({"MOCK_DATA": "1"}, "DATA_PATH and MOCK_DATA=1 exclude each other"),
+    ({"TOKENIZER_MODEL": ""}, None),
+])
+def test_data_settings_that_conflict_name_the_fix(fake_bin, data_prefix, env, message):
+    base = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DATA_PATH": data_prefix}
+    out = run_script("pretrain_gpt3_125M.sh", {**base, **env})
+    if message is None:  # TOKENIZER_MODEL empty: PREFIX.model next to the data
+        assert out.returncode == 0, out.stderr
+        os.remove(data_prefix[: -len("_text_document")] + ".model")
+        out = run_script("pretrain_gpt3_125M.sh", {**base, **env})
+        message = "TOKENIZER_MODEL is not set and"
+    assert out.returncode == 2 and message in out.stderr and "torchrun" not in out.stdout, out.stderr
+
+
 def test_slurm_script_runs_one_torchrun_per_node(fake_bin, tmp_path):
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MODEL": "175B", "SLURM_JOB_NODELIST": "gpu-a[01-04]",
-           "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_ID": "1234", "SLURM_SUBMIT_DIR": str(ROOT), "FP8_OPT_LEVEL": "O2"}
+           "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_ID": "1234", "SLURM_SUBMIT_DIR": str(ROOT), "FP8_OPT_LEVEL": "O2",
+           "MOCK_DATA": "1"}
     out = run_script(GPT3 / "slurm_pretrain_gpt3.sbatch", env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -150,3 +192,22 @@ def test_slurm_script_runs_one_torchrun_per_node(fake_bin, tmp_path):
         assert "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4" in line
     bad = run_script(GPT3 / "slurm_pretrain_gpt3.sbatch", {**env, "MODEL": "30B"})
     assert bad.returncode == 2 and "use 125M, 7B, 13B or 175B" in bad.stderr
+    no_data = run_script(GPT3 / "slurm_pretrain_gpt3.sbatch", {**env, "MOCK_DATA": "0"})
+    assert no_data.returncode == 2 and "DATA_PATH is not set" in no_data.stderr and "srun" not in no_data.stdout
+
+
+def test_slurm_script_requeues_an_unfinished_run(fake_bin, tmp_path):
+    """After the step ends (e.g. saved and stopped on the time-limit signal), the job is requeued while
+    CHECKPOINT_DIR/progress.txt says the run is unfinished, and not once it is finished."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MODEL": "125M", "SLURM_JOB_NODELIST": "gpu-a01",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(ROOT), "MOCK_DATA": "1",
+           "CHECKPOINT_DIR": str(ckpt)}
+    (ckpt / "progress.txt").write_text("iteration 300 of 20000\n")
+    out = run_script(GPT3 / "slurm_pretrain_gpt3.sbatch", env, cwd=tmp_path)
+    assert out.returncode == 0 and "scontrol requeue 77" in out.stdout, out.stdout + out.stderr
+    assert f"--save {ckpt} --load {ckpt}" in out.stdout and "--exit-signal-handler" in out.stdout
+    (ckpt / "progress.txt").write_text("iteration 20000 of 20000\n")
+    done = run_script(GPT3 / "slurm_pretrain_gpt3.sbatch", env, cwd=tmp_path)
+    assert done.returncode == 0 and "scontrol requeue" not in done.stdout and "finished" in done.stderr

@@ -1,7 +1,11 @@
-"""Export an fp8lm checkpoint (``fp8.checkpoint.save_checkpoint``, any world size) as a plain
-``state_dict`` in safetensors, for inference or other frameworks.
+"""Export an fp8lm checkpoint as a plain ``state_dict`` in safetensors, for inference or other frameworks:
+a ``pretrain_gpt.py --save`` directory (its latest checkpoint, or ``--iteration N``; any TP/PP/DP layout:
+megatron-core ``GPTModel`` names, shards merged, read with
+``megatron.training.checkpointing.read_checkpoint``), or an engine checkpoint
+(``fp8.checkpoint.save_checkpoint``, any world size).
 
     python tools/convert_checkpoint.py CHECKPOINT_DIR OUT.safetensors [--dtype bf16|fp32] [--source master|fp8]
+        [--iteration N]
 
 Keys are the model's own parameter and buffer names (``fp8.initialize`` keeps them), so the file loads
 into the unconverted model with ``load_state_dict(safetensors.torch.load_file(...))``. Values:
@@ -81,10 +85,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", help="the .safetensors file to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--source", choices=("master", "fp8"), default="master")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="pretrain_gpt.py --save directories: this iteration instead of the latest")
     args = parser.parse_args(argv)
     from safetensors.torch import save_file
 
-    state = export_state_dict(args.checkpoint, DTYPES[args.dtype], args.source)
+    from megatron.training.checkpointing import is_megatron_checkpoint, read_checkpoint
+
+    if is_megatron_checkpoint(args.checkpoint):
+        _, state = read_checkpoint(args.checkpoint, args.iteration, source=args.source)
+        state = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in sorted(state.items())}
+    elif args.iteration is not None:
+        sys.exit(f"--iteration: {args.checkpoint} is an engine checkpoint (one iteration), not a --save directory")
+    else:
+        state = export_state_dict(args.checkpoint, DTYPES[args.dtype], args.source)
     save_file(state, args.output, metadata={"format": "pt", "source": f"fp8lm {args.source}"})
     n = sum(t.numel() for t in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {n:,} elements, {args.dtype}")

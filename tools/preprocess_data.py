@@ -96,8 +96,15 @@ def list_input_files(input_path: str | os.PathLike, exclude: Sequence[str | os.P
 
 
 def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    nul = raw.find(b"\x00")
+    if nul >= 0:  # UTF-16 text, archives, images, compiled files...
+        raise ValueError(
+            f"{path} looks binary (a NUL byte at offset {nul}): pass UTF-8 text or JSONL "
+            "(decompress or convert it first), or leave it out of --input"
+        )
     try:
-        return path.read_bytes().decode("utf-8")  # exact: no newline translation
+        return raw.decode("utf-8")  # exact: no newline translation
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not UTF-8 text ({error}): convert it to UTF-8 or leave it out of --input"

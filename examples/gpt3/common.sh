@@ -9,9 +9,12 @@
 #   SEQUENCE_PARALLEL  1/0 (default: 1 when TP > 1)     RECOMPUTE  1/0 full activation recomputation
 #   SEQ_LENGTH MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS LR_DECAY_STYLE
 #   WEIGHT_DECAY CLIP_GRAD EVAL_INTERVAL EVAL_ITERS LOG_INTERVAL SAVE_INTERVAL SEED
-#   DATA_PATH          training data (unset: pretrain_gpt.py's default)
-#   TOKENIZER_MODEL    sentencepiece model (unset: --vocab-size VOCAB_SIZE, default 50257, GPT-2's)
-#   CHECKPOINT_DIR     --save and --load            LOG_JSON   --log-json PATH
+#   DATA_PATH          training data: PREFIX_text_document from tools/preprocess_data.py (required, or MOCK_DATA=1)
+#   TOKENIZER_MODEL    its sentencepiece model (default PREFIX.model next to the data); the vocabulary comes from it
+#   MOCK_DATA=1        synthetic tokens instead of DATA_PATH, vocabulary VOCAB_SIZE (default 50257, GPT-2's)
+#   CHECKPOINT_DIR     --save and --load (resumes from its latest checkpoint)   LOG_JSON   --log-json PATH
+#   EXIT_SIGNAL_HANDLER 1/0 (default 1): on SIGTERM/SIGUSR1 finish the iteration, save, stop
+#   EXIT_DURATION_IN_MINS  stop (after saving) after this many minutes
 #   BF16               1/0 (default 1)               EXTRA_ARGS more pretrain_gpt.py flags (word-split)
 #   DISTRIBUTED_OPTIMIZER=1  --use-distributed-optimizer (BF16 baseline with ZeRO-1; FP8 shards with O3)
 #   PYTHON TORCHRUN    interpreter and launcher       default python, torchrun
@@ -32,7 +35,6 @@ REPO_ROOT=${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 : "${VPP:=}"
 : "${RECOMPUTE:=0}"
 : "${SEQ_LENGTH:=2048}"
-: "${VOCAB_SIZE:=50257}"
 : "${MICRO_BATCH_SIZE:=1}"
 : "${GLOBAL_BATCH_SIZE:=1024}"
 : "${TRAIN_ITERS:=100000}"
@@ -53,6 +55,8 @@ REPO_ROOT=${REPO_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 : "${DRY_RUN:=0}"
 : "${PLAN_ONLY:=0}"
 : "${PLAN_JSON:=0}"
+: "${MOCK_DATA:=0}"
+: "${EXIT_SIGNAL_HANDLER:=1}"
 
 fail() {
     echo "$(basename "$0"): error: $*" >&2
@@ -105,13 +109,34 @@ ARGS=(
 [[ "$RECOMPUTE" == 1 ]] && ARGS+=(--recompute-activations)
 [[ "$BF16" == 1 ]] && ARGS+=(--bf16)
 [[ "${DISTRIBUTED_OPTIMIZER:-0}" == 1 ]] && ARGS+=(--use-distributed-optimizer)
-if [[ -n "${TOKENIZER_MODEL:-}" ]]; then
-    ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
+# Data: real data needs DATA_PATH (its vocabulary comes from the tokenizer); nothing is downloaded here.
+if [[ -n "${DATA_PATH:-}" ]]; then
+    [[ "$MOCK_DATA" == 1 ]] && fail "DATA_PATH and MOCK_DATA=1 exclude each other: unset one of them"
+    [[ -n "${VOCAB_SIZE:-}" ]] && fail "VOCAB_SIZE=$VOCAB_SIZE applies to MOCK_DATA=1 only: with DATA_PATH the vocabulary comes from the tokenizer (TOKENIZER_MODEL); unset VOCAB_SIZE"
+    case "$DATA_PATH" in
+        *.bin | *.idx) fail "DATA_PATH=$DATA_PATH: give the prefix without .bin/.idx (PREFIX_text_document)" ;;
+    esac
+    if [[ -z "${TOKENIZER_MODEL:-}" ]]; then
+        TOKENIZER_MODEL="${DATA_PATH%_text_document}.model"
+        [[ -f "$TOKENIZER_MODEL" ]] || fail "TOKENIZER_MODEL is not set and $TOKENIZER_MODEL (next to DATA_PATH) does not exist: set TOKENIZER_MODEL to the sentencepiece model tools/preprocess_data.py wrote with the data"
+    fi
+    ARGS+=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL")
+elif [[ "$MOCK_DATA" == 1 ]]; then
+    ARGS+=(--mock-data --vocab-size "${VOCAB_SIZE:-50257}")
+elif [[ "$DRY_RUN" == 1 || "$PLAN_ONLY" == 1 ]]; then
+    # Planning reads no data: the vocabulary of TOKENIZER_MODEL, else VOCAB_SIZE (default GPT-2's 50257).
+    if [[ -n "${TOKENIZER_MODEL:-}" ]]; then
+        ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
+    else
+        ARGS+=(--vocab-size "${VOCAB_SIZE:-50257}")
+    fi
 else
-    ARGS+=(--vocab-size "$VOCAB_SIZE")
+    fail "DATA_PATH is not set: set DATA_PATH=PREFIX_text_document (written by tools/preprocess_data.py --output-prefix PREFIX; TOKENIZER_MODEL defaults to PREFIX.model), or MOCK_DATA=1 to train on synthetic tokens"
 fi
-[[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH")
 [[ -n "${CHECKPOINT_DIR:-}" ]] && ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR")
+RUN_ARGS=()  # training only (not for the planner)
+[[ "$EXIT_SIGNAL_HANDLER" == 1 ]] && RUN_ARGS+=(--exit-signal-handler)
+[[ -n "${EXIT_DURATION_IN_MINS:-}" ]] && RUN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_IN_MINS")
 [[ -n "${LOG_JSON:-}" ]] && ARGS+=(--log-json "$LOG_JSON")
 if [[ -n "${EXTRA_ARGS:-}" ]]; then
     read -r -a EXTRA <<<"$EXTRA_ARGS"
@@ -133,4 +158,8 @@ if [[ -n "${RDZV_ID:-}" ]]; then
 else
     RDZV=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-exec "$TORCHRUN" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${RDZV[@]}" pretrain_gpt.py "${ARGS[@]}"
+# SIGUSR1 (Slurm's warning before the time limit, sent to every process of the step) reaches the workers,
+# whose --exit-signal-handler saves and stops; torchrun itself ignores it (an ignored signal stays ignored
+# across exec; the workers install their own handler).
+trap '' USR1
+exec "$TORCHRUN" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${RDZV[@]}" pretrain_gpt.py "${ARGS[@]}" "${RUN_ARGS[@]}"

@@ -95,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--save", default=None)
     c.add_argument("--load", default=None)
     c.add_argument("--save-interval", type=int, default=None, help="default: at the end only")
+    c.add_argument("--ckpt-step", type=int, default=None, help="--load this iteration instead of the latest")
+    c.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="--load: continue with this run's learning-rate schedule and batch size, not the checkpoint's")
+    c.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at iterations divisible by N")
+    c.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (after saving) once this many minutes have passed since start-up")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save (with --save) and stop")
     f = p.add_argument_group("fp8")
     f.add_argument("--fp8-opt-level", choices=OPT_LEVEL_CHOICES, default="O2")
     f.add_argument("--fp8-amax-history-len", type=int, default=16)
@@ -245,5 +253,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             "copies of tied embeddings to "
             "different owners, so their gradients cannot be summed: add --untie-embeddings-and-output-weights"
         )
+    if (args.save or args.load) and args.compare_levels:
+        raise ConfigurationError("--save/--load checkpoint one opt level: drop --compare (or run each level on its own)")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

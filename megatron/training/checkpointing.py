@@ -1,87 +1,655 @@
-"""``--save`` / ``--load``: one file per rank (model chunks, optimizer, scaling states, iteration).
+"""``--save`` / ``--load``: one reshardable checkpoint format for every opt level, through
+``torch.distributed.checkpoint`` (DCP) and the engine's atomic writer (:mod:`fp8.checkpoint`).
 
-Layout: ``DIR/iter_0000100/rank_TT_PPP_DDD.pt`` (tensor, pipeline, data-parallel rank) plus
-``DIR/latest_checkpointed_iteration.txt``. FP8 weights are saved as FP8 payloads with their scales;
-optimizer states in their stored formats. Loading needs the same parallel layout and opt level (it is
-checked, with a message naming the mismatch). Writes go to a temporary file renamed into place, so a
-crash never leaves a partial checkpoint behind as "latest".
+Layout::
+
+    DIR/iter_0000100/                     one DCP checkpoint (written by every rank, atomically, with
+                                          checksums: fp8.checkpoint.write_atomically)
+    DIR/latest_checkpointed_iteration.txt the iteration of the newest complete checkpoint, written last
+    DIR/progress.txt                      "iteration N of TRAIN_ITERS" (for launchers deciding to requeue)
+
+Flat keys of each checkpoint (names are megatron-core ``GPTModel`` names with *global* layer numbers,
+so they do not depend on the pipeline split; tensor-parallel shards are stored per shard):
+
+- ``model/<name>`` (replicated parameters) or ``model/<name>/tp<r>`` (shard ``r`` of a tensor-parallel
+  parameter), in the parameter's dtype; FP8 weights as ``.../payload`` (``uint8`` bytes) and ``.../scale``.
+- ``optim/<name>[/tp<r>]/<key>``: the optimizer state of the parameter (every level: torch's AdamW/SGD
+  states, O1's FP32 master as ``master``, O2/O3's compressed states with their ``*_scale``), written by
+  the state's owner (O3, ``--use-distributed-optimizer``) or once.
+- ``scaling/dp<d>/<module>.<buffer>``: delayed-scaling states (amax histories, scales) of data-parallel
+  rank ``d`` (a rank beyond the saved data-parallel size takes rank ``d % saved``'s);
+  ``buffers/<name>``: other persistent buffers; ``mu/stage<p>.<v>/tp<t>/<name>``: the FP8 DDP wrapper's mu.
+- ``rng/rank<r>``: CPU and CUDA generator states and the model-parallel RNG tracker of rank ``r``.
+- ``meta``: JSON: iteration, consumed samples, skipped steps, the run's arguments, layout and, for every
+  parameter, its tensor-parallel partitioning (dimension, stride) and FP8 format.
+
+Same layout: restored bit for bit. Another data-parallel, tensor- or pipeline-parallel size: tensor
+shards are decoded to fp32, merged (strided partitions included) and re-split; compressed optimizer
+states are re-encoded at the new shard's scale; FP8 weights are re-quantized from the restored masters;
+RNG streams restart from ``--seed`` (only dropout uses them). Another model shape, opt level or
+optimizer stops with a message naming each difference; corrupted files are found by their checksums.
+
+:func:`read_checkpoint` reads a saved model back in one process (merged, fp32), for tools.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fp8.serialization import safe_globals
-from megatron.core import parallel_state
+from fp8.checkpoint import resolve_checkpoint, verify_checksums, write_atomically
+from fp8.optim.base import FP8Optimizer
+from fp8.optim.master_weights import MasterWeightOptimizer
+from fp8.optim.precision import STORAGE_FORMATS, decode, encode
+from fp8.scaling import ScalingState
+from fp8.tensor import Float8Tensor, to_float8
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
+           "CheckpointMismatchError", "FORMAT", "LATEST"]
 
-_LATEST = "latest_checkpointed_iteration.txt"
+FORMAT = "fp8lm-megatron/1"
+"""The format tag written in ``meta``."""
+
+LATEST = "latest_checkpointed_iteration.txt"
+PROGRESS = "progress.txt"
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+# Arguments that fix the model's parameters (shapes, kinds) and the precision of the states: a checkpoint
+# loads only into a run with the same values. The parallel layout may differ.
+_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
+               "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
+               "use_distributed_optimizer", "make_vocab_size_divisible_by")
+# Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
+# resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size")
 
 
-def _rank_file(directory: str, iteration: int) -> str:
-    tp = parallel_state.get_tensor_model_parallel_rank()
-    pp = parallel_state.get_pipeline_model_parallel_rank()
-    dp = parallel_state.get_data_parallel_rank()
-    return os.path.join(directory, f"iter_{iteration:07d}", f"rank_{tp:02d}_{pp:03d}_{dp:03d}.pt")
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit this run (model shape, opt level, optimizer, schedule); the message
+    names every difference."""
 
 
-def _layout(args) -> dict:
-    return {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-            "dp": args.data_parallel_size, "level": args.fp8_opt_level, "num_layers": args.num_layers,
-            "hidden_size": args.hidden_size}
+# -- paths ----------------------------------------------------------------------------------------
+def checkpoint_dir(directory: str | os.PathLike, iteration: int) -> Path:
+    """``DIR/iter_XXXXXXX``: the checkpoint of ``iteration``."""
+    return Path(directory) / f"iter_{iteration:07d}"
 
 
-def save_checkpoint(directory: str, run, iteration: int) -> str:
-    """Save this rank's part of the run at ``iteration``; rank 0 updates the ``latest`` marker."""
-    path = _rank_file(directory, iteration)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    state = {
-        "iteration": iteration,
-        "layout": _layout(run.args),
-        "model": [chunk.state_dict() for chunk in run.chunks],
-        "optimizer": run.optimizer.state_dict(),
-        "skipped_steps": run.skipped_steps,
-        "rng": torch.get_rng_state(),
-    }
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
+def latest_iteration(directory: str | os.PathLike) -> int | None:
+    """The iteration named by ``DIR/latest_checkpointed_iteration.txt`` (None when there is none)."""
+    marker = Path(directory) / LATEST
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{marker} holds {text!r}, not an iteration number; delete it or write the iteration "
+                         f"of a complete checkpoint into it") from None
+
+
+def _write_small(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
-    dist.barrier()
+
+
+def _write_latest(directory: Path, iteration: int, train_iters: int) -> None:
+    _write_small(directory / LATEST, f"{iteration}\n")
+    # For launchers (the Slurm script requeues while the run is unfinished), no Python needed to read it.
+    _write_small(directory / PROGRESS, f"iteration {iteration} of {train_iters}\n")
+
+
+# -- the run's tensors under global names ---------------------------------------------------------
+def _ranks() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "pp_size": ps.get_pipeline_model_parallel_world_size(), "dp_size": ps.get_data_parallel_world_size()}
+
+
+def _global_namer(chunk: torch.nn.Module, tied_copy: bool):
+    """name in ``chunk`` -> global name (decoder layers renumbered by their global layer number; the
+    last stage's copy of tied embeddings named as the embedding it copies)."""
+    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+
+    def name_of(name: str) -> str:
+        m = _LAYER.match(name)
+        if m:
+            return f"{m.group(1)}{layers[int(m.group(2))].layer_number - 1}{m.group(3)}"
+        if tied_copy and name == "output_layer.weight":
+            return "embedding.word_embeddings.weight"
+        return name
+
+    return name_of
+
+
+class _Entry:
+    """One model parameter of this rank: its global name, its tensor-parallel partitioning and the
+    tensor its optimizer steps (O1: the FP32 master; else the parameter)."""
+
+    def __init__(self, name: str, param: torch.Tensor, opt_param: torch.Tensor, tp_rank: int) -> None:
+        self.name, self.param, self.opt_param = name, param, opt_param
+        self.sharded = bool(getattr(param, "tensor_model_parallel", False))
+        self.dim = int(getattr(param, "partition_dim", 0)) if self.sharded else -1
+        self.stride = int(getattr(param, "partition_stride", 1)) if self.sharded else 1
+        self.key = f"{name}/tp{tp_rank}" if self.sharded else name
+
+    def info(self) -> dict:
+        fmt = str(self.param.payload.dtype).removeprefix("torch.") if isinstance(self.param, Float8Tensor) else None
+        return {"sharded": self.sharded, "dim": self.dim, "stride": self.stride, "fp8": fmt,
+                "dtype": str(self.param.dtype).removeprefix("torch.")}
+
+
+def _entries(run) -> list[_Entry]:
+    ranks = _ranks()
+    masters = {}
+    if isinstance(run.optimizer, MasterWeightOptimizer):
+        masters = {id(weight): master for master, weight in run.optimizer.pairs}
+    tied = not run.args.untie_embeddings_and_output_weights
+    out, seen = [], set()
+    for chunk in run.bare_chunks:
+        namer = _global_namer(chunk, tied and getattr(chunk, "post_process", False)
+                              and not getattr(chunk, "pre_process", False))
+        for name, p in chunk.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append(_Entry(namer(name), p, masters.get(id(p), p), ranks["tp"]))
+    return out
+
+
+def _buffers(run) -> list[tuple[str, torch.Tensor, bool]]:
+    """(global name, buffer, is a scaling state) of every persistent buffer of this rank's chunks."""
+    out = []
+    for chunk in run.bare_chunks:
+        namer = _global_namer(chunk, False)
+        for mod_name, mod in chunk.named_modules():
+            skip = getattr(mod, "_non_persistent_buffers_set", set())
+            for buf_name, buf in mod.named_buffers(recurse=False):
+                if buf is None or buf_name in skip:
+                    continue
+                fqn = namer(f"{mod_name}.{buf_name}" if mod_name else buf_name)
+                out.append((fqn, buf, isinstance(mod, ScalingState)))
+    return out
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _owns(optimizer, p: torch.Tensor) -> bool:
+    owns = getattr(optimizer, "owns", None)
+    return True if owns is None else owns(p)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return repr(value)
+
+
+def _run_args(args: argparse.Namespace) -> dict:
+    out = {}
+    for key, value in vars(args).items():
+        try:
+            json.dumps(value)
+            out[key] = value
+        except TypeError:
+            out[key] = _jsonable(value)
+    return out
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_samples: int | None = None) -> Path:
+    """Save the whole run at ``iteration`` into ``DIR/iter_XXXXXXX`` (every rank calls it), then point
+    ``DIR/latest_checkpointed_iteration.txt`` at it. An interrupted save leaves the previous checkpoint
+    the latest one. Returns the checkpoint's directory."""
+    directory = Path(directory)
+    args = run.args
+    ranks = _ranks()
+    optimizer = run.optimizer
+    state: dict[str, Any] = {}
+    entries = _entries(run)
+    for e in entries:
+        p = e.param
+        if isinstance(p, Float8Tensor):
+            state[f"model/{e.key}/payload"] = _wire(p.payload)
+            state[f"model/{e.key}/scale"] = p.scale
+        else:
+            state[f"model/{e.key}"] = p.detach()
+        if not (e.opt_param.requires_grad and _owns(optimizer, e.opt_param)):
+            continue
+        for key, value in optimizer.state.get(e.opt_param, {}).items():
+            if isinstance(value, torch.Tensor):
+                state[f"optim/{e.key}/{key}"] = _wire(value)
+        if e.opt_param is not e.param:  # O1: the FP32 master parameter
+            state[f"optim/{e.key}/master"] = e.opt_param.detach()
+    for fqn, buf, scaling in _buffers(run):
+        state[f"scaling/dp{ranks['dp']}/{fqn}" if scaling else f"buffers/{fqn}"] = buf
+    for v, chunk in enumerate(run.chunks):
+        mu = getattr(chunk, "grad_scaling", None)
+        if mu is not None:
+            for name, buf in mu.named_buffers():
+                state[f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] = buf
+    state[f"rng/rank{dist.get_rank()}"] = io.BytesIO(_rng_bytes())
+    # Meta must be identical on every rank (DCP writes it once): the parameter table is gathered.
+    infos: list = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, {e.name: e.info() for e in entries})
+    params = {}
+    for part in infos:
+        params.update(part)
+    skipped_opt = getattr(optimizer, "skipped_steps", None)
+    meta = {
+        "format": FORMAT, "iteration": iteration,
+        "consumed_samples": iteration * args.global_batch_size if consumed_samples is None else consumed_samples,
+        "skipped_steps": run.skipped_steps, "optimizer_skipped_steps": skipped_opt,
+        "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"],
+                   "vp": args.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
+        "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(args), "args": _run_args(args), "params": dict(sorted(params.items())),
+    }
+    state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
+    path = checkpoint_dir(directory, iteration)
+    write_atomically(path, state)
     if dist.get_rank() == 0:
-        marker = os.path.join(directory, _LATEST)
-        with open(marker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(marker + ".tmp", marker)
+        _write_latest(directory, iteration, args.train_iters)
     dist.barrier()
     return path
 
 
-def load_checkpoint(directory: str, run) -> int:
-    """Load this rank's part of the latest checkpoint in ``directory``; returns its iteration (0 if none)."""
-    marker = os.path.join(directory, _LATEST)
-    if not os.path.exists(marker):
-        if dist.get_rank() == 0:
-            print(f"--load {directory}: no checkpoint there yet, starting from scratch", flush=True)
-        return 0
-    with open(marker) as f:
-        iteration = int(f.read().strip())
-    path = _rank_file(directory, iteration)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing: checkpoints load with the parallel layout they were saved with")
-    with torch.serialization.safe_globals(safe_globals()):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["layout"] != _layout(run.args):
-        raise ValueError(
-            f"checkpoint {path} was saved with {state['layout']}, this run is {_layout(run.args)}: use the same "
-            f"parallel layout, model and --fp8-opt-level to resume"
-        )
-    for chunk, chunk_state in zip(run.chunks, state["model"]):
-        chunk.load_state_dict(chunk_state)
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.skipped_steps = state["skipped_steps"]
-    torch.set_rng_state(state["rng"])
-    return iteration
+def _rng_bytes() -> bytes:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    tracker = mrandom.get_cuda_rng_tracker()
+    states["tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+    buf = io.BytesIO()
+    torch.save(states, buf)
+    return buf.getvalue()
+
+
+def _set_rng(raw: bytes) -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    states = torch.load(io.BytesIO(raw), weights_only=True)
+    torch.set_rng_state(states["cpu"])
+    if torch.cuda.is_available() and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    mrandom.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+# -- load -----------------------------------------------------------------------------------------
+def _read_meta(path: Path, distributed: bool) -> dict:
+    holder: dict[str, Any] = {"meta": io.BytesIO()}
+    dcp.load(holder, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not distributed)
+    meta = json.loads(holder["meta"].getvalue().decode())
+    if meta.get("format") != FORMAT:
+        raise CheckpointMismatchError(f"{path}: format {meta.get('format')!r}, this version reads {FORMAT!r}")
+    return meta
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _raw_vocab(args: argparse.Namespace) -> int | None:
+    """The vocabulary before padding: ``--vocab-size`` (mock data) or the tokenizer's."""
+    if getattr(args, "mock_data", False) or not getattr(args, "tokenizer_model", None):
+        return args.vocab_size
+    from .tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(args.tokenizer_model).vocab_size
+
+
+def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
+    saved = meta["args"]
+    diffs = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
+             for k in _MODEL_ARGS if saved.get(k) != getattr(args, k, None)]
+    raw = _raw_vocab(args)
+    if meta.get("raw_vocab_size") != raw:
+        diffs.append(f"vocabulary {meta.get('raw_vocab_size')} (checkpoint) vs {raw} (this run: --vocab-size or the "
+                     f"tokenizer's)")
+    elif meta["layout"]["tp"] == getattr(args, "tensor_model_parallel_size", 1) and meta["vocab_size"] != vocab_size:
+        diffs.append(f"padded vocabulary {meta['vocab_size']} (checkpoint) vs {vocab_size} (this run)")
+    if diffs:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this run: " + "; ".join(diffs)
+            + ". Load it with the model flags, --fp8-opt-level and optimizer it was saved with (the parallel "
+              "layout may differ)")
+    if not getattr(args, "override_opt_param_scheduler", False):
+        sched = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
+                 for k in _SCHEDULE_ARGS if saved.get(k) != getattr(args, k, None)]
+        if sched:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was trained with another learning-rate schedule or batch: " + "; ".join(sched)
+                + ". Pass the checkpoint's values, or --override-opt-param-scheduler to continue with this run's")
+
+
+def _merge(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from tensor-parallel shards 0..T-1 (shard ``r`` holds blocks ``r, r+T, ...`` of
+    ``T * stride`` blocks along ``dim``: megatron-core's strided partitioning)."""
+    world = len(shards)
+    blocks: list = [None] * (world * stride)
+    for r, shard in enumerate(shards):
+        for j, block in enumerate(torch.chunk(shard, stride, dim=dim)):
+            blocks[j * world + r] = block
+    return torch.cat(blocks, dim=dim)
+
+
+def _split(full: torch.Tensor, dim: int, rank: int, world: int, stride: int) -> torch.Tensor:
+    blocks = torch.chunk(full, world * stride, dim=dim)
+    return torch.cat(blocks[rank::world], dim=dim).contiguous()
+
+
+def _fmt_of(dtype: torch.dtype):
+    for fmt in STORAGE_FORMATS.values():
+        if fmt.dtype == dtype:
+            return fmt
+    raise ValueError(f"no storage format stores {dtype}")
+
+
+def _empty(md) -> torch.Tensor:
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+
+def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = None) -> int:
+    """Restore the run from the latest checkpoint in ``directory`` (or ``iteration``'s), at this run's
+    parallel layout (every rank calls it); returns its iteration (0 when ``directory`` holds none yet).
+    Sets ``run.consumed_samples``."""
+    directory = Path(directory)
+    distributed = dist.is_initialized()
+    rank0 = dist.get_rank() == 0
+    if iteration is None:
+        iteration = latest_iteration(directory)
+        if iteration is None:
+            if rank0:
+                print(f"--load {directory}: no checkpoint there yet, starting from scratch", flush=True)
+            return 0
+    path = checkpoint_dir(directory, iteration)
+    if not path.exists() and not path.with_name(path.name + ".old").exists():
+        raise FileNotFoundError(f"{path} is missing although {directory / LATEST} names iteration {iteration}")
+    path = resolve_checkpoint(path)
+    verify_checksums(path)
+    meta = _read_meta(path, distributed)
+    args = run.args
+    _check_compatible(path, meta, args, run.vocab_size)
+    ranks = _ranks()
+    saved = meta["layout"]
+    same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("vp")) == (
+        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], args.virtual_pipeline_model_parallel_size)
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata().state_dict_metadata
+    optimizer = run.optimizer
+    saved_tp = int(saved["tp"])
+    reshard_tp = saved_tp != ranks["tp_size"]
+    request: dict[str, Any] = {}
+    missing: list[str] = []
+    plans = []  # (entry, model buffers or None, {state key: buffers})
+
+    def need(key: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        if key not in md:
+            missing.append(key)
+            return None
+        request[key] = _empty(md[key])  # loaded as stored (FP8 as uint8 bytes), used as ``dtype``
+        return request[key].view(dtype) if dtype is not None and dtype != request[key].dtype else request[key]
+
+    for e in _entries(run):
+        p = e.param
+        fp8_dtype = p.payload.dtype if isinstance(p, Float8Tensor) else None
+        keys = [e.key] if not (e.sharded and reshard_tp) else [f"{e.name}/tp{i}" for i in range(saved_tp)]
+        in_place = keys == [e.key]
+        model_bufs = None
+        if in_place:
+            if fp8_dtype is not None:
+                for suffix, live in (("payload", _wire(p.payload)), ("scale", p.scale)):
+                    if f"model/{e.key}/{suffix}" in md:
+                        request[f"model/{e.key}/{suffix}"] = live
+                    else:
+                        missing.append(f"model/{e.key}/{suffix}")
+            elif f"model/{e.key}" in md:
+                request[f"model/{e.key}"] = p.data
+            else:
+                missing.append(f"model/{e.key}")
+        elif fp8_dtype is not None:
+            model_bufs = [(need(f"model/{k}/payload", fp8_dtype), need(f"model/{k}/scale")) for k in keys]
+        else:
+            model_bufs = [(need(f"model/{k}"), None) for k in keys]
+        optim_bufs: dict[str, list] = {}
+        if e.opt_param.requires_grad and _owns(optimizer, e.opt_param):
+            live = optimizer.state.get(e.opt_param, {})
+            prefix = f"optim/{keys[0]}/"
+            for full in (k for k in md if k.startswith(prefix)):
+                skey = full[len(prefix):]
+                dtype = live[skey].dtype if isinstance(live.get(skey), torch.Tensor) else None
+                optim_bufs[skey] = [need(f"optim/{k}/{skey}", dtype) for k in keys]
+            if not optim_bufs and meta["iteration"] > 0 and live:
+                missing.append(f"{prefix}*")
+        plans.append((e, model_bufs, optim_bufs))
+    saved_dp = int(saved["dp"])
+    for fqn, buf, scaling in _buffers(run):
+        key = f"scaling/dp{ranks['dp'] % saved_dp}/{fqn}" if scaling else f"buffers/{fqn}"
+        if key in md:
+            request[key] = buf
+        else:
+            missing.append(key)
+    for v, chunk in enumerate(run.chunks):
+        mu = getattr(chunk, "grad_scaling", None)
+        if mu is None:
+            continue
+        for name, buf in mu.named_buffers():
+            candidates = [f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] + sorted(
+                k for k in md if k.startswith("mu/") and k.endswith(f"/{name}"))
+            key = next((k for k in candidates if k in md), None)
+            if key is not None:
+                request[key] = buf
+    rng_key = f"rng/rank{dist.get_rank()}"
+    if same_layout and rng_key in md:
+        request[rng_key] = io.BytesIO()
+    problems = sorted(set(_gather(missing[:5], distributed)))
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} lacks entries this run needs (e.g. {', '.join(problems[:6])}): it was saved from "
+            f"another model or opt level")
+    dcp.load(request, storage_reader=reader, no_dist=not distributed)
+    state_by_param: dict[int, dict[str, torch.Tensor]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for e, model_bufs, optim_bufs in plans:
+            if model_bufs is not None:
+                _reshard_model(e, model_bufs, ranks)
+            state = _optimizer_state(e, optim_bufs, optimizer, ranks, reshard_tp)
+            if e.opt_param is not e.param and "master" in state:
+                masters[id(e.opt_param)] = state.pop("master")
+            if state:
+                state_by_param[id(e.opt_param)] = state
+        _load_optimizer(optimizer, state_by_param, masters, meta)
+    run.skipped_steps = int(meta["skipped_steps"])
+    run.consumed_samples = int(meta["consumed_samples"])
+    if same_layout and rng_key in request:
+        _set_rng(request[rng_key].getvalue())
+    elif rank0:
+        print(f"--load {path}: saved at TP{saved['tp']} PP{saved['pp']} DP{saved['dp']}, resharded to "
+              f"TP{ranks['tp_size']} PP{ranks['pp_size']} DP{ranks['dp_size']}; random streams restart from --seed",
+              flush=True)
+    if distributed:
+        dist.barrier()
+    return int(meta["iteration"])
+
+
+def _gather(obj, distributed: bool) -> list:
+    if not distributed:
+        return list(obj)
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return [x for part in out for x in part]
+
+
+def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:
+    p = e.param
+    if isinstance(p, Float8Tensor):
+        values = [payload.to(torch.float32) / scale for payload, scale in bufs]
+    else:
+        values = [b for b, _ in bufs]
+    full = _fit_vocab(e, _merge(values, e.dim, e.stride), ranks)
+    mine = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
+    if mine.shape != p.shape:
+        raise CheckpointMismatchError(f"{e.name}: the checkpoint's tensor {tuple(full.shape)} does not split into this "
+                                      f"rank's {tuple(p.shape)}")
+    if isinstance(p, Float8Tensor):
+        q = to_float8(mine.to(p.device), p.format)
+        p.payload.copy_(q.payload)
+        p.scale.copy_(q.scale)
+    else:
+        p.data.copy_(mine)
+
+
+def _fit_vocab(e: _Entry, full: torch.Tensor, ranks: dict) -> torch.Tensor:
+    """``full`` with as many vocabulary rows as this layout pads to (zero rows added, padding rows cut)."""
+    if e.name not in _VOCAB_PARAMS or full.dim() == 0 or e.dim != 0:
+        return full
+    rows = e.param.shape[0] * ranks["tp_size"]
+    if full.shape[0] > rows:
+        return full[:rows]
+    if full.shape[0] < rows:
+        return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+    return full
+
+
+def _optimizer_state(e: _Entry, bufs: dict[str, list], optimizer, ranks: dict, reshard: bool) -> dict:
+    """This parameter's optimizer state from the loaded buffers (one per saved shard when resharding)."""
+    if not bufs:
+        return {}
+    if not (e.sharded and reshard):
+        return {k: v[0] for k, v in bufs.items()}
+    live = optimizer.state.get(e.opt_param, {})
+    out = {}
+    for key, shards in bufs.items():
+        if key.endswith("_scale") and key[: -len("_scale")] in bufs:
+            continue
+        if f"{key}_scale" in bufs:  # compressed: payload / scale (a power of two), re-encoded at the new scale
+            values = [decode(payload, scale) for payload, scale in zip(shards, bufs[f"{key}_scale"])]
+            full = _fit_vocab(e, _merge(values, e.dim, e.stride), ranks)
+            mine = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
+            dtype = live[key].dtype if isinstance(live.get(key), torch.Tensor) else shards[0].dtype
+            out[key], out[f"{key}_scale"] = encode(mine, _fmt_of(dtype))
+        elif shards[0].dim() == e.param.dim() and shards[0].dim() > 0:
+            full = _fit_vocab(e, _merge(list(shards), e.dim, e.stride), ranks)
+            out[key] = _split(full, e.dim, ranks["tp"], ranks["tp_size"], e.stride)
+        elif key.endswith("_amax"):
+            out[key] = torch.stack([s.reshape(()) for s in shards]).max()
+        else:  # step and other per-parameter scalars: the same on every shard
+            out[key] = shards[0]
+    return out
+
+
+def _groups_with_indices(param_groups) -> tuple[list[dict], dict[int, int]]:
+    index: dict[int, int] = {}
+    groups = []
+    for group in param_groups:
+        ids = []
+        for p in group["params"]:
+            ids.append(index.setdefault(id(p), len(index)))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return groups, index
+
+
+def _load_optimizer(optimizer, states: dict[int, dict], masters: dict[int, torch.Tensor], meta: dict) -> None:
+    """Hand the loaded states to the optimizer's own ``load_state_dict`` (it restores dtypes and devices,
+    re-quantizes FP8 weights from their masters and, at O3, re-gathers the weights)."""
+    skipped = meta.get("optimizer_skipped_steps") or 0
+    if isinstance(optimizer, MasterWeightOptimizer):
+        groups, index = _groups_with_indices(optimizer.optimizer.param_groups)
+        base = {"state": {index[pid]: st for pid, st in states.items()}, "param_groups": groups}
+        saved_masters = [masters.get(id(m), m.detach()) for m, _ in optimizer.pairs]
+        optimizer.load_state_dict({"optimizer": base, "master_weights": saved_masters, "skipped_steps": skipped})
+        return
+    groups, index = _groups_with_indices(optimizer.param_groups)
+    sd = {"state": {index[pid]: st for pid, st in states.items()}, "param_groups": groups}
+    if isinstance(optimizer, FP8Optimizer):
+        sd["skipped_steps"] = skipped
+    optimizer.load_state_dict(sd)
+
+
+# -- reading for tools ----------------------------------------------------------------------------
+def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``pretrain_gpt.py --save`` directory or one of its ``iter_XXXXXXX`` checkpoints."""
+    path = Path(path)
+    if (path / LATEST).exists():
+        return True
+    if not (path / ".metadata").exists():
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return _read_meta(path, distributed=False).get("format") == FORMAT
+    except CheckpointMismatchError:
+        return False
+
+
+def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
+                    source: str = "fp8") -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(args, state)`` of a ``pretrain_gpt.py --save`` checkpoint, read in this process (no
+    ``torch.distributed`` needed): ``path`` is the ``--save`` directory (its latest checkpoint, or
+    ``iteration``'s) or one ``iter_XXXXXXX`` directory. ``args``: the saved run's arguments; ``state``:
+    the whole model in megatron-core ``GPTModel`` names (global layer numbers, tensor-parallel shards
+    merged; tied output weights appear once, as ``embedding.word_embeddings.weight``), every tensor fp32.
+    FP8 weights: dequantized (``source="fp8"``, the weights the model computed with) or their optimizer
+    master copies decoded (``source="master"``, O1-O3: the more precise value)."""
+    if source not in ("fp8", "master"):
+        raise ValueError(f"source must be 'fp8' or 'master', got {source!r}")
+    path = Path(path)
+    if (path / LATEST).exists() or iteration is not None:
+        iteration = latest_iteration(path) if iteration is None else iteration
+        path = checkpoint_dir(path, iteration)
+    elif not (path / ".metadata").exists() and not path.with_name(path.name + ".old").exists():
+        raise FileNotFoundError(f"{path} is neither a --save directory (no {LATEST}) nor a checkpoint directory")
+    path = resolve_checkpoint(path)
+    verify_checksums(path)
+    with warnings.catch_warnings():  # DCP notes that it reads in one process: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        meta = _read_meta(path, distributed=False)
+        reader = dcp.FileSystemReader(str(path))
+        md = reader.read_metadata().state_dict_metadata
+        wanted = ("model/",) + (("optim/",) if source == "master" else ())
+        request = {k: _empty(v) for k, v in md.items() if k.startswith(wanted) and not isinstance(v, BytesStorageMetadata)
+                   and (k.startswith("model/") or k.endswith(("/master", "/master_scale")))}
+        dcp.load(request, storage_reader=reader, no_dist=True)
+    tp = int(meta["layout"]["tp"])
+    state: dict[str, torch.Tensor] = {}
+    for name, info in meta["params"].items():
+        keys = [f"{name}/tp{i}" for i in range(tp)] if info["sharded"] else [name]
+        if info["fp8"] and source == "master" and all(f"optim/{k}/master" in request for k in keys):
+            values = [request[f"optim/{k}/master"].to(torch.float32) for k in keys]
+            if all(f"optim/{k}/master_scale" in request for k in keys):  # O2/O3: payload / power-of-two scale
+                values = [v / request[f"optim/{k}/master_scale"] for v, k in zip(values, keys)]
+        elif info["fp8"]:
+            fp8 = getattr(torch, info["fp8"])
+            values = [request[f"model/{k}/payload"].view(fp8).to(torch.float32) / request[f"model/{k}/scale"]
+                      for k in keys]
+        else:
+            values = [request[f"model/{k}"].to(torch.float32) for k in keys]
+        state[name] = _merge(values, info["dim"], info["stride"]) if info["sharded"] else values[0]
+    return meta["args"], state

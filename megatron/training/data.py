@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -178,24 +179,32 @@ def build_gpt_datasets(
         raise ValueError(f"num_samples must be three non-negative sample counts (or None), got {num_samples}")
     check_data_files(prefixes)
     split = _split_string(split)
-    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for prefix in prefixes:  # megatron-core loops forever on a split without tokens: fail clearly instead
-        indexed = _open_indexed_dataset(prefix)
-        lengths = numpy.array(indexed.sequence_lengths)  # a copy: the view dies with the dataset's mmap
-        _check_token_range(prefix, indexed.index.dtype, tokenizer)
-        del indexed
-        for which, bounds in zip(Split, split_matrix):
-            if bounds is None:
-                continue
-            beg, end = (int(round(b * float(len(lengths)))) for b in bounds)
-            tokens = int(lengths[beg:end].sum())
-            if tokens < seq_length + 1:
-                raise ValueError(
-                    f"the {which.name} split of {prefix!r} gets documents [{beg}, {end}) of {len(lengths)}, "
-                    f"{tokens} tokens, fewer than one sample of seq_length + 1 = {seq_length + 1}: give it more "
-                    "text, more documents (smaller --document-chars in tools/preprocess_data.py), a larger "
-                    f"share in split={split!r} (or 0 to drop it), or a shorter seq_length"
-                )
+    weights = parse_and_normalize_split(split)
+    dropped: set[int] = set()
+    while True:  # a split without a sample's worth of tokens: dropped if nothing is asked of it, else an error
+        split_matrix = convert_split_vector_to_split_matrix(weights)
+        starved = _starved_splits(prefixes, tokenizer, seq_length, split_matrix, dropped)
+        if not starved:
+            break
+        for index, prefix, beg, end, count, tokens in starved:
+            which = Split(index).name
+            if num_samples[index] == 0:  # not needed: drop it (weight 0), then look again
+                warnings.warn(
+                    f"the {which} split of {prefix!r} gets documents [{beg}, {end}) of {count} ({tokens} tokens, "
+                    f"fewer than one sample of seq_length + 1 = {seq_length + 1}) and no samples are asked of it: "
+                    f"dropped (split {split!r} -> {_drop(weights, index)})", stacklevel=2)
+                weights = [0.0 if i == index else w for i, w in enumerate(weights)]
+                total = sum(weights)
+                weights = [w / total for w in weights]
+                dropped.add(index)
+                break
+            raise ValueError(
+                f"the {which} split of {prefix!r} gets documents [{beg}, {end}) of {count}, "
+                f"{tokens} tokens, fewer than one sample of seq_length + 1 = {seq_length + 1}: give it more "
+                "text, more documents (smaller --document-chars in tools/preprocess_data.py), a larger "
+                f"share in split={split!r} (or 0 to drop it), or a shorter seq_length"
+            )
+    split = ",".join(repr(float(w)) for w in weights)
     cache_root = Path(path_to_cache) if path_to_cache is not None else Path(prefixes[0]).resolve().parent / "cache"
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -215,6 +224,30 @@ def build_gpt_datasets(
     )
     train, valid, test = builder.build()
     return train, valid, test
+
+
+def _drop(weights: list[float], index: int) -> str:
+    kept = [0.0 if i == index else w for i, w in enumerate(weights)]
+    return ",".join(f"{w / sum(kept):.4g}" for w in kept)
+
+
+def _starved_splits(prefixes, tokenizer, seq_length: int, split_matrix, skip: set[int]) -> list[tuple]:
+    """``(split index, prefix, first doc, end doc, documents, tokens)`` of every split that gets fewer
+    tokens than one sample (megatron-core would loop forever on it)."""
+    out = []
+    for prefix in prefixes:
+        indexed = _open_indexed_dataset(prefix)
+        lengths = numpy.array(indexed.sequence_lengths)  # a copy: the view dies with the dataset's mmap
+        _check_token_range(prefix, indexed.index.dtype, tokenizer)
+        del indexed
+        for index, bounds in enumerate(split_matrix):
+            if bounds is None or index in skip:
+                continue
+            beg, end = (int(round(b * float(len(lengths)))) for b in bounds)
+            tokens = int(lengths[beg:end].sum())
+            if tokens < seq_length + 1:
+                out.append((index, prefix, beg, end, len(lengths), tokens))
+    return out
 
 
 def gpt_batch_iterator(

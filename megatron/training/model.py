@@ -13,6 +13,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from fp8.parallel.init import reinitialize_named_
+
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
@@ -92,11 +94,40 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
     )
 
 
+def _initialize_megatron_weights(model: GPTModel, args: argparse.Namespace, config: TransformerConfig) -> None:
+    """Embeddings and output layer (built by megatron-core, which initialises each shard from the
+    rank's RNG) re-initialised by name, shard-wise: identical for every layout (fp8.parallel.init)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    params = {}
+    if model.pre_process:
+        params["embedding.word_embeddings.weight"] = model.embedding.word_embeddings.weight
+        if getattr(model.embedding, "position_embeddings", None) is not None:
+            params["embedding.position_embeddings.weight"] = model.embedding.position_embeddings.weight
+    if model.post_process and model.output_layer.weight is not None:
+        tied = model.share_embeddings_and_output_weights  # the last stage's copy of the embedding
+        params["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = model.output_layer.weight
+    reinitialize_named_(params, args.seed, config.init_method_std, tp_rank, tp_size)
+
+
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), initialised independently of the layout.
+    """This rank's model chunks (one per virtual pipeline stage), initialised independently of the layout,
+    each rank generating only its shards (:mod:`fp8.parallel.init`) on its device: the current CUDA device
+    when there is one, else the default device (the meta device inside ``with torch.device("meta")``).
 
     Call after ``parallel_state.initialize_model_parallel`` and after seeding (``cpu_compat.seed``).
     """
+    device = torch.get_default_device()
+    if device.type == "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    # megatron-core allocates only this rank's shards of its own layers (on the meta device, its CPU path
+    # allocates nothing), then they are re-initialised layout-independently (_initialize_megatron_weights).
+    config.use_cpu_initialization = device.type == "meta"
+    with torch.device(device):
+        return _build_chunks(args, config, vocab_size)
+
+
+def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     fp8 = fp8_recipe_from_args(args)
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed,
                                         min_fp8_dim=resolved_min_fp8_dim(args))
@@ -122,6 +153,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
             position_embedding_type=args.position_embedding_type,
             vp_stage=vp_stage if vp_size > 1 else None,
         )
+        _initialize_megatron_weights(model, args, config)
         chunks.append(model)
     return chunks
 

@@ -122,13 +122,15 @@ class _Datasets:
 
     def __init__(self, args: argparse.Namespace) -> None:
         needed = args.train_iters * args.global_batch_size
-        eval_samples = max(1, args.eval_iters) * args.global_batch_size
+        # No evaluation asked for: no validation samples needed (a corpus too small for a validation split trains).
+        eval_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
         if args.mock_data:
             from .mock_data import MockGPTDataset
 
             self.vocab_size = args.vocab_size
             self.train = MockGPTDataset(args.vocab_size, args.seq_length, needed, args.seed)
-            self.valid = MockGPTDataset(args.vocab_size, args.seq_length, eval_samples, args.seed + 1)
+            self.valid = MockGPTDataset(args.vocab_size, args.seq_length, max(eval_samples, args.global_batch_size),
+                                        args.seed + 1)
             self.tokenizer = None
             return
         from .data import build_gpt_datasets, check_data_files, prepare_default_corpus
@@ -337,13 +339,16 @@ class _Run:
 def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger) -> RunHistory:
     """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history."""
     from .checkpointing import load_checkpoint, save_checkpoint
+    from .exit import ExitPolicy
 
     run = _Run(args, datasets)
     start = 0
+    run.consumed_samples = 0
     if args.load:
-        start = load_checkpoint(args.load, run)
+        start = load_checkpoint(args.load, run, getattr(args, "ckpt_step", None))
+    exit_policy = ExitPolicy(args, run.device)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
-    data = run.data_iterators(datasets.train, consumed=start * args.global_batch_size)
+    data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
     pending = _PendingRecords(args, run)
     for it in range(start, args.train_iters):
@@ -351,8 +356,11 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
         step = run.train_step(data, it)
         pending.add(it + 1, step, dict(run.counter.by_tag), run.counter.total, run.mu())
         evaluate = bool(args.eval_interval) and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters)
-        save = bool(args.save and args.save_interval and (it + 1) % args.save_interval == 0)
-        if evaluate or save or (it + 1) % max(1, args.log_interval) == 0 or it + 1 == args.train_iters:
+        stop = exit_policy.reason(it + 1)
+        save = bool(args.save) and (stop is not None or it + 1 == args.train_iters
+                                    or bool(args.save_interval and (it + 1) % args.save_interval == 0))
+        if (evaluate or save or stop or (it + 1) % max(1, args.log_interval) == 0
+                or it + 1 == args.train_iters):
             records = pending.flush()  # the one host read of the interval (every rank at the same iterations)
             if evaluate:
                 records[-1]["val_loss"] = run.evaluate(datasets.valid)
@@ -362,8 +370,13 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
                 logger.log_iteration(record)
         if save:
             save_checkpoint(args.save, run, it + 1)
-    if args.save:
-        save_checkpoint(args.save, run, args.train_iters)
+        if stop:
+            history["stopped"] = {"iteration": it + 1, "reason": stop, "saved": bool(args.save)}
+            if dist.get_rank() == 0:
+                print(f"stopping after iteration {it + 1} ({stop})"
+                      + (f"; checkpoint saved in {args.save}" if args.save else ""), flush=True)
+            break
+    exit_policy.close()
     history["summary"] = _summary(history, run)
     logger.end_level(history["summary"])
     return history
