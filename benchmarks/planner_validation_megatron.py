@@ -148,7 +148,8 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
             rows.append({**base, "what": key, "planned": planned[key], "measured": report[category]})
         rows.append({**base, "what": "model state", "planned": sum(planned[k] for k in STATE_KEYS),
                      "measured": report["total"]})
-        rows.append({**base, "what": "gradients, peak in backward", "planned": planned["gradients"],
+        window = plan_memory(cfg)["stages"][stage]["bytes"]["gradient_accumulation"]  # fp32 sums before the DP reduction
+        rows.append({**base, "what": "gradients, peak in backward", "planned": planned["gradients"] + window,
                      "measured": grads.peak})
     planned_act = plan_memory(cfg)["stages"][stage]["bytes"]["activations"]
     rows.append({**base, "what": f"activations (recompute {base['recompute']})", "planned": planned_act,

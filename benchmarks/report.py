@@ -234,7 +234,9 @@ def section_planner() -> str:
 
     out = ["## Planned memory for GPT-3 7B, 13B and 175B (FP8-LM's layouts)\n",
            "`tools/memory_planner.py`, per GPU (worst rank), BF16 activations, sequence length 2048, micro-batch 1, "
-           "sequence parallelism where TP > 1, full recomputation for 175B:\n"]
+           "sequence parallelism where TP > 1, full recomputation for 175B; BF16 (`none`) with FP32 main gradients "
+           "(Megatron's `--bf16`), FP8 levels with fp32 gradient sums (`--fp8-grad-accumulation fp32`), both summing "
+           "micro-batches accurately:\n"]
     models = {
         "7B": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, tensor_model_parallel_size=1,
                    pipeline_model_parallel_size=1, data_parallel_size=32),
@@ -288,7 +290,8 @@ def section_planner() -> str:
 def _planner_config(kw: dict, level: str):
     from tools.memory_planner import PlannerConfig
 
-    return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1,
+    # BF16 as Megatron's --bf16 (FP32 main gradients), FP8 levels with their default fp32 gradient sums.
+    return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1, fp32_grads=level == "none",
                          sequence_parallel=kw["tensor_model_parallel_size"] > 1, fp8_opt_level=level, bf16=True, **kw)
 
 

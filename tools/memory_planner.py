@@ -37,13 +37,16 @@ precision, 2 weight + 2 gradient + 4 master + 8 Adam, and so does this planner's
 | O2 | 1 + G + FP16 master 2 + E4M3 m 1 + FP16 v 2 = 6 + G | hp + hp + FP32 master (bf16 only) + 1 + 2 = 11 |
 | O3 | O2 with masters, m, v kept only for the tensors this DP rank owns | |
 
-G, the gradient of an FP8 weight, follows ``grad_accumulation`` (``fp8.Float8LinearConfig``, pretrain_gpt's
-``--fp8-grad-accumulation``): ``"fp32"`` (default) holds the fp32 sum over micro-batches, G = 4 on every rank
-(O3 included: ownership applies only after the last micro-batch's reduction, which leaves 1 byte per element);
-``"fp8"`` holds E4M3, G = 1 (plus a 4-byte scale per tensor), kept after the reduction only by the owner at O3.
-Both are the peak of the accumulation window (the last micro-batch's backward). With several DP ranks and one
-micro-batch per step, fp32 gradients turn into 1-byte ones bucket by bucket during backward, so the planner's
-G = 4 is an upper bound there.
+G, the gradient of an FP8 weight at the optimizer step, follows ``grad_accumulation`` (``fp8.Float8LinearConfig``,
+pretrain_gpt's ``--fp8-grad-accumulation``). ``"fp32"`` (default) sums micro-batches in an fp32 ``.grad``: with
+one DP rank that sum is the step's gradient, G = 4; with several, the DP reduction quantizes it once and leaves
+an E4M3 gradient (1 byte plus a 4-byte scale per tensor, at O3 only with the owner), and the fp32 sums held
+during the accumulation window are the ``gradient_accumulation`` category: 4 bytes per FP8-weight element on
+every rank, less the step's FP8 gradient bytes of that rank (what the window holds beyond the step's state).
+It counts at the time of the activations (the last micro-batch's backward), not at the step; with one
+micro-batch per step the sums turn into 1-byte gradients bucket by bucket during backward, so it is an upper
+bound there. ``"fp8"`` re-rounds an E4M3 gradient after every micro-batch: G = 1 (plus scale), kept after the
+reduction only by the owner at O3, no window bytes.
 
 ``use_distributed_optimizer=True`` (BF16 baseline only: Megatron's distributed optimizer, ZeRO-1) splits
 the FP32 masters and Adam states evenly over DP and keeps the full gradient buffer. ``fp32_grads=True``
@@ -98,7 +101,7 @@ the high-precision parameters in hp). An Adam without fused kernels (torch's for
 parameter at ``none``/O1: not counted (Megatron uses a fused Adam).
 
 ``total_bytes`` = weights + master weights + gradients + optimizer states + FP8 scaling metadata +
-max(activations + communication buffers, optimizer-step transients). Not counted: CUDA context and
+max(activations + communication buffers + gradient accumulation, optimizer-step transients). Not counted: CUDA context and
 library workspaces (~0.5-1 GiB), allocator fragmentation (the Figure 1 mode keeps 10% headroom).
 """
 
@@ -118,7 +121,7 @@ __all__ = ["PlannerConfig", "plan_memory", "format_plan", "CATEGORIES", "OPT_LEV
 OPT_LEVELS = ("none", "O1", "O2", "O3")
 CATEGORIES = (
     "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata",
-    "activations", "communication_buffers", "step_transients",
+    "activations", "communication_buffers", "gradient_accumulation", "step_transients",
 )
 """Keys of ``plan_memory(...)["bytes"]``."""
 
@@ -459,8 +462,8 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
             out["fp8_scaling_metadata"] += 4 + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scale, states
             if sp_scatter and not t.name.endswith("output_layer.weight"):
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
-            if cfg.grad_accumulation == "fp32":
-                out["gradients"] += 4 * n  # the fp32 sum, on every rank until the last micro-batch's reduction
+            if cfg.grad_accumulation == "fp32" and dp == 1:
+                out["gradients"] += 4 * n  # the fp32 sum over micro-batches is the step's gradient
             elif level == "O1":
                 out["gradients"] += n
                 out["fp8_scaling_metadata"] += 4  # gradient scale
@@ -507,7 +510,14 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 if t.fp8 == is_fp8:
                     loads[owner] += t.numel
             transient += (dp + 1) * max(loads) * elem
-    return worst, {"step_transients": transient}, per_rank
+    window = 0
+    if cfg.grad_accumulation == "fp32" and cfg.data_parallel_size > 1:
+        # fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients (payload + scale) of
+        # the worst rank (O3: only those it owns).
+        owned_fp8 = [n for t, owner in zip(tensors, owners) if t.fp8
+                     for n in ([t.numel] if not sharded or owner == per_rank.index(worst) else [])]
+        window = 4 * fp8_numel - sum(owned_fp8) - 4 * len(owned_fp8)
+    return worst, {"gradient_accumulation": window, "step_transients": transient}, per_rank
 
 
 # -- activations ----------------------------------------------------------------------------------------
@@ -616,7 +626,7 @@ def plan_memory(config: PlannerConfig) -> dict:
                              sum(t.numel for t in tensors if t.fp8))
         state, transient, per_rank, n_params, n_fp8 = by_kind[kind]
         b = {**state, "activations": _activations(cfg, stage), "communication_buffers": comm, **transient}
-        total = sum(state.values()) + max(b["activations"] + comm, b["step_transients"])
+        total = sum(state.values()) + max(b["activations"] + comm + b["gradient_accumulation"], b["step_transients"])
         dp_rank_bytes = [dict(r) for r in per_rank] if len(per_rank) > 1 else \
             [dict(per_rank[0]) for _ in range(cfg.data_parallel_size)]
         stages.append({"stage": stage, "params": n_params, "fp8_params": n_fp8, "bytes": b, "total_bytes": total,
@@ -677,6 +687,9 @@ def _figure1_config(hidden: int, gpus: int, tp: int, pp: int, level: str, seq: i
         vocab_size=50257, micro_batch_size=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_size=gpus // (tp * pp), sequence_parallel=tp > 1, recompute_granularity="full",
         fp8_opt_level="none" if level == _NONE_DO else level, use_distributed_optimizer=level == _NONE_DO, bf16=True,
+        # Both sides sum micro-batch gradients accurately: BF16 in FP32 main gradients (Megatron's --bf16),
+        # FP8 levels in fp32 (grad_accumulation="fp32", the default).
+        fp32_grads=level in ("none", _NONE_DO),
     )
 
 

@@ -151,6 +151,8 @@ fi
 if [[ "$PLAN_ONLY" == 1 ]]; then
     PLAN_FLAGS=()
     [[ "$PLAN_JSON" == 1 ]] && PLAN_FLAGS+=(--json)
+    # pretrain_gpt.py --bf16 at level none keeps FP32 main gradients (Megatron's --bf16): plan them.
+    [[ "$BF16" == 1 && "$FP8_OPT_LEVEL" == none ]] && PLAN_FLAGS+=(--accumulate-allreduce-grads-in-fp32)
     exec "$PYTHON" tools/memory_planner.py "${ARGS[@]}" --data-parallel-size "$DP" "${PLAN_FLAGS[@]}"
 fi
 if [[ -n "${RDZV_ID:-}" ]]; then
