@@ -215,6 +215,7 @@ def test_memory_report_counts_the_accumulated_gradients(mode, per_element, seed)
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_planner_counts_fp32_sums_on_every_rank(level):
+    """The planner's fp32 sums: the step's gradient at one DP rank, the accumulation window's at several."""
     from tools.memory_planner import PlannerConfig, plan_memory
 
     common = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024,
@@ -223,10 +224,17 @@ def test_planner_counts_fp32_sums_on_every_rank(level):
     stage = {mode: plan["stages"][0] for mode, plan in plans.items()}
     fp8_params = stage["fp32"]["fp8_params"]
     assert fp8_params == 4 * 12 * 256 * 256  # QKV, proj, fc1, fc2 per layer
-    fp32_grads = stage["fp32"]["bytes"]["gradients"] - stage["fp8"]["bytes"]["gradients"]
-    if level == "O3":  # E4M3 gradients after the reduction are the owner's only; fp32 sums are everyone's
-        assert fp32_grads > 3 * fp8_params
+    # After the reduction both hold E4M3 gradients; the fp32 sums before it are the accumulation window's,
+    # on every rank (at O3 the worst rank owns some E4M3 gradients: the window is what it holds beyond them).
+    assert stage["fp32"]["bytes"]["gradients"] == stage["fp8"]["bytes"]["gradients"]
+    window = stage["fp32"]["bytes"]["gradient_accumulation"]
+    assert stage["fp8"]["bytes"]["gradient_accumulation"] == 0
+    if level == "O3":
+        assert 3 * fp8_params < window < 4 * fp8_params
     else:
-        assert fp32_grads == 3 * fp8_params
+        assert window == 3 * fp8_params - 4 * 4 * 4  # less the E4M3 gradients' payload and fp32 scales
+    assert stage["fp32"]["total_bytes"] > stage["fp8"]["total_bytes"]
+    one = plan_memory(PlannerConfig(**{**common, "data_parallel_size": 1}, grad_accumulation="fp32"))["stages"][0]
+    assert one["bytes"]["gradient_accumulation"] == 0 and one["bytes"]["gradients"] >= 4 * fp8_params
     with pytest.raises(ValueError, match=re.escape("--fp8-grad-accumulation must be one of fp32|fp8")):
         PlannerConfig(**common, grad_accumulation="bf16")
