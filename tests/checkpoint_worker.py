@@ -77,7 +77,7 @@ def run_task(task: dict, seed: int, out: str) -> None:
                                           model=run._model_arg(), num_microbatches=args.num_microbatches,
                                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                           forward_only=True)
-        result["eval_loss"] = run._average_loss(losses)
+        result["eval_loss"] = float(run._mean(run._loss_sum_count(losses)))
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
         return
