@@ -54,7 +54,8 @@ def initialize(
 
     - ``"O0"``: returns both unchanged (the high-precision baseline).
     - ``"O1"``: every eligible ``nn.Linear`` becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
-      with their scales, FP8 GEMMs, FP8 weight gradients); ``module_filter_fn(module, fqn)`` returning
+      with their scales, FP8 GEMMs; weight gradients summed over micro-batches in fp32, or
+      in E4M3 with ``config.grad_accumulation="fp8"``); ``module_filter_fn(module, fqn)`` returning
       False keeps a layer in high precision, and layers with dimensions not multiple of 16 or tied
       weights are kept with a logged reason. The optimizer is wrapped in a
       :class:`fp8.optim.MasterWeightOptimizer`: it keeps the original high-precision weights as masters,
