@@ -1,9 +1,15 @@
-"""Multi-process gloo test launches: a free port, and one cached launch per world size."""
+"""Multi-process gloo test launches: a free port, one cached launch per world size, and a worker script
+run under torchrun."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -39,3 +45,18 @@ class CachedLaunch:
         if isinstance(launched, BaseException):
             raise RuntimeError(f"the {world}-process {self.name} launch failed (seed {seed})") from launched
         return launched
+
+
+def run_worker(script: Path, nproc: int, args: list[str], seed: int, allow_kill: bool = False) -> None:
+    """Run ``script args`` in one process, or under torchrun on ``nproc`` processes (a free port), from the
+    repository root with one thread per process; raise with its output if it fails (a SIGKILL is accepted
+    when ``allow_kill``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, str(script)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+        str(free_port()), str(script)]
+    proc = subprocess.run([*cmd, *args], cwd=Path(script).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0 and not (allow_kill and proc.returncode == -signal.SIGKILL):
+        raise RuntimeError(f"launch of {nproc} processes failed (seed {seed}, rc {proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

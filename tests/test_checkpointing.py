@@ -32,32 +32,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.spawn import run_worker
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "checkpoint_worker.py"
 SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31))) % 100_000
 RESHARD_BOUND = 0.02
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nproc: int, tasks: list[dict], out: Path, allow_kill: bool = False) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_free_port()), str(WORKER)]
-    cmd += ["--out", str(out), "--seed", str(SEED), "--tasks", json.dumps(tasks)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and not (allow_kill and proc.returncode == -signal.SIGKILL):
-        raise RuntimeError(f"launch of {nproc} processes failed (seed {SEED}, rc {proc.returncode}):\n"
-                           f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    run_worker(WORKER, nproc, ["--out", str(out), "--seed", str(SEED), "--tasks", json.dumps(tasks)], SEED,
+               allow_kill=allow_kill)
 
 
 def _train(name: str, level: str, extra: list[str], **task) -> dict:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.spawn import run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "megatron_worker.py"
@@ -46,24 +46,7 @@ HIDDEN = 64
 
 
 def _launch(nproc: int, configs: list[dict], out: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_free_port()), str(WORKER)]
-    cmd += ["--out", str(out), "--seed", str(SEED), "--configs", json.dumps(configs)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"launch of {nproc} processes failed (seed {SEED}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    run_worker(WORKER, nproc, ["--out", str(out), "--seed", str(SEED), "--configs", json.dumps(configs)], SEED)
 
 
 @pytest.fixture(scope="module")
