@@ -92,6 +92,18 @@ def _row_ranges(size: int, partition_dim_size: int, rank: int, world: int, strid
     return [((rank + j * world) * block, (rank + j * world + 1) * block) for j in range(stride)]
 
 
+def _check_divisible(full_shape, partition_dim: int, world_size: int, stride: int) -> int:
+    """The size of ``full_shape`` along ``partition_dim``, refused unless ``world_size * stride`` blocks
+    split it evenly."""
+    size = full_shape[partition_dim]
+    if size % (world_size * stride):
+        raise ValueError(
+            f"dimension {partition_dim} of a {tuple(full_shape)} weight is not divisible by tensor-parallel size "
+            f"{world_size} x stride {stride}; choose sizes divisible by the tensor-parallel size"
+        )
+    return size
+
+
 def fill_normal_shard_(
     out: torch.Tensor, key: int, full_shape: tuple[int, ...], partition_dim: int = 0, rank: int = 0,
     world_size: int = 1, stride: int = 1, std: float = 1.0, mean: float = 0.0,
@@ -110,12 +122,7 @@ def fill_normal_shard_(
     else:
         raise ValueError(f"fill_normal_shard_ takes 1-D or 2-D weights, got {full_shape}")
     rows, cols = full_shape
-    size = full_shape[partition_dim]
-    if size % (world_size * stride):
-        raise ValueError(
-            f"dimension {partition_dim} of a {full_shape} weight is not divisible by tensor-parallel size "
-            f"{world_size} x stride {stride}; choose sizes divisible by the tensor-parallel size"
-        )
+    size = _check_divisible(full_shape, partition_dim, world_size, stride)
     keys = _subkeys(key)
     device = out.device
     offset = 0  # along the partition dimension of the shard
@@ -185,12 +192,7 @@ def initialize_sharded_weight(
     gated projections). ``init_method=None`` leaves the weight zero. Normal initialisers generate only
     the shard (module docstring); others initialise the full weight on the CPU and keep the shard.
     """
-    size = full_shape[partition_dim]
-    if size % (world_size * stride):
-        raise ValueError(
-            f"dimension {partition_dim} of a {tuple(full_shape)} weight is not divisible by tensor-parallel size "
-            f"{world_size} x stride {stride}; choose sizes divisible by the tensor-parallel size"
-        )
+    size = _check_divisible(full_shape, partition_dim, world_size, stride)
     shape = list(full_shape)
     shape[partition_dim] //= world_size
     if init_method is None:
