@@ -514,9 +514,9 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
     if cfg.grad_accumulation == "fp32" and cfg.data_parallel_size > 1:
         # fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients (payload + scale) of
         # the worst rank (O3: only those it owns).
-        owned_fp8 = [n for t, owner in zip(tensors, owners) if t.fp8
-                     for n in ([t.numel] if not sharded or owner == per_rank.index(worst) else [])]
-        window = 4 * fp8_numel - sum(owned_fp8) - 4 * len(owned_fp8)
+        worst_rank = per_rank.index(worst)  # 0 when not sharded: every owner is 0
+        held = [t.numel for t, owner in zip(tensors, owners) if t.fp8 and owner == worst_rank]
+        window = 4 * fp8_numel - sum(held) - 4 * len(held)
     return worst, {"gradient_accumulation": window, "step_transients": transient}, per_rank
 
 
