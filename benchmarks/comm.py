@@ -129,7 +129,7 @@ def measure_bytes(args, world: int, rank: int) -> dict:
 def weight_allgather_bytes(optimizer, by_tag: dict) -> dict:
     """Bytes per rank per step of O3's weight all-gather: measured (FP8 payloads + scales, other
     parameters in fp32) and the same all-gather with the FP8 weights in BF16, counted the same way."""
-    from fp8.distributed.collectives import Collectives
+    from fp8.comm import Collectives
     from fp8.distributed.gather import start_owner_gather
 
     counter = fd.CommBytesCounter()

@@ -41,7 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .distributed.collectives import FP8_DTYPES
+from .comm import Collectives, CommBytesCounter
+from .formats import byte_view
 from .optim.base import FP8Optimizer
 from .optim.sharded import ShardedFP8Optimizer
 from .scaling import ScalingState
@@ -65,11 +66,6 @@ def _split(model: nn.Module):
     return model, None
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor DCP can store and load into in place (FP8 as its ``uint8`` bytes)."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
-
-
 def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
@@ -90,7 +86,7 @@ def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup |
     for name, p in module.named_parameters():
         names[id(p)] = name
         if isinstance(p, Float8Tensor):
-            out[f"model/{name}/payload"] = _wire(p.payload)
+            out[f"model/{name}/payload"] = byte_view(p.payload)
             out[f"model/{name}/scale"] = p.scale
         else:
             out[f"model/{name}"] = p.detach()
@@ -113,7 +109,7 @@ def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup |
                 optimizer._init_state(p, group_)
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim/{names[id(p)]}/{key}"] = _wire(value)
+                    out[f"optim/{names[id(p)]}/{key}"] = byte_view(value)
     if mu is not None:
         for name, buf in mu.named_buffers():
             out[f"mu/{name}"] = buf
@@ -158,28 +154,32 @@ def _my_files(directory: Path, rank: int, world: int) -> list[Path]:
     return files[rank::world]
 
 
-def _gather(obj: Any, group: dist.ProcessGroup | None, distributed: bool) -> list[Any]:
-    if not distributed:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def _gather(obj: Any, comm: Collectives | None) -> list[Any]:
+    return [obj] if comm is None else comm.all_gather_object(obj, "checkpoint")
+
+
+def _coordination(group: dist.ProcessGroup | None, distributed: bool,
+                  counter: CommBytesCounter | None) -> Collectives | None:
+    """The collectives that coordinate the ranks of a save or load (None in a single process)."""
+    return Collectives(group, counter) if distributed else None
 
 
 def write_atomically(path: str | os.PathLike, state: dict[str, Any], *,
-                     process_group: dist.ProcessGroup | None = None) -> None:
+                     process_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None) -> None:
     """Write the flat DCP ``state`` to the directory ``path`` with checksums, atomically (module
     docstring): call on every rank of ``process_group``. A failure on any rank raises ``RuntimeError``
-    on every rank and keeps the previous checkpoint at ``path``."""
+    on every rank and keeps the previous checkpoint at ``path``. ``counter`` counts the coordination's
+    bytes (tag ``"checkpoint"``)."""
     path = Path(path)
     rank, world = _group_info(process_group)
     partial, old = path.with_name(path.name + _PARTIAL), path.with_name(path.name + _OLD)
     distributed = world > 1 or (dist.is_available() and dist.is_initialized())
+    comm = _coordination(process_group, distributed, counter)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-    if distributed:
-        dist.barrier(group=process_group)
+    if comm is not None:
+        comm.barrier("checkpoint")
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=process_group,
                  no_dist=not distributed)
@@ -192,10 +192,10 @@ def write_atomically(path: str | os.PathLike, state: dict[str, Any], *,
             raise RuntimeError(f"checkpoint write to {path} failed ({failures}); the previous checkpoint is "
                                f"kept") from error
         raise
-    if distributed:
-        dist.barrier(group=process_group)  # every rank's files are complete
+    if comm is not None:
+        comm.barrier("checkpoint")  # every rank's files are complete
     sums = {f.name: _sha256(f) for f in _my_files(partial, rank, world)}
-    all_sums = _gather(sums, process_group, distributed)
+    all_sums = _gather(sums, comm)
     if rank == 0:
         merged = dict(sorted(kv for part in all_sums for kv in part.items()))
         tmp = partial / (CHECKSUMS + ".tmp")
@@ -209,11 +209,12 @@ def write_atomically(path: str | os.PathLike, state: dict[str, Any], *,
             os.replace(path, old)
         os.replace(partial, path)
         shutil.rmtree(old, ignore_errors=True)
-    if distributed:
-        dist.barrier(group=process_group)
+    if comm is not None:
+        comm.barrier("checkpoint")
 
 
-def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None) -> None:
+def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None,
+                     counter: CommBytesCounter | None = None) -> None:
     """Check every file of the checkpoint directory ``path`` against its ``checksums.sha256`` (the
     ranks of ``process_group`` share the files); raise ``ValueError`` on every rank naming the files
     that differ or are missing. Call on every rank of the group."""
@@ -238,7 +239,8 @@ def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGrou
                 problems.append(f"{name} is missing")
             elif _sha256(f) != expected[name]:
                 problems.append(f"{name} does not match its checksum")
-    messages = sorted({m for part in _gather(problems, process_group, distributed) for m in part})
+    comm = _coordination(process_group, distributed, counter)
+    messages = sorted({m for part in _gather(problems, comm) for m in part})
     if messages:
         raise CheckpointCorruptedError(f"checkpoint {path} is corrupted: {'; '.join(messages[:8])}"
                          f"{' ...' if len(messages) > 8 else ''}; restore the files or load another checkpoint")
@@ -246,7 +248,7 @@ def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGrou
 
 def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
-    process_group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None,
 ) -> None:
     """Write ``model`` (bare, or its ``fp8.distributed.DistributedDataParallel`` wrapper: mu included)
     and ``optimizer`` (O2 or O3) to the directory ``path``, atomically (module docstring). Call on
@@ -255,7 +257,7 @@ def save_checkpoint(
     rank, world = _group_info(process_group)
     state = _state(model, optimizer, process_group, rank)
     state["meta"] = io.BytesIO(json.dumps(_meta(_split(model)[0], optimizer, world), default=_jsonable).encode())
-    write_atomically(path, state, process_group=process_group)
+    write_atomically(path, state, process_group=process_group, counter=counter)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -272,7 +274,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
-    process_group: dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` (bare or DDP-wrapped) and ``optimizer`` from ``path`` in place, bit for bit,
     at any data-parallel size: each rank reads the states of the parameters it owns now. Build them as
@@ -281,7 +283,7 @@ def load_checkpoint(
     path = resolve_checkpoint(path)
     rank, world = _group_info(process_group)
     distributed = dist.is_available() and dist.is_initialized()
-    verify_checksums(path, process_group=process_group)
+    verify_checksums(path, process_group=process_group, counter=counter)
     reader = dcp.FileSystemReader(str(path))
     meta_holder: dict[str, Any] = {"meta": io.BytesIO()}
     dcp.load(meta_holder, storage_reader=reader, process_group=process_group, no_dist=not distributed)

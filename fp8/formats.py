@@ -1,4 +1,4 @@
-"""FP8 formats: E4M3 and E5M2 as native ``torch.float8_*`` dtypes with their ranges."""
+"""FP8 facts in one place: E4M3 and E5M2 as native ``torch.float8_*`` dtypes, their ranges, and their byte view."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FP8Format", "E4M3", "E5M2", "get_format"]
+__all__ = ["FP8Format", "E4M3", "E5M2", "FP8_DTYPES", "get_format", "byte_view"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ E4M3 = FP8Format("e4m3", torch.float8_e4m3fn, max=448.0, min_normal=2.0**-6, man
 E5M2 = FP8Format("e5m2", torch.float8_e5m2, max=57344.0, min_normal=2.0**-14, mantissa_bits=2)
 """Backward format (output gradients): more range, +-57344."""
 
+FP8_DTYPES = (E4M3.dtype, E5M2.dtype)
+"""The torch dtypes of FP8 storage."""
+
 _BY_NAME = {"e4m3": E4M3, "e5m2": E5M2}
 _BY_DTYPE = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
 
@@ -55,3 +58,9 @@ def get_format(fmt: str | torch.dtype | FP8Format) -> FP8Format:
     if key not in _BY_NAME:
         raise ValueError(f"unknown FP8 format {fmt!r}; use 'e4m3' or 'e5m2'")
     return _BY_NAME[key]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as ``uint8`` (the same bytes, no conversion: how FP8 crosses collectives and files);
+    any other tensor unchanged."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor

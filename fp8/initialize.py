@@ -88,7 +88,7 @@ def initialize(
     if process_group is not None and opt_level != "O3":
         raise ValueError(f"process_group= applies to opt_level 'O3' (the sharded optimizer), not {opt_level!r}")
     if opt_level == "O3":
-        from .distributed.collectives import require_process_group
+        from .comm import require_process_group
 
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
     if opt_level == "O0":

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comm import Collectives
 from .formats import FP8Format, get_format
 
 __all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
@@ -90,14 +91,22 @@ class ScalingState(nn.Module):
     Buffers: ``amax_history`` (``history_len`` fp32 values, slot 0 is the step in progress) and
     ``scale`` (fp32, the delayed scale for the step in progress), ``has_history`` (bool, whether a
     step with a recorded amax has been closed). ``scale_for(x)`` returns the
-    scale to cast ``x`` with and records its amax; ``update()`` closes a step. An optional process
-    group makes every rank use the same scale (amax all-reduced with MAX).
+    scale to cast ``x`` with and records its amax; ``update()`` closes a step.
+
+    Agreement: with ``amax_comm`` (a :class:`fp8.comm.Collectives` over a process group; or set
+    ``amax_reduce_group``) every rank uses the same scale. Current scaling agrees on each cast's amax
+    (MAX all-reduce). Delayed scaling agrees once per step, in :func:`update_scales` (one batched
+    all-reduce per group); its casts agree only until the history has started on every rank
+    (``history_confirmed``, learnt one step late without a host sync), since before that a cast falls
+    back to its own amax.
     """
 
     def __init__(self, config: ScalingConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = config
-        self.amax_reduce_group: dist.ProcessGroup | None = None
+        self.amax_comm: Collectives | None = None
+        self.history_confirmed = False
+        self._history_probe: _HistoryProbe | None = None  # posted by update_scales, read at the next one
         self.register_buffer("amax_history", torch.zeros(config.history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("has_history", torch.zeros((), dtype=torch.bool, device=device))
@@ -107,11 +116,28 @@ class ScalingState(nn.Module):
         """The FP8 format this role is cast to."""
         return self.config.format
 
+    @property
+    def amax_reduce_group(self) -> dist.ProcessGroup | None:
+        """The process group whose ranks agree on this role's scale (None: no agreement)."""
+        return None if self.amax_comm is None else self.amax_comm.group
+
+    @amax_reduce_group.setter
+    def amax_reduce_group(self, group: dist.ProcessGroup | None) -> None:
+        self.amax_comm = None if group is None else Collectives(group)
+
+    def _agrees_per_cast(self) -> bool:
+        return self.amax_comm is not None and (self.config.kind == "current" or not self.history_confirmed)
+
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        if self.amax_reduce_group is not None and dist.is_initialized():
+        if self.amax_comm is not None:
             amax = amax.clone()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_reduce_group)
+            self.amax_comm.all_reduce(amax, op=dist.ReduceOp.MAX, tag="fp8 amax").wait()
         return amax
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.history_confirmed = False  # the loaded history is confirmed again at the next updates
+        self._history_probe = None
 
     def scale_for(self, x: torch.Tensor, record: bool = True) -> torch.Tensor:
         """Scale (0-d fp32) to cast ``x`` with; records ``x``'s amax in the history if ``record``
@@ -119,7 +145,8 @@ class ScalingState(nn.Module):
 
         Current scaling computes it from ``x`` (amax agreed across the group, if one is set).
         Delayed scaling returns the stored scale, except before any amax was recorded, where it
-        falls back to current scaling so the first step cannot overflow. If ``x`` holds inf or NaN the
+        falls back to current scaling so the first step cannot overflow (agreed across the group
+        until the history is confirmed started on every rank). If ``x`` holds inf or NaN the
         scale is NaN, so the cast carries the non-finite values on (clamping would hide them as
         finite maxima and the step would not be skipped); non-finite amaxes are never recorded.
         """
@@ -133,7 +160,7 @@ class ScalingState(nn.Module):
         if cfg.kind == "current":
             scale = compute_scale(self._reduce_amax(amax), cfg.fmt, cfg.margin, self.scale)
         else:
-            if self.amax_reduce_group is not None:
+            if self._agrees_per_cast():
                 # The first-step fallback must agree across ranks too.
                 amax = self._reduce_amax(amax)
             scale = torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
@@ -148,7 +175,7 @@ class ScalingState(nn.Module):
         """
         from .kernels.backend import resolve_backend  # kernels import nothing heavy at fp8 import time
 
-        if self.config.kind != "delayed" or self.amax_reduce_group is not None or resolve_backend(backend, x) == "torch":
+        if self.config.kind != "delayed" or self._agrees_per_cast() or resolve_backend(backend, x) == "torch":
             from .cast import quantize_transpose
 
             scale = self.scale_for(x, record=record)
@@ -171,7 +198,7 @@ class ScalingState(nn.Module):
         """Close a step: agree on the step's amax across the group, recompute the scale from the
         window's max, and start a new history slot. Runs on device without a host sync. With a 0-d
         bool ``enabled`` tensor the step is closed only where it is set (decided on device)."""
-        if reduce and self.amax_reduce_group is not None:
+        if reduce and self.amax_comm is not None:
             self.amax_history[0] = self._reduce_amax(self.amax_history[0])
         cfg = self.config
         window_amax = self.amax_history.amax()
@@ -192,31 +219,74 @@ class ScalingState(nn.Module):
         return f"fmt={c.fmt}, kind={c.kind}, history_len={c.history_len}, margin={c.margin}"
 
 
+class _HistoryProbe:
+    """Which delayed histories of a group of states have started, learnt one step late: the agreed device
+    flags are copied to the host asynchronously at one :func:`update_scales` and read at the next."""
+
+    def __init__(self, states: list[ScalingState]) -> None:
+        self.states = states
+        flags = torch.stack([s.has_history for s in states])
+        cuda = flags.device.type == "cuda"
+        self.host = torch.zeros(len(states), dtype=torch.bool, pin_memory=cuda)
+        self.host.copy_(flags, non_blocking=True)
+        self.event = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 @torch.no_grad()
 def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> None:
     """Close the step for every :class:`ScalingState` in ``module``: agree on the step's amaxes across
-    each state's process group (one MAX all-reduce per group), compute the next delayed scales and
-    roll the histories. No host sync. A 0-d bool ``enabled`` closes it only where set (on device)."""
+    each state's process group (one MAX all-reduce per group, the only amax collective of a step once
+    the delayed histories have started), compute the next delayed scales and roll the histories. No host
+    sync. A 0-d bool ``enabled`` closes it only where set (on device)."""
     states = [m for m in module.modules() if isinstance(m, ScalingState)]
     by_group: dict[int, list[ScalingState]] = {}
     for state in states:
-        if state.amax_reduce_group is not None and dist.is_initialized():
-            by_group.setdefault(id(state.amax_reduce_group), []).append(state)
+        if state.amax_comm is not None:
+            by_group.setdefault(id(state.amax_comm.group), []).append(state)
     for members in by_group.values():
         amaxes = torch.stack([state.amax_history[0] for state in members])
-        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=members[0].amax_reduce_group)
+        members[0].amax_comm.all_reduce(amaxes, op=dist.ReduceOp.MAX, tag="fp8 amax").wait()
         for state, amax in zip(members, amaxes):
             state.amax_history[0] = amax
     for state in states:
         state.update(reduce=False, enabled=enabled)
+    for members in by_group.values():
+        _confirm_histories(members)
 
 
-def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+def _confirm_histories(members: list[ScalingState]) -> None:
+    """Mark the delayed states of one group whose history had started at the previous update (the probe
+    posted then; the flags derive from agreed amaxes, so every rank reads the same) as confirmed, and post
+    a probe for the others."""
+    pending = [s for s in members if s.config.kind == "delayed" and not s.history_confirmed]
+    if not pending:
+        return
+    probe = pending[0]._history_probe
+    if probe is not None:
+        if not probe.ready():
+            return  # still in flight
+        pending[0]._history_probe = None
+        for state, started in zip(probe.states, probe.host.tolist()):
+            state.history_confirmed = state.history_confirmed or started
+        pending = [s for s in pending if not s.history_confirmed]
+    if pending:
+        pending[0]._history_probe = _HistoryProbe(pending)
+
+
+def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None,
+                             comm: Collectives | None = None) -> None:
     """Make every :class:`ScalingState` in ``module`` agree on its amax across ``group`` (MAX), so all
-    ranks cast with the same scales; ``None`` turns agreement off. Call on every rank of the group."""
+    ranks cast with the same scales; ``None`` turns agreement off. ``comm`` (a :class:`fp8.comm.Collectives`
+    over ``group``, e.g. with a byte counter) is used when given. Call on every rank of the group."""
+    shared = None if group is None else (comm if comm is not None else Collectives(group))
     for state in module.modules():
         if isinstance(state, ScalingState):
-            state.amax_reduce_group = group
+            state.amax_comm = shared
 
 
 @torch.no_grad()

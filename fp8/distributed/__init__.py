@@ -6,8 +6,8 @@
 - :class:`DistributedDataParallel`: drop-in for ``torch.nn.parallel.DistributedDataParallel`` that
   syncs FP8 weight gradients with the scaled FP8 all-reduce and other gradients in their own dtype,
   overlapping communication with backward.
-- :class:`CommBytesCounter`, :func:`ring_bytes`, :func:`counting_allreduce_hook`: bytes on the wire,
-  counted at the collective calls.
+- :class:`CommBytesCounter`, :func:`ring_bytes` (from :mod:`fp8.comm`, where every collective is counted) and
+  :func:`counting_allreduce_hook` (stock torch DDP baselines counted the same way): bytes on the wire.
 
 Usage::
 
@@ -15,9 +15,9 @@ Usage::
     model = fp8.distributed.DistributedDataParallel(model)
 """
 
+from ..comm import Collectives, CommBytesCounter, ring_bytes
 from .auto_scale import AutoScaleConfig, AutoScaleState
-from .bytes_counter import CommBytesCounter, CountingHookState, counting_allreduce_hook, ring_bytes
-from .collectives import Collectives
+from .comm_hook import CountingHookState, counting_allreduce_hook
 from .ddp import DistributedDataParallel
 from .scaled_allreduce import DEFAULT_BUCKET_BYTES, scaled_all_reduce
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..tensor import Float8Tensor
-from .collectives import Collectives
+from ..comm import Collectives
 from .pipeline import Reduction
 
 __all__ = ["GradBucket", "plan_buckets", "plain_bucket_reduction"]

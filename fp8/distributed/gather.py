@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .collectives import Collectives
+from ..comm import Collectives
 
 __all__ = ["start_owner_gather"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
-from .collectives import Collectives
+from ..comm import Collectives
 from .pipeline import Reduction
 from .scaled_allreduce import _count_at_max, _finite_amax, _shared_scales, _values
 from ..cast import quantize

@@ -35,8 +35,8 @@ from ..formats import FP8Format
 from ..scaling import compute_scale
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
-from .bytes_counter import CommBytesCounter
-from .collectives import Collectives
+from ..comm import CommBytesCounter
+from ..comm import Collectives
 from .pipeline import Reduction, ReductionPipeline
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "scaled_all_reduce", "fp8_bucket_reduction", "coalesce"]

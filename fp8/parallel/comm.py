@@ -10,8 +10,9 @@
 - ``reduce_scatter`` / ``all_reduce``: the high-precision versions (baseline, and plain tensor
   parallelism without sequence parallelism).
 
-Bytes are counted with the ring costs of :mod:`fp8.distributed.bytes_counter` (an all-to-all of ``B``
-bytes costs what a ring reduce-scatter of ``B`` bytes does: ``(N-1)/N * B`` per rank).
+Every call goes through :class:`fp8.comm.Collectives` (counted with its ring costs: an all-to-all of ``B``
+bytes costs what a ring reduce-scatter of ``B`` bytes does, ``(N-1)/N * B`` per rank; FP8 as ``uint8``;
+tensors on the group's device).
 """
 
 from __future__ import annotations
@@ -20,17 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ..cast import quantize
-from ..distributed.bytes_counter import CommBytesCounter
-from ..distributed.collectives import FP8_DTYPES
+from ..comm import Collectives, CommBytesCounter
 from ..scaling import ScalingState
 
 __all__ = ["TensorParallelComm"]
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 class TensorParallelComm:
@@ -41,16 +35,25 @@ class TensorParallelComm:
 
     def __init__(self, group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None) -> None:
         self.group = group
-        self.counter = counter
         if group is None and not (dist.is_available() and dist.is_initialized()):
+            self._comm = None
             self.world_size, self.rank = 1, 0
+            self._counter = counter
         else:
-            self.world_size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
+            self._comm = Collectives(group, counter)
+            self.world_size, self.rank = self._comm.world_size, self._comm.rank
 
-    def _count(self, kind: str, tensor: torch.Tensor, tag: str) -> None:
-        if self.counter is not None:
-            self.counter.record(kind, tensor.numel() * tensor.element_size(), self.world_size, tag)
+    @property
+    def counter(self) -> CommBytesCounter | None:
+        """The byte counter of this group's collectives (settable)."""
+        return self._comm.counter if self._comm is not None else self._counter
+
+    @counter.setter
+    def counter(self, counter: CommBytesCounter | None) -> None:
+        if self._comm is not None:
+            self._comm.counter = counter
+        else:
+            self._counter = counter
 
     def all_gather(self, tensor: torch.Tensor, tag: str = "sp all-gather") -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order (FP8 stays FP8, 1 byte/value)."""
@@ -59,16 +62,14 @@ class TensorParallelComm:
         tensor = tensor.contiguous()
         out = torch.empty((self.world_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        self._count("all_gather", out, tag)
-        _all_gather(_wire(out), _wire(tensor), group=self.group)
+        self._comm.all_gather(out, tensor, tag).wait()
         return out
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "tp all-reduce") -> torch.Tensor:
         """Sum of ``tensor`` over the group (high precision), in place."""
         if self.world_size == 1:
             return tensor
-        self._count("all_reduce", tensor, tag)
-        dist.all_reduce(tensor, group=self.group)
+        self._comm.all_reduce(tensor, tag=tag).wait()
         return tensor
 
     def _check_divisible(self, tensor: torch.Tensor) -> None:
@@ -86,8 +87,7 @@ class TensorParallelComm:
         tensor = tensor.contiguous()
         out = torch.empty((tensor.shape[0] // self.world_size, *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        self._count("reduce_scatter", tensor, tag)
-        dist.reduce_scatter_tensor(out, tensor, group=self.group)
+        self._comm.reduce_scatter(out, tensor, tag).wait()
         return out
 
     def fp8_reduce_scatter(
@@ -105,7 +105,6 @@ class TensorParallelComm:
         scale = state.scale_for(tensor, record=record)
         payload = quantize(tensor, scale, state.format).contiguous()
         received = torch.empty_like(payload)
-        self._count("reduce_scatter", payload, tag)
-        dist.all_to_all_single(_wire(received), _wire(payload), group=self.group)
+        self._comm.all_to_all(received, payload, tag).wait()
         chunks = received.view(self.world_size, -1, *tensor.shape[1:]).to(torch.float32)
         return (chunks.sum(0) / scale).to(out_dtype)

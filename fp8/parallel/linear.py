@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cast import quantize
-from ..distributed.bytes_counter import CommBytesCounter
+from ..comm import CommBytesCounter
 from ..gemm import fp8_mm
 from ..linear import Float8LinearConfig, fp8_dims_problem, weight_grad
 from ..scaling import ScalingConfig, ScalingState

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.comm import CommBytesCounter
 from fp8.linear import Float8LinearConfig
 from fp8.parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.comm import CommBytesCounter
 from fp8.optim.clip import _norm as _fp8_norm
 from fp8.parallel.comm import TensorParallelComm
 from fp8.tensor import Float8Tensor

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.comm import CommBytesCounter
 from fp8.distributed.gather import start_owner_gather
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fp8.distributed.bytes_counter import CommBytesCounter
+from fp8.comm import CommBytesCounter
 from fp8.parallel import PipelineCodec
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 

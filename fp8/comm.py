@@ -1,0 +1,285 @@
+"""Every collective of fp8lm, in one place: counted by tag, FP8 carried as ``uint8``, on the group's device.
+
+No other module of the project calls ``torch.distributed`` collectives; they all hold a
+:class:`Collectives` over their process group. What it guarantees for every call:
+
+- **Counted.** Each rank's bytes sent are recorded in an optional :class:`CommBytesCounter`, by tag
+  (what travelled: ``"fp8 grads"``, ``"sp all-gather"``, ``"pp activations"``, ...) and by collective,
+  with the ring costs of :data:`RING_FACTORS` (for a full tensor of ``B`` bytes over ``N`` ranks):
+
+  - all-reduce: ``2 (N-1)/N * B`` (ring reduce-scatter then ring all-gather)
+  - all-gather, reduce-scatter, all-to-all, broadcast: ``(N-1)/N * B`` (``B``: the gathered output,
+    the scattered input, the full all-to-all input, the broadcast tensor)
+  - all-to-all with uneven splits (``all_to_all_v``): ``B`` given as the bytes sent to the other ranks
+  - send: ``B``; receive: 0 (the call is still counted)
+
+  Python objects (checkpoint coordination, log gathering) travel as pickled ``uint8`` tensors through
+  the same tensor collectives, so they are counted the same way.
+- **FP8 as bytes.** gloo and NCCL refuse float8 tensors in collectives but carry the same bytes viewed
+  as ``uint8`` (:func:`fp8.formats.byte_view`); sums (all-reduce, reduce-scatter) of FP8 are refused.
+- **On the group's device.** Every tensor handed to the backend is on :func:`group_device` (CUDA for
+  NCCL, the CPU for gloo); a tensor elsewhere is copied there and, for the tensors a collective writes,
+  the result copied back (the call then completes before it returns).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .formats import FP8_DTYPES, byte_view
+
+__all__ = ["Collectives", "CommBytesCounter", "RING_FACTORS", "ring_bytes", "group_device", "require_process_group"]
+
+RING_FACTORS = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "all_to_all_v": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+}
+"""Bytes each rank sends per byte of the full tensor, as a function of the group size ``N``."""
+
+# all_gather_single replaces the deprecated all_gather_into_tensor in recent torch releases.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes each rank sends for collective ``kind`` on a ``nbytes``-byte tensor over ``world_size`` ranks."""
+    if kind not in RING_FACTORS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {sorted(RING_FACTORS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return RING_FACTORS[kind](world_size) * nbytes
+
+
+class CommBytesCounter:
+    """Accumulates ring-cost bytes sent by this rank, per tag (what travelled) and per collective.
+
+    ``record`` is called at each collective call; ``total`` and ``by_tag`` read the sums (floats:
+    the ring factors are fractional), ``calls`` the number of calls per tag; ``reset`` clears all.
+    """
+
+    def __init__(self) -> None:
+        self.by_tag: dict[str, float] = defaultdict(float)
+        self.by_kind: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def record(self, kind: str, nbytes: int, world_size: int, tag: str) -> float:
+        """Count one ``kind`` collective on a ``nbytes``-byte tensor; returns the bytes this rank sends."""
+        sent = ring_bytes(kind, nbytes, world_size)
+        self.by_tag[tag] += sent
+        self.by_kind[kind] += sent
+        self.calls[tag] += 1
+        return sent
+
+    @property
+    def total(self) -> float:
+        """All bytes sent since the last reset."""
+        return float(sum(self.by_tag.values()))
+
+    def reset(self) -> None:
+        """Forget every recorded call."""
+        self.by_tag.clear()
+        self.by_kind.clear()
+        self.calls.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Plain-dict copy: ``{"total": ..., "by_tag": {...}, "by_kind": {...}, "calls": {...}}``."""
+        return {
+            "total": self.total, "by_tag": dict(self.by_tag), "by_kind": dict(self.by_kind), "calls": dict(self.calls)
+        }
+
+
+def require_process_group(what: str) -> None:
+    """Raise a clear error when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs an initialized process group: call torch.distributed.init_process_group('gloo' or 'nccl') "
+            f"first (torchrun sets the rendezvous environment)"
+        )
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device | None:
+    """The device whose tensors ``group``'s backend carries: CUDA (the current device) for NCCL, the CPU for
+    gloo/MPI; ``None`` for a backend that serves several devices (``"cpu:gloo,cuda:nccl"``)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "," in backend:
+        return None
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend in ("xccl",):
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Completed:
+    """The work handle of a collective that completed before its call returned."""
+
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        self._result = result
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's Work signature
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+class Collectives:
+    """Collectives over one process group (``None``: the default group), counted, on the group's device.
+
+    Every method returns a ``torch.distributed`` work handle (call ``.wait()`` to block); ``tag`` names
+    what travelled in the counter. ``counter`` may be set later. ``device`` overrides the group's device.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None,
+                 device: torch.device | None = None) -> None:
+        require_process_group("fp8 collectives")
+        self.group = group if group is not None else dist.group.WORLD
+        self.counter = counter
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.device = device if device is not None else group_device(self.group)
+
+    # -- the three rules: count, bytes on the wire, device ---------------------------------------------
+    def _count(self, kind: str, nbytes: int, tag: str) -> None:
+        if self.counter is not None:
+            self.counter.record(kind, nbytes, self.world_size, tag)
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype in FP8_DTYPES and not tensor.is_contiguous():
+            raise ValueError("FP8 tensors must be contiguous to travel as uint8; call .contiguous() first")
+        if self.device is None or tensor.device == self.device:
+            return tensor
+        return tensor.to(self.device)
+
+    def _run(self, call, writes: Sequence[torch.Tensor], reads: Sequence[torch.Tensor]):
+        """Run ``call(*placed writes, *placed reads)`` (as ``uint8`` byte views) asynchronously; tensors
+        written that had to move to the group's device are copied back after the call completes."""
+        placed_writes = [self._place(t) for t in writes]
+        placed_reads = [self._place(t) for t in reads]
+        work = call(*[byte_view(t) for t in placed_writes], *[byte_view(t) for t in placed_reads])
+        moved = [(t, p) for t, p in zip(writes, placed_writes) if p is not t]
+        if not moved:
+            return work
+        work.wait()
+        for original, placed in moved:
+            original.copy_(placed)
+        return _Completed(list(writes))
+
+    # -- tensor collectives ----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, tag: str = "grads") -> dist.Work:
+        """In-place all-reduce of ``tensor`` (not FP8: sums need arithmetic) with ``op``."""
+        if tensor.dtype in FP8_DTYPES:
+            raise TypeError("FP8 tensors cannot be all-reduced by the backend; use fp8.distributed.scaled_all_reduce")
+        self._count("all_reduce", _nbytes(tensor), tag)
+        return self._run(lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True), [tensor], [])
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str) -> dist.Work:
+        """``output`` (``world_size`` times ``input`` along dim 0) gets every rank's ``input`` in rank order.
+        Counted on the full ``output``."""
+        self._count("all_gather", _nbytes(output), tag)
+        return self._run(lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
+                         [output], [input])
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str,
+                       op: dist.ReduceOp = dist.ReduceOp.SUM) -> dist.Work:
+        """``output`` gets chunk ``rank`` (along dim 0) of the reduction of ``input`` over the group (not FP8).
+        Counted on the full ``input``."""
+        if input.dtype in FP8_DTYPES:
+            raise TypeError("FP8 tensors cannot be reduced by the backend; move them with all_to_all and sum in fp32")
+        self._count("reduce_scatter", _nbytes(input), tag)
+        return self._run(lambda o, i: dist.reduce_scatter_tensor(o, i, op=op, group=self.group, async_op=True),
+                         [output], [input])
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, tag: str) -> dist.Work:
+        """Equal-split all-to-all: chunk ``j`` of ``input`` goes to rank ``j``; chunk ``j`` of ``output``
+        comes from rank ``j``. Counted on the full ``input``."""
+        self._count("all_to_all", _nbytes(input), tag)
+        return self._run(lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True), [output], [input])
+
+    def all_to_all_v(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int], tag: str
+    ) -> dist.Work:
+        """All-to-all with uneven splits (1-d tensors): ``input_splits[j]`` elements go to rank ``j``,
+        ``output_splits[j]`` elements come from rank ``j``. Counted as the bytes sent to other ranks."""
+        sent = (sum(input_splits) - input_splits[self.rank]) * input.element_size()
+        self._count("all_to_all_v", sent, tag)
+        return self._run(lambda o, i: dist.all_to_all_single(
+            o, i, output_split_sizes=list(output_splits), input_split_sizes=list(input_splits), group=self.group,
+            async_op=True), [output], [input])
+
+    def broadcast(self, tensor: torch.Tensor, tag: str, src: int = 0) -> dist.Work:
+        """In-place broadcast of ``tensor`` from group rank ``src``."""
+        self._count("broadcast", _nbytes(tensor), tag)
+        source = dist.get_global_rank(self.group, src)
+        return self._run(lambda t: dist.broadcast(t, src=source, group=self.group, async_op=True), [tensor], [])
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: str) -> dist.Work:
+        """Asynchronous send of ``tensor`` to group rank ``peer``."""
+        self._count("send", _nbytes(tensor), tag)
+        target = dist.get_global_rank(self.group, peer)
+        return self._run(lambda t: dist.isend(t, target, group=self.group), [], [tensor])
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: str) -> dist.Work:
+        """Asynchronous receive into ``tensor`` from group rank ``peer`` (counted as a call, 0 bytes sent)."""
+        self._count("recv", _nbytes(tensor), tag)
+        source = dist.get_global_rank(self.group, peer)
+        return self._run(lambda t: dist.irecv(t, source, group=self.group), [tensor], [])
+
+    def barrier(self, tag: str) -> None:
+        """Block until every rank of the group arrives: a 1-element all-reduce on the group's device (so
+        NCCL needs no device guess), counted as one."""
+        self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self._object_device()), tag=tag).wait()
+
+    # -- Python objects, as pickled bytes through the tensor collectives -------------------------------
+    def _object_device(self) -> torch.device:
+        return self.device if self.device is not None else torch.device("cpu")
+
+    def all_gather_object(self, obj: Any, tag: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: sizes, then the padded pickles, all-gathered."""
+        device = self._object_device()
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.all_gather(sizes, size, tag).wait()
+        lengths = sizes.tolist()
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[:payload.numel()] = payload
+        gathered = torch.empty(self.world_size * longest, dtype=torch.uint8, device=device)
+        self.all_gather(gathered, padded, tag).wait()
+        host = gathered.cpu().view(self.world_size, longest)
+        return [pickle.loads(host[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+    def broadcast_object(self, obj: Any, tag: str, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` (picklable) on every rank: its size, then its pickle, broadcast."""
+        device = self._object_device()
+        if self.rank == src:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        else:
+            size = torch.empty(1, dtype=torch.int64, device=device)
+        self.broadcast(size, tag, src).wait()
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self.broadcast(payload, tag, src).wait()
+        return obj if self.rank == src else pickle.loads(payload.cpu().numpy().tobytes())
