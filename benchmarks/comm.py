@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8  # noqa: E402
 import fp8.distributed as fd  # noqa: E402
+from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from tools.corpus import get_batch, load_corpus  # noqa: E402
 
@@ -178,7 +179,7 @@ def loss_curve(args, world: int, rank: int, variant: str, data, eval_batches) ->
         schedule.step()
         if step % args.eval_interval == 0 or step == args.curve_steps:
             train = torch.stack(window).mean()
-            dist.all_reduce(train)  # mean train loss over ranks (outside the counted traffic)
+            Collectives().all_reduce(train, tag="benchmark").wait()  # mean train loss over ranks (no counter)
             entry = {"step": step, "train_loss": train.item() / world, "elapsed_s": time.perf_counter() - start}
             entry["val_loss"] = evaluate(inner, eval_batches)
             if isinstance(ddp, fd.DistributedDataParallel):
@@ -217,7 +218,7 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
-    dist.barrier()  # no rank tears its connections down while a peer still finishes a collective
+    Collectives().barrier("benchmark")  # no rank tears its connections down while a peer still finishes a collective
     dist.destroy_process_group()
 
 

@@ -37,6 +37,8 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from fp8.comm import Collectives
+
     from megatron.core import parallel_state
     from megatron.training import cpu_compat, training
     from megatron.training.arguments import parse_args, validate_args
@@ -50,7 +52,7 @@ def worker(a: argparse.Namespace) -> None:
     cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(), 0)
     config = transformer_config_from_args(args, torch.float32)
     vocab = padded_vocab_size(args.vocab_size, args)
-    dist.barrier()
+    Collectives().barrier("benchmark")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
     before = _status("VmRSS")
     t0 = time.perf_counter()
@@ -61,8 +63,7 @@ def worker(a: argparse.Namespace) -> None:
     row = {"tp": parallel_state.get_tensor_model_parallel_world_size(), "rank": dist.get_rank(),
            "params_on_rank": params, "rss_before_bytes": before, "peak_bytes": peak,
            "construction_peak_bytes": peak - before, "seconds": seconds}
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = Collectives().all_gather_object(row, "benchmark")
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(rows))
     dist.destroy_process_group()

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
+from fp8.comm import Collectives  # noqa: E402
 from examples import quickstart  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
@@ -123,7 +124,7 @@ def _dp_worker(rank: int, world: int, port: int, d_model: int, n_layer: int, out
             optimizer.zero_grad(set_to_none=True)
         rows[variant] = {"params": n_params, "bytes": report, "bytes_per_param": {k: v / n_params for k, v in report.items()}}
     torch.save(rows, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
+    Collectives().barrier("benchmark")
     dist.destroy_process_group()
 
 

@@ -49,6 +49,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
+from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from fp8.tensor import Float8Tensor  # noqa: E402
 from tools.memory_planner import PlannerConfig, plan_memory  # noqa: E402
@@ -288,7 +289,7 @@ def _dp_worker(rank: int, world: int, port: int, factory: str, case_index: int, 
     model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), opt_level="O3")
     report = measure_state(model, optimizer, case.loss_fn, wrapped=fd.DistributedDataParallel(model))
     torch.save(report, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
+    Collectives().barrier("benchmark")
     dist.destroy_process_group()
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.planner_validation import STATE_KEYS, SavedBytesTracker, _storage_key, _tensors  # noqa: E402
 from fp8.memory import memory_report  # noqa: E402
+from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
@@ -178,7 +179,7 @@ def main() -> None:
                 rows += run_case(case, level, recompute)
     with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(rows, f)
-    dist.barrier()
+    Collectives().barrier("benchmark")
     dist.destroy_process_group()
 
 

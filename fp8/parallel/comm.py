@@ -44,6 +44,12 @@ class TensorParallelComm:
             self.world_size, self.rank = self._comm.world_size, self._comm.rank
 
     @property
+    def collectives(self) -> Collectives | None:
+        """The group's :class:`fp8.comm.Collectives` (None for size 1 without a process group): scaling states
+        that agree over this group share it, and so its counter."""
+        return self._comm
+
+    @property
     def counter(self) -> CommBytesCounter | None:
         """The byte counter of this group's collectives (settable)."""
         return self._comm.counter if self._comm is not None else self._counter

@@ -113,16 +113,16 @@ class _ParallelLinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         if fp8 is not None:
-            agreed = self.comm.group if tp > 1 else None
+            agreed = self.comm.collectives if tp > 1 else None
             self.input_scaling = ScalingState(fp8.input)
             self.grad_output_scaling = ScalingState(fp8.grad_output)
             for state in (self.input_scaling, self.grad_output_scaling):
-                state.amax_reduce_group = agreed
+                state.amax_comm = agreed
 
     def _scatter_scaling(self, fmt: str) -> ScalingState:
         """Scaling state of an FP8 reduce-scatter: current scaling, agreed over the group."""
         state = ScalingState(ScalingConfig(fmt=fmt, kind="current"))
-        state.amax_reduce_group = self.comm.group
+        state.amax_comm = self.comm.collectives
         return state
 
     def set_counter(self, counter: CommBytesCounter | None) -> None:

@@ -255,8 +255,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
                 state[f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] = buf
     state[f"rng/rank{dist.get_rank()}"] = io.BytesIO(_rng_bytes())
     # Meta must be identical on every rank (DCP writes it once): the parameter table is gathered.
-    infos: list = [None] * dist.get_world_size()
-    dist.all_gather_object(infos, {e.name: e.info() for e in entries})
+    infos = run.world.all_gather_object({e.name: e.info() for e in entries}, "checkpoint")
     params = {}
     for part in infos:
         params.update(part)
@@ -271,10 +270,10 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     }
     state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
     path = checkpoint_dir(directory, iteration)
-    write_atomically(path, state)
+    write_atomically(path, state, counter=run.counter)
     if dist.get_rank() == 0:
         _write_latest(directory, iteration, args.train_iters)
-    dist.barrier()
+    run.world.barrier("checkpoint")
     return path
 
 
@@ -392,7 +391,7 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     if not path.exists() and not path.with_name(path.name + ".old").exists():
         raise FileNotFoundError(f"{path} is missing although {directory / LATEST} names iteration {iteration}")
     path = resolve_checkpoint(path)
-    verify_checksums(path)
+    verify_checksums(path, counter=run.counter)
     meta = _read_meta(path, distributed)
     args = run.args
     _check_compatible(path, meta, args, run.vocab_size)
@@ -468,7 +467,7 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     rng_key = f"rng/rank{dist.get_rank()}"
     if same_layout and rng_key in md:
         request[rng_key] = io.BytesIO()
-    problems = sorted(set(_gather(missing[:5], distributed)))
+    problems = sorted(set(_gather(missing[:5], run.world if distributed else None)))
     if problems:
         raise CheckpointMismatchError(
             f"checkpoint {path} lacks entries this run needs (e.g. {', '.join(problems[:6])}): it was saved from "
@@ -495,16 +494,15 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
               f"TP{ranks['tp_size']} PP{ranks['pp_size']} DP{ranks['dp_size']}; random streams restart from --seed",
               flush=True)
     if distributed:
-        dist.barrier()
+        run.world.barrier("checkpoint")
     return int(meta["iteration"])
 
 
-def _gather(obj, distributed: bool) -> list:
-    if not distributed:
+def _gather(obj, world) -> list:
+    """Every rank's list ``obj``, concatenated (``world``: the job's collectives, None in one process)."""
+    if world is None:
         return list(obj)
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return [x for part in out for x in part]
+    return [x for part in world.all_gather_object(obj, "checkpoint") for x in part]
 
 
 def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:

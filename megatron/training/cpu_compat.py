@@ -31,6 +31,8 @@ import importlib
 
 import torch
 
+from fp8.comm import Collectives
+
 __all__ = ["enable", "enabled", "seed", "CPURNGStatesTracker"]
 
 _ENABLED = False
@@ -145,7 +147,7 @@ def _setup_embeddings_without_cuda(original):
             del self._is_in_embd_group
         if torch.distributed.is_initialized() and self._is_in_embd_group():
             weight = self.shared_embedding_or_output_weight()
-            torch.distributed.all_reduce(weight.data, group=self.embd_group)
+            Collectives(self.embd_group).all_reduce(weight.data, tag="tied embedding init").wait()
 
     setup._fp8lm_cpu_compat = True
     return setup

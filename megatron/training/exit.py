@@ -18,7 +18,8 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
+
+from fp8.comm import Collectives
 
 __all__ = ["ExitPolicy"]
 
@@ -28,12 +29,13 @@ _START = time.time()  # when ``args.start_time`` (pretrain_gpt.py's start) is no
 class ExitPolicy:
     """Decides after each iteration whether the run stops there (and why)."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, device: torch.device, world: Collectives | None = None) -> None:
         self.interval = getattr(args, "exit_interval", None)
         minutes = getattr(args, "exit_duration_in_mins", None)
         start = getattr(args, "start_time", None) or _START
         self.deadline = None if minutes is None else start + 60.0 * minutes
         self.device = device
+        self.world = world  # every rank of the job (None: a single process)
         self.signalled: str | None = None
         self._previous: dict = {}
         self._in_flight: tuple | None = None
@@ -58,8 +60,8 @@ class ExitPolicy:
             return None
         local = [float(self.signalled is not None), float(self.deadline is not None and time.time() >= self.deadline)]
         flags = torch.tensor(local, dtype=torch.float32).to(self.device, non_blocking=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self.world is not None and self.world.world_size > 1:
+            self.world.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, tag="exit flags").wait()
         if flags.device.type == "cpu":
             return self._decide(flags.tolist())
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)

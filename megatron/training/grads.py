@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8.comm import CommBytesCounter
+from fp8.comm import Collectives, CommBytesCounter
 from fp8.optim.clip import _norm as _fp8_norm
-from fp8.parallel.comm import TensorParallelComm
 from fp8.tensor import Float8Tensor
 
 __all__ = ["finalize_model_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
@@ -30,7 +29,7 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
                 if getattr(p, "sequence_parallel", False) and main_grad(p) is not None]
     if sp_grads and dist.get_world_size(tp_group) > 1:
         flat = torch.cat([g.reshape(-1) for g in sp_grads])
-        TensorParallelComm(tp_group, counter).all_reduce(flat, "sp param grads")
+        Collectives(tp_group, counter).all_reduce(flat, tag="sp param grads").wait()
         offset = 0
         for g in sp_grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -45,7 +44,7 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
                 continue
             if isinstance(grad, Float8Tensor):
                 raise RuntimeError("tied embeddings are expected in high precision")
-            TensorParallelComm(embd_group, counter).all_reduce(grad, "tied embedding grads")
+            Collectives(embd_group, counter).all_reduce(grad, tag="tied embedding grads").wait()
 
 
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -89,7 +88,7 @@ def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 @torch.no_grad()
 def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stage: bool,
-                     device: torch.device | None = None) -> torch.Tensor:
+                     device: torch.device | None = None, counter: CommBytesCounter | None = None) -> torch.Tensor:
     """L2 norm (0-d fp32 tensor on ``device``) of all gradients of the model across ``group`` (the ranks
     holding distinct parts of the model: tensor x pipeline parallel, and data parallel when gradients
     are sharded, O3). ``device`` (default: the first parameter's) is where the partial sums live and
@@ -113,7 +112,7 @@ def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stag
             counted.append(grad)
     total = _squared_norms(counted, device if device is not None else torch.device("cpu"))
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+        Collectives(group, counter).all_reduce(total, tag="grad norm").wait()
     return total.sqrt()
 
 

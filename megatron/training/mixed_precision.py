@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8.comm import CommBytesCounter
+from fp8.comm import Collectives, CommBytesCounter
 from fp8.distributed.gather import start_owner_gather
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
@@ -106,9 +106,7 @@ class MainGrads:
                                                                                device=p.device)
                      for p in self.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if counter is not None:
-                counter.record("all_reduce", flat.numel() * flat.element_size(), self.dp_size, "bf16 main grads")
-            dist.all_reduce(flat, group=self.dp_group)
+            Collectives(self.dp_group, counter).all_reduce(flat, tag="bf16 main grads").wait()
             flat.div_(self.dp_size)
             offset = 0
             for p, g in zip(self.params, grads):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fp8.comm import CommBytesCounter
+from fp8.comm import Collectives, CommBytesCounter
 from fp8.parallel import PipelineCodec
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -41,14 +41,19 @@ class FP8P2PCommunicator(P2PCommunicator):
         self.forward_codec = PipelineCodec("e4m3" if fp8 else None, config.pipeline_dtype)
         self.backward_codec = PipelineCodec("e5m2" if fp8 else None, config.pipeline_dtype)
         self.device = torch.device(device)
-        self.counter = counter
+        self.comm = Collectives(pp_group, counter)
+        self._prev_peer = dist.get_group_rank(pp_group, self.prev_rank)
+        self._next_peer = dist.get_group_rank(pp_group, self.next_rank)
         self.overlapped_calls = 0  # calls that handed the schedule asynchronous requests (wait_on_reqs=False)
 
-    def _send_wire(self, codec: PipelineCodec, tensor: torch.Tensor, tag: str) -> torch.Tensor:
-        wire = codec.encode(tensor)
-        if self.counter is not None:
-            self.counter.record("send", wire.numel() * wire.element_size(), self.pp_group.size(), tag)
-        return wire
+    @property
+    def counter(self) -> CommBytesCounter | None:
+        """The byte counter of the pipeline messages (settable)."""
+        return self.comm.counter
+
+    @counter.setter
+    def counter(self, counter: CommBytesCounter | None) -> None:
+        self.comm.counter = counter
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs: bool = True):
@@ -61,17 +66,17 @@ class FP8P2PCommunicator(P2PCommunicator):
         # Receives are posted before sends; every call is asynchronous, so the order cannot deadlock.
         if recv_prev:
             recv_prev_wire = self.forward_codec.empty_wire(tensor_shape, self.device)
-            works["recv_prev"] = dist.irecv(recv_prev_wire, self.prev_rank, group=self.pp_group)
+            works["recv_prev"] = self.comm.recv(recv_prev_wire, self._prev_peer, "pp activations")
         if recv_next:
             recv_next_wire = self.backward_codec.empty_wire(tensor_shape, self.device)
-            works["recv_next"] = dist.irecv(recv_next_wire, self.next_rank, group=self.pp_group)
+            works["recv_next"] = self.comm.recv(recv_next_wire, self._next_peer, "pp gradients")
         sent = {}
         if tensor_send_next is not None:
-            sent["send_next"] = self._send_wire(self.forward_codec, tensor_send_next, "pp activations")
-            works["send_next"] = dist.isend(sent["send_next"], self.next_rank, group=self.pp_group)
+            sent["send_next"] = self.forward_codec.encode(tensor_send_next)
+            works["send_next"] = self.comm.send(sent["send_next"], self._next_peer, "pp activations")
         if tensor_send_prev is not None:
-            sent["send_prev"] = self._send_wire(self.backward_codec, tensor_send_prev, "pp gradients")
-            works["send_prev"] = dist.isend(sent["send_prev"], self.prev_rank, group=self.pp_group)
+            sent["send_prev"] = self.backward_codec.encode(tensor_send_prev)
+            works["send_prev"] = self.comm.send(sent["send_prev"], self._prev_peer, "pp gradients")
         if not wait_on_reqs:
             # Overlap (megatron-core's interleaved schedule with overlap_p2p_comm): hand the schedule its
             # requests; a receive's wait() also decodes the wire into the tensor returned now, which the

@@ -18,7 +18,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from fp8.distributed import CommBytesCounter, DistributedDataParallel
+from fp8.comm import Collectives, CommBytesCounter
+from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
 from fp8.parallel.linear import _ParallelLinearBase
 from fp8.tensor import Float8Tensor
@@ -27,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import cpu_compat
+from .core_comm import record_core_collectives, record_core_construction
 from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
 from .log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
@@ -92,6 +94,7 @@ def _lr_at(args: argparse.Namespace, it: int) -> float:
 
 
 def _forward_step(data_iterator, model):
+    """One micro-batch through ``model`` (a pipeline chunk): ``(output, loss function)``."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
     # The data pipeline builds micro-batches on the host; copy them to the model's device from pinned memory,
@@ -140,8 +143,7 @@ class _Datasets:
             rank0 = dist.get_rank() == 0
             if rank0:
                 args.data_path, args.tokenizer_model = prepare_default_corpus(log=print)
-            paths = [args.data_path, args.tokenizer_model]
-            dist.broadcast_object_list(paths, src=0)
+            paths = Collectives().broadcast_object([args.data_path, args.tokenizer_model], "start-up")
             args.data_path, args.tokenizer_model = paths
         if args.tokenizer_model is None:
             raise ValueError("--data-path needs --tokenizer-model (the PREFIX.model written by tools/preprocess_data.py)")
@@ -182,9 +184,9 @@ def _to_device(chunk: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 class _Run:
     """Everything one level's training needs on this rank."""
 
-    def __init__(self, args: argparse.Namespace, datasets: _Datasets) -> None:
+    def __init__(self, args: argparse.Namespace, datasets: _Datasets, counter: CommBytesCounter | None = None) -> None:
         self.args = args
-        self.counter = CommBytesCounter()
+        self.counter = counter if counter is not None else CommBytesCounter()
         cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
         # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
@@ -223,10 +225,13 @@ class _Run:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = dist.get_world_size(self.pp_group)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = dist.get_world_size(self.tp_group)
         self.first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.embd_group = parallel_state.get_embedding_group(check_initialized=False)
         self.tied = not args.untie_embeddings_and_output_weights
+        record_core_construction(self.counter, chunks,
+                                 dist.get_world_size(self.embd_group) if self.embd_group is not None else 1)
         norm_group = parallel_state.get_model_parallel_group()
         sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
         self.norm_group = dist.group.WORLD if sharded and self.dp_size > 1 else norm_group
@@ -242,8 +247,20 @@ class _Run:
             self.schedule_kwargs = {"p2p_communicator": p2p, "pg_collection": pgs}
         self.forward_backward = get_forward_backward_func()
         self.skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
-        self.world_group = dist.group.WORLD
+        self.world = Collectives(dist.group.WORLD, self.counter)
         self.params = sum(p.numel() for c in chunks for p in c.parameters())
+
+    def forward_step(self, data_iterator, model):
+        """The schedule's forward step: :func:`_forward_step`, and the micro-batch's megatron-core collectives
+        (embedding, output layer, loss) recorded in the byte counter."""
+        out = _forward_step(data_iterator, model)
+        args = self.args
+        record_core_collectives(
+            self.counter, getattr(model, "module", model), tp_size=self.tp_size,
+            sequence_parallel=args.sequence_parallel, tokens=args.seq_length * args.micro_batch_size,
+            hidden_size=args.hidden_size, activation_bytes=self.config.pipeline_dtype.itemsize,
+            backward=torch.is_grad_enabled())
+        return out
 
     def _model_arg(self):
         return self.chunks if len(self.chunks) > 1 else self.chunks[0]
@@ -263,7 +280,7 @@ class _Run:
             t = torch.stack([vals.sum(), torch.full((), float(len(losses)), device=self.device)])
         else:
             t = torch.zeros(2, dtype=torch.float32, device=self.device)
-        dist.all_reduce(t, group=self.world_group)
+        self.world.all_reduce(t, tag="loss").wait()
         return t
 
     @staticmethod
@@ -293,7 +310,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         with self._context():
             losses = self.forward_backward(
-                forward_step_func=_forward_step, data_iterator=data_iterator,
+                forward_step_func=self.forward_step, data_iterator=data_iterator,
                 model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
@@ -301,7 +318,8 @@ class _Run:
             self.main_grads.finish(self.counter)  # --bf16: FP32 main gradients reduced over data parallel
         finalize_model_grads(self.bare_chunks, self.tp_group, self.embd_group, self.tied and self.pp_size > 1,
                              self.counter)
-        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_group, self.first_stage, self.device)
+        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_group, self.first_stage, self.device,
+                                self.counter)
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
         finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
@@ -320,7 +338,7 @@ class _Run:
         with self._context():
             for _ in range(args.eval_iters):
                 losses += self.forward_backward(
-                    forward_step_func=_forward_step, data_iterator=it, model=self._model_arg(),
+                    forward_step_func=self.forward_step, data_iterator=it, model=self._model_arg(),
                     num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=True, **self.schedule_kwargs,
                 )
@@ -336,25 +354,27 @@ class _Run:
         return None
 
 
-def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger) -> RunHistory:
-    """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history."""
+def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger,
+                counter: CommBytesCounter | None = None) -> RunHistory:
+    """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history. ``counter``
+    (default: a new one) counts every byte this rank sends, start-up and evaluation included."""
     from .checkpointing import load_checkpoint, save_checkpoint
     from .exit import ExitPolicy
 
-    run = _Run(args, datasets)
+    run = _Run(args, datasets, counter)
     start = 0
     run.consumed_samples = 0
     if args.load:
         start = load_checkpoint(args.load, run, getattr(args, "ckpt_step", None))
-    exit_policy = ExitPolicy(args, run.device)
+    exit_policy = ExitPolicy(args, run.device, run.world)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
     pending = _PendingRecords(args, run)
+    sent = _BytesSince(run.counter)
     for it in range(start, args.train_iters):
-        run.counter.reset()
         step = run.train_step(data, it)
-        pending.add(it + 1, step, dict(run.counter.by_tag), run.counter.total, run.mu())
+        pending.add(it + 1, step, *sent.take(), run.mu())
         evaluate = bool(args.eval_interval) and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters)
         stop = exit_policy.reason(it + 1)
         save = bool(args.save) and (stop is not None or it + 1 == args.train_iters
@@ -413,7 +433,7 @@ class _PendingRecords:
         now = time.perf_counter()
         per_iteration = (now - self.t_last) / len(self.items)
         self.t_last = now
-        all_ranks = _sum_over_ranks_per_iteration([item["comm_bytes"] for item in self.items])
+        all_ranks = _sum_over_ranks_per_iteration(run.world, [item["comm_bytes"] for item in self.items])
         tokens = args.global_batch_size * args.seq_length
         records = []
         cursor = 0
@@ -442,11 +462,25 @@ class _PendingRecords:
         return records
 
 
-def _sum_over_ranks_per_iteration(per_iteration: list[dict[str, float]]) -> list[dict[str, float]]:
+class _BytesSince:
+    """The bytes this rank sent since the previous record, by tag and in total: an iteration's record holds
+    its step's collectives and those after the previous record (its evaluation, the log gathering)."""
+
+    def __init__(self, counter: CommBytesCounter) -> None:
+        self.counter = counter
+        self.seen = dict(counter.by_tag)
+
+    def take(self) -> tuple[dict[str, float], float]:
+        now = dict(self.counter.by_tag)
+        delta = {tag: b - self.seen.get(tag, 0.0) for tag, b in now.items() if b != self.seen.get(tag, 0.0)}
+        self.seen = now
+        return delta, float(sum(delta.values()))
+
+
+def _sum_over_ranks_per_iteration(world: Collectives, per_iteration: list[dict[str, float]]) -> list[dict[str, float]]:
     """Bytes sent per tag and iteration, summed over every rank of the job (one object all-gather for
     the whole interval)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(per_iteration))
+    gathered = world.all_gather_object(list(per_iteration), "log")
     out = []
     for i in range(len(per_iteration)):
         total: dict[str, float] = {}
