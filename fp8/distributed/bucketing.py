@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..tensor import Float8Tensor
 from ..comm import Collectives
+from ..tensor import Float8Tensor
 from .pipeline import Reduction
 
 __all__ = ["GradBucket", "plan_buckets", "plain_bucket_reduction"]

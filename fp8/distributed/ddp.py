@@ -29,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import Collectives, CommBytesCounter, require_process_group
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleConfig, AutoScaleState
 from .bucketing import GradBucket, plain_bucket_reduction, plan_buckets
-from ..comm import CommBytesCounter
-from ..comm import Collectives, require_process_group
 from .owner_reduce import agree_overflow_statistic, fp8_owner_reduction, plain_owner_reduction
 from .pipeline import ReductionPipeline
 from .scaled_allreduce import DEFAULT_BUCKET_BYTES, fp8_bucket_reduction

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm import Collectives
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
-from ..comm import Collectives
 from .pipeline import Reduction
 from .scaled_allreduce import _count_at_max, _finite_amax, _shared_scales, _values
 from ..cast import quantize

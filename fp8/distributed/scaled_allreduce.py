@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..cast import quantize
+from ..comm import Collectives, CommBytesCounter
 from ..formats import FP8Format
 from ..scaling import compute_scale
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
-from ..comm import CommBytesCounter
-from ..comm import Collectives
 from .pipeline import Reduction, ReductionPipeline
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "scaled_all_reduce", "fp8_bucket_reduction", "coalesce"]

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import byte_view
+
 __all__ = ["FORMAT_CODES", "format_code", "payload_view", "encode_f32", "decode_to_f32"]
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -29,9 +31,7 @@ def payload_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the kernels address it: bf16 as int16, FP8 as uint8, others unchanged."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16)
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8)
-    return t
+    return byte_view(t)
 
 
 @triton.jit

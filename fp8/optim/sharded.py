@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import CommBytesCounter
-from ..comm import Collectives, require_process_group
+from ..comm import Collectives, CommBytesCounter, require_process_group
 from ..distributed.gather import start_owner_gather
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW

@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from fp8.checkpoint import resolve_checkpoint, verify_checksums, write_atomically
+from fp8.formats import byte_view
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.precision import STORAGE_FORMATS, decode, encode
@@ -64,7 +65,6 @@ FORMAT = "fp8lm-megatron/1"
 LATEST = "latest_checkpointed_iteration.txt"
 PROGRESS = "progress.txt"
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 # Arguments that fix the model's parameters (shapes, kinds) and the precision of the states: a checkpoint
@@ -193,10 +193,6 @@ def _buffers(run) -> list[tuple[str, torch.Tensor, bool]]:
     return out
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype in _FP8 else t
-
-
 def _owns(optimizer, p: torch.Tensor) -> bool:
     owns = getattr(optimizer, "owns", None)
     return True if owns is None else owns(p)
@@ -235,7 +231,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     for e in entries:
         p = e.param
         if isinstance(p, Float8Tensor):
-            state[f"model/{e.key}/payload"] = _wire(p.payload)
+            state[f"model/{e.key}/payload"] = byte_view(p.payload)
             state[f"model/{e.key}/scale"] = p.scale
         else:
             state[f"model/{e.key}"] = p.detach()
@@ -243,7 +239,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
             continue
         for key, value in optimizer.state.get(e.opt_param, {}).items():
             if isinstance(value, torch.Tensor):
-                state[f"optim/{e.key}/{key}"] = _wire(value)
+                state[f"optim/{e.key}/{key}"] = byte_view(value)
         if e.opt_param is not e.param:  # O1: the FP32 master parameter
             state[f"optim/{e.key}/master"] = e.opt_param.detach()
     for fqn, buf, scaling in _buffers(run):
@@ -423,7 +419,7 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         model_bufs = None
         if in_place:
             if fp8_dtype is not None:
-                for suffix, live in (("payload", _wire(p.payload)), ("scale", p.scale)):
+                for suffix, live in (("payload", byte_view(p.payload)), ("scale", p.scale)):
                     if f"model/{e.key}/{suffix}" in md:
                         request[f"model/{e.key}/{suffix}"] = live
                     else:
