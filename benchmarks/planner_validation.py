@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from fp8.tensor import Float8Tensor  # noqa: E402
-from tools.memory_planner import PlannerConfig, plan_memory  # noqa: E402
+from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 STATE_KEYS = {  # planner category -> fp8.memory_report category
     "weights": "weights", "master_weights": "master weights", "gradients": "weight gradients",
