@@ -63,7 +63,7 @@ def wrap(model: torch.nn.Module, optimizer, variant: str, counter: fd.CommBytesC
     if variant == "fp8 O3 (ours)":  # sharded FP8 optimizer: reduce-to-owner + FP8 weight all-gather
         model, optimizer = fp8.initialize(model, optimizer, opt_level="O3")
         optimizer.counter = counter
-        return fd.DistributedDataParallel(model, counter=counter, scaling=scaling), optimizer
+        return fd.DistributedDataParallel(model, counter=counter, scaling=scaling, o3_optimizer=optimizer), optimizer
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     dtype = torch.bfloat16 if "BF16" in variant else None
     ddp.register_comm_hook(fd.CountingHookState(counter, dtype=dtype), fd.counting_allreduce_hook)

@@ -110,7 +110,7 @@ def _dp_worker(rank: int, world: int, port: int, d_model: int, n_layer: int, out
             wrapped = None  # full local BF16 gradients (ZeRO-1 shards the optimizer state only)
         else:
             model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), opt_level=variant)
-            wrapped = fd.DistributedDataParallel(model)
+            wrapped = fd.DistributedDataParallel(model, o3_optimizer=optimizer if variant == "O3" else None)
         for step in range(2):
             loss(wrapped or model).backward()
             if step == 1:

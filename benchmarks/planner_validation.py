@@ -286,7 +286,7 @@ def _dp_worker(rank: int, world: int, port: int, factory: str, case_index: int, 
     torch.manual_seed(0)
     model = case.build()
     model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), opt_level="O3")
-    report = measure_state(model, optimizer, case.loss_fn, wrapped=fd.DistributedDataParallel(model))
+    report = measure_state(model, optimizer, case.loss_fn, wrapped=fd.DistributedDataParallel(model, o3_optimizer=optimizer))
     torch.save(report, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

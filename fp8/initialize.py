@@ -14,7 +14,7 @@ from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
-from .optim.sharded import convert_to_sharded, register_sharded_optimizer
+from .optim.sharded import convert_to_sharded
 
 __all__ = ["initialize", "OPT_LEVELS"]
 
@@ -68,7 +68,8 @@ def initialize(
     - ``"O3"``: O2 sharded over the data-parallel ``process_group`` (None: the default group; needs an
       initialized process group): each rank owns whole tensors and keeps their master weights and
       moments only (:class:`fp8.optim.sharded.ShardedFP8Optimizer`); wrapping the model in
-      :class:`fp8.distributed.DistributedDataParallel` afterwards reduces each gradient to its owner,
+      :class:`fp8.distributed.DistributedDataParallel` afterwards, given this optimizer
+      (``DistributedDataParallel(model, o3_optimizer=optimizer)``), reduces each gradient to its owner,
       and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
 
     ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
@@ -107,7 +108,6 @@ def initialize(
             fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
         else:
             fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group)
-            register_sharded_optimizer(model, fp8_optimizer)
         fp8_optimizer.scaling_module = model
         return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}

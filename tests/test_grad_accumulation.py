@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
                     model, optimizer = fp8.initialize(model, optimizer, "O3" if path == "o3" else "O1",
                                                       config=fp8.Float8LinearConfig(grad_accumulation=mode))
-                    ddp = fd.DistributedDataParallel(model)
+                    ddp = fd.DistributedDataParallel(model, o3_optimizer=optimizer if path == "o3" else None)
                     exact = torch.zeros(256, 256, dtype=torch.float64)
                     for k, (x, dy) in enumerate(correlated_microbatches(n, seed=seed * 10 + rank)):
                         with ddp.no_sync() if k < n - 1 else contextlib.nullcontext():

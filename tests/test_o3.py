@@ -66,7 +66,8 @@ def _build(seed: int, level: str, group=None, wrap: bool = True):
     model, optimizer = fp8.initialize(model, optimizer, level, **kwargs)
     if group is not None or dist.is_initialized():
         fp8.set_amax_reduction_group(model, group or dist.group.WORLD)
-    ddp = fd.DistributedDataParallel(model, process_group=group, bucket_bytes=BUCKET_BYTES) if wrap else None
+    ddp = fd.DistributedDataParallel(model, process_group=group, bucket_bytes=BUCKET_BYTES,
+                                    o3_optimizer=optimizer if level == "O3" else None) if wrap else None
     return model, optimizer, ddp
 
 
@@ -151,7 +152,8 @@ def _run_single_rank(rank, world, seed, out_dir):
             model = TinyGPT(CFG)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             model, optimizer = fp8.initialize(model, optimizer, level, **({"process_group": mine} if level == "O3" else {}))
-            ddp = fd.DistributedDataParallel(model, process_group=mine, bucket_bytes=BUCKET_BYTES) if wrap else None
+            ddp = fd.DistributedDataParallel(model, process_group=mine, bucket_bytes=BUCKET_BYTES,
+                                            o3_optimizer=optimizer if level == "O3" else None) if wrap else None
             _train(model, optimizer, ddp, seed + rank, range(2), 0, 1)
             runs[level] = (_params(model), _opt_state(model, optimizer))
         out["wrapped" if wrap else "bare"] = runs
