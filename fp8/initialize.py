@@ -105,10 +105,10 @@ def initialize(
         replace = {id(c.original_weight): c.module.weight for c in converted}
         masters = {c.module.weight: c.original_weight for c in converted}
         if opt_level == "O2":
-            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
+            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters, scaling_module=model)
         else:
-            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group)
-        fp8_optimizer.scaling_module = model
+            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group,
+                                               scaling_module=model)
         return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [(c.original_weight, c.module.weight) for c in converted if id(c.original_weight) in in_optimizer]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .base import FP8Optimizer
 from .precision import OptimizerPrecision
@@ -37,6 +38,8 @@ class Adam(FP8Optimizer):
         decoupled_weight_decay: bool = False,
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -48,7 +51,8 @@ class Adam(FP8Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults, precision, initial_masters)
+        super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
+                         kernel_backend=kernel_backend)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -84,8 +88,11 @@ class AdamW(Adam):
         maximize: bool = False,
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, maximize=maximize, decoupled_weight_decay=True,
-            precision=precision, initial_masters=initial_masters,
+            precision=precision, initial_masters=initial_masters, scaling_module=scaling_module,
+            kernel_backend=kernel_backend,
         )

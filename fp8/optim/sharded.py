@@ -231,9 +231,11 @@ def convert_to_sharded(
     precision: OptimizerPrecision | str,
     initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    scaling_module: torch.nn.Module | None = None,
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
     :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
     return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
-                            process_group=process_group)
+                            process_group=process_group, scaling_module=scaling_module)

@@ -76,20 +76,15 @@ def build_optimizer(
     if level == "none":
         if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
-            optimizer = convert_to_sharded(base, {}, "O1", {}, dp_group)
-            optimizer.scaling_module = None
-            return optimizer
+            return convert_to_sharded(base, {}, "O1", {}, dp_group)
         return base
     if level == "O1":
         return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)
     replace = {id(master): weight for weight, master in masters.items()}
     initial = {weight: master.detach() for weight, master in masters.items()}
     if level == "O2":
-        optimizer = convert_optimizer(base, replace, "O2", initial)
-    else:
-        optimizer = convert_to_sharded(base, replace, "O2", initial, dp_group)
-    optimizer.scaling_module = scaling_module
-    return optimizer
+        return convert_optimizer(base, replace, "O2", initial, scaling_module=scaling_module)
+    return convert_to_sharded(base, replace, "O2", initial, dp_group, scaling_module=scaling_module)
 
 
 def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | None:
@@ -112,7 +107,6 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
         # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
         # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
         inner = convert_to_sharded(base, {}, "O1", {}, dp_group)
-        inner.scaling_module = None
         inner.gather_params = _no_gather  # BF16MasterOptimizer gathers the BF16 parameters instead
         with torch.no_grad():
             for master in masters.values():
