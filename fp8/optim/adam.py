@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .base import FP8Optimizer
+from .fused_adam import fused_adam_step  # Triton itself is imported only when a fused step runs
 from .precision import OptimizerPrecision
 
 __all__ = ["Adam", "AdamW"]
@@ -22,8 +23,6 @@ class Adam(FP8Optimizer):
     _has_fused_step = True
 
     def _fused_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
-        from ..kernels.optimizer_update import fused_adam_step  # Triton is imported only on this path
-
         return fused_adam_step(self, params, agreed_ok)
 
     def __init__(
