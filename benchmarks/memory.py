@@ -43,7 +43,7 @@ def build(variant: str, model: torch.nn.Module):
         return model, fp8.optim.AdamW(model.parameters(), lr=1e-4, precision="O1")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     name, _, grads = variant.partition(", ")
-    level = {"FP32": "O0", "O1": "O1", "O2": "O2"}[name]
+    level = {"FP32": "none", "O1": "O1", "O2": "O2"}[name]
     config = fp8.Float8LinearConfig(grad_accumulation="fp8" if grads else "fp32")
     return fp8.initialize(model, optimizer, opt_level=level, config=config)
 
@@ -200,7 +200,7 @@ def main() -> None:
     if args.ablation_steps:
         out = Path(args.json).with_name("ablation_second_moment.json")
         os.makedirs(out.parent, exist_ok=True)
-        quickstart.main(["--levels", "O0,O2,O2:exp_avg_sq=e4m3", "--steps", str(args.ablation_steps),
+        quickstart.main(["--levels", "none,O2,O2:exp_avg_sq=e4m3", "--steps", str(args.ablation_steps),
                          "--json", str(out)])
         ablation = json.loads(out.read_text())
 

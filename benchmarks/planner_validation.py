@@ -127,7 +127,7 @@ def _setup(case: Case, level: str) -> tuple[nn.Module, torch.optim.Optimizer, Pl
         model = model.to(torch.bfloat16)
         return model, fp8.optim.AdamW(model.parameters(), lr=1e-4, precision="O1"), replace(case.planner, bf16=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = fp8.initialize(model, optimizer, opt_level="O0" if level == "none" else level)
+    model, optimizer = fp8.initialize(model, optimizer, opt_level=level)
     return model, optimizer, replace(case.planner, fp8_opt_level=level)
 
 

@@ -16,12 +16,23 @@ from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
 from .optim.sharded import convert_to_sharded
 
-__all__ = ["initialize", "OPT_LEVELS"]
+__all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
 
 logger = logging.getLogger(__name__)
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline), ``O1``, ``O2`` and ``O3``."""
+OPT_LEVELS = ("none", "O1", "O2", "O3")
+"""Implemented opt levels: ``none`` (unchanged, the high-precision baseline), ``O1``, ``O2`` and ``O3``."""
+
+OPT_LEVEL_ALIASES = {"O0": "none"}
+"""Accepted spellings of a level, normalised to its name in :data:`OPT_LEVELS` (``O0``: Apex's name of the baseline)."""
+
+
+def normalize_opt_level(opt_level: str) -> str:
+    """``opt_level`` as named in :data:`OPT_LEVELS` (``"O0"`` -> ``"none"``); a ``ValueError`` names the choices."""
+    level = OPT_LEVEL_ALIASES.get(opt_level, opt_level)
+    if level not in OPT_LEVELS:
+        raise ValueError(f"opt_level must be one of {OPT_LEVELS} (or 'O0', an alias of 'none'), got {opt_level!r}")
+    return level
 
 
 
@@ -52,7 +63,7 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
-    - ``"O0"``: returns both unchanged (the high-precision baseline).
+    - ``"none"`` (alias ``"O0"``): returns both unchanged (the high-precision baseline).
     - ``"O1"``: every eligible ``nn.Linear`` becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
       with their scales, FP8 GEMMs; weight gradients summed over micro-batches in fp32, or
       in E4M3 with ``config.grad_accumulation="fp8"``); ``module_filter_fn(module, fqn)`` returning
@@ -78,8 +89,7 @@ def initialize(
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
+    opt_level = normalize_opt_level(opt_level)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
@@ -92,7 +102,7 @@ def initialize(
         from .distributed.collectives import require_process_group
 
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
-    if opt_level == "O0":
+    if opt_level == "none":
         return model, optimizer
     config = config or Float8LinearConfig()
     _check_hardware(model, config)

@@ -21,6 +21,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from a checkout: the repository root holds megatron/training
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.training.config_rules import opt_level_arg  # noqa: E402
 from megatron.training.memory_plan import (  # noqa: E402  (re-exported: the planner's Python API)
     _GRAD_ACCUMULATION,
     _NONE_DO,
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-activations", action="store_true", help="full recomputation")
     p.add_argument("--recompute-granularity", choices=_RECOMPUTE)
     p.add_argument("--data-parallel-size", type=int, default=None, help="default: WORLD_SIZE / (TP x PP), else 1")
-    p.add_argument("--fp8-opt-level", choices=OPT_LEVELS, default="none")
+    p.add_argument("--fp8-opt-level", type=opt_level_arg, default="none", metavar="{none,O1,O2,O3}",
+                   help="none (alias O0): the high-precision baseline")
     p.add_argument("--fp8-grad-accumulation", choices=_GRAD_ACCUMULATION, default="fp32")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")

@@ -108,10 +108,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .config_rules import OPT_LEVELS, check_config, normalize_opt_level
+
 __all__ = ["PlannerConfig", "plan_memory", "format_plan", "CATEGORIES", "OPT_LEVELS", "FIGURE1_LEVELS",
            "largest_model", "figure1", "whole_tensor_partition"]
 
-OPT_LEVELS = ("none", "O1", "O2", "O3")
 CATEGORIES = (
     "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata",
     "activations", "communication_buffers", "gradient_accumulation", "step_transients",
@@ -187,9 +188,7 @@ class PlannerConfig:
                      "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "data_parallel_size", "dp_bucket_bytes", "num_query_groups", "fp8_amax_history_len"):
             _positive(name, getattr(self, name))
-        tp, pp, dp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.data_parallel_size
-        if self.fp8_opt_level not in OPT_LEVELS:
-            raise ValueError(f"--fp8-opt-level must be one of {'|'.join(OPT_LEVELS)}, got {self.fp8_opt_level!r}")
+        object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
         if self.grad_accumulation not in _GRAD_ACCUMULATION:
             raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(_GRAD_ACCUMULATION)}, "
                              f"got {self.grad_accumulation!r}")
@@ -203,49 +202,23 @@ class PlannerConfig:
                              f"got {self.recompute_granularity!r}")
         if not 0.0 <= self.hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
-                             f"{self.num_attention_heads}: change one of them")
-        if self.num_attention_heads % tp:
-            raise ValueError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
-                             f"--tensor-model-parallel-size {tp}: use a TP size dividing the head count")
-        groups = self.num_query_groups
-        if self.num_attention_heads % groups or groups % tp:
-            raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads {self.num_attention_heads} "
-                             f"and be divisible by --tensor-model-parallel-size {tp}")
-        if self.ffn_hidden_size % tp:
-            raise ValueError(f"--ffn-hidden-size {self.ffn_hidden_size} must be divisible by "
-                             f"--tensor-model-parallel-size {tp}")
-        if self.num_layers % pp:
-            raise ValueError(f"--num-layers {self.num_layers} must be divisible by --pipeline-model-parallel-size "
-                             f"{pp}: use a PP size dividing the layer count")
-        vpp = self.num_layers_per_virtual_pipeline_stage
-        if vpp is not None:
-            _positive("num_layers_per_virtual_pipeline_stage", vpp)
-            if pp < 2:
-                raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1: "
-                                 "drop it or raise PP")
-            if self.num_layers % (pp * vpp):
-                raise ValueError(f"--num-layers {self.num_layers} must be divisible by PP x "
-                                 f"--num-layers-per-virtual-pipeline-stage = {pp * vpp}")
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            _positive("num_layers_per_virtual_pipeline_stage", self.num_layers_per_virtual_pipeline_stage)
+        if self.global_batch_size is not None:
+            _positive("global_batch_size", self.global_batch_size)
+        check_config(  # the rules pretrain_gpt.py's validate_args applies too (megatron/training/config_rules.py)
+            num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size, seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size, data_parallel_size=self.data_parallel_size,
+            num_layers_per_virtual_pipeline_stage=self.num_layers_per_virtual_pipeline_stage,
+            sequence_parallel=self.sequence_parallel, fp8_opt_level=self.fp8_opt_level,
+            use_distributed_optimizer=self.use_distributed_optimizer, swiglu=self.swiglu,
+        )
         if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                              f"{self.max_position_embeddings}: raise --max-position-embeddings")
-        if self.global_batch_size is not None:
-            _positive("global_batch_size", self.global_batch_size)
-            if self.global_batch_size % (self.micro_batch_size * dp):
-                raise ValueError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
-                                 f"--micro-batch-size x data-parallel size = {self.micro_batch_size * dp}")
-        if self.use_distributed_optimizer and self.fp8_opt_level in ("O1", "O2"):
-            raise ValueError(f"--use-distributed-optimizer shards the BF16 baseline (--fp8-opt-level none); "
-                             f"with FP8 use --fp8-opt-level O3 (the FP8 distributed optimizer), not {self.fp8_opt_level}")
-        if self.fp8:
-            for name, n_in, n_out in self._linear_shapes():
-                if n_in % 16 or n_out % 16:
-                    raise ValueError(
-                        f"FP8 GEMMs need dimensions that are multiples of 16 on every TP shard: {name} is "
-                        f"{n_out} x {n_in} with TP={tp}; use a --hidden-size/--ffn-hidden-size divisible "
-                        f"by 16 x TP = {16 * tp} (e.g. {16 * tp * round(self.hidden_size / (16 * tp))})")
 
     # -- derived sizes -------------------------------------------------------------------------------
     @property
@@ -331,12 +304,12 @@ class PlannerConfig:
             pipeline_model_parallel_size=pp,
             num_layers_per_virtual_pipeline_stage=get("num_layers_per_virtual_pipeline_stage"),
             sequence_parallel=bool(get("sequence_parallel", False)), recompute_granularity=recompute,
-            data_parallel_size=dp, fp8_opt_level="none" if level in ("O0", None) else level,
+            data_parallel_size=dp, fp8_opt_level=normalize_opt_level(level or "none"),
             bf16=bool(get("bf16", False)),
             # pretrain_gpt.py's --bf16 (validated args carry params_dtype) is Megatron's: FP32 main gradients at
             # level none (megatron/training/mixed_precision.py), stepped by torch's fused AdamW.
             fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))
-            or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and level in ("none", "O0", None)),
+            or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and normalize_opt_level(level or "none") == "none"),
             pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
             # pretrain_gpt.py's --fp8-min-dim and its default (2048 on CUDA, 0 elsewhere), as the model applies it.
             min_fp8_dim=get("fp8_min_dim", _default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
