@@ -66,7 +66,7 @@ fail() {
 case "$FP8_OPT_LEVEL" in
     none | O1 | O2 | O3) ;;
     O0) FP8_OPT_LEVEL=none ;; # the alias of the baseline, as in fp8.initialize and --fp8-opt-level
-    *) fail "FP8_OPT_LEVEL=$FP8_OPT_LEVEL: use none (alias O0), O1, O2 or O3" ;;
+    *) fail "FP8_OPT_LEVEL=$FP8_OPT_LEVEL: use none, O1, O2 or O3 (O0 = none)" ;;
 esac
 for var in NNODES GPUS_PER_NODE TP PP MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE SEQ_LENGTH; do
     [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
