@@ -137,7 +137,7 @@ class PlannerConfig:
     """One training configuration to plan; names as pretrain_gpt.py's flags (dashes -> underscores).
 
     ``ffn_hidden_size`` defaults to ``4 * hidden_size``, ``max_position_embeddings`` to ``seq_length``.
-    ``recompute_granularity``: none|selective|full. ``fp8_opt_level``: none|O1|O2|O3. ``bf16``: 16-bit
+    ``recompute_granularity``: none|selective|full. ``fp8_opt_level``: none|O1|O2|O3 (O0 = none). ``bf16``: 16-bit
     weights and activations (else FP32). ``global_batch_size=None`` assumes enough micro-batches to fill
     the pipeline. See the module docstring for ``fp32_grads``, ``fp8_output_layer``, ``dp_bucket_bytes``.
     """
