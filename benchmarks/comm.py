@@ -28,7 +28,7 @@ import fp8  # noqa: E402
 import fp8.distributed as fd  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
-from tools.corpus import get_batch, load_corpus  # noqa: E402
+from megatron.training.corpus import get_batch, load_corpus  # noqa: E402
 
 VARIANTS = ("torch DDP FP32", "torch DDP BF16 grads", "fp8 DDP (ours)", "fp8 O3 (ours)")
 WEIGHT_TAGS = ("fp8 weights", "fp8 weight scales", "weights")
@@ -64,7 +64,7 @@ def wrap(model: torch.nn.Module, optimizer, variant: str, counter: fd.CommBytesC
     if variant == "fp8 O3 (ours)":  # sharded FP8 optimizer: reduce-to-owner + FP8 weight all-gather
         model, optimizer = fp8.initialize(model, optimizer, opt_level="O3")
         optimizer.counter = counter
-        return fd.DistributedDataParallel(model, counter=counter, scaling=scaling), optimizer
+        return fd.DistributedDataParallel(model, counter=counter, scaling=scaling, o3_optimizer=optimizer), optimizer
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     dtype = torch.bfloat16 if "BF16" in variant else None
     ddp.register_comm_hook(fd.CountingHookState(counter, dtype=dtype), fd.counting_allreduce_hook)

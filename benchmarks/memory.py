@@ -44,7 +44,7 @@ def build(variant: str, model: torch.nn.Module):
         return model, fp8.optim.AdamW(model.parameters(), lr=1e-4, precision="O1")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     name, _, grads = variant.partition(", ")
-    level = {"FP32": "O0", "O1": "O1", "O2": "O2"}[name]
+    level = {"FP32": "none", "O1": "O1", "O2": "O2"}[name]
     config = fp8.Float8LinearConfig(grad_accumulation="fp8" if grads else "fp32")
     return fp8.initialize(model, optimizer, opt_level=level, config=config)
 
@@ -111,7 +111,7 @@ def _dp_worker(rank: int, world: int, port: int, d_model: int, n_layer: int, out
             wrapped = None  # full local BF16 gradients (ZeRO-1 shards the optimizer state only)
         else:
             model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), opt_level=variant)
-            wrapped = fd.DistributedDataParallel(model)
+            wrapped = fd.DistributedDataParallel(model, o3_optimizer=optimizer if variant == "O3" else None)
         for step in range(2):
             loss(wrapped or model).backward()
             if step == 1:
@@ -201,7 +201,7 @@ def main() -> None:
     if args.ablation_steps:
         out = Path(args.json).with_name("ablation_second_moment.json")
         os.makedirs(out.parent, exist_ok=True)
-        quickstart.main(["--levels", "O0,O2,O2:exp_avg_sq=e4m3", "--steps", str(args.ablation_steps),
+        quickstart.main(["--levels", "none,O2,O2:exp_avg_sq=e4m3", "--steps", str(args.ablation_steps),
                          "--json", str(out)])
         ablation = json.loads(out.read_text())
 

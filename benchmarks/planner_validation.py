@@ -52,7 +52,7 @@ import fp8  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from fp8.tensor import Float8Tensor  # noqa: E402
-from tools.memory_planner import PlannerConfig, plan_memory  # noqa: E402
+from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 STATE_KEYS = {  # planner category -> fp8.memory_report category
     "weights": "weights", "master_weights": "master weights", "gradients": "weight gradients",
@@ -128,7 +128,7 @@ def _setup(case: Case, level: str) -> tuple[nn.Module, torch.optim.Optimizer, Pl
         model = model.to(torch.bfloat16)
         return model, fp8.optim.AdamW(model.parameters(), lr=1e-4, precision="O1"), replace(case.planner, bf16=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = fp8.initialize(model, optimizer, opt_level="O0" if level == "none" else level)
+    model, optimizer = fp8.initialize(model, optimizer, opt_level=level)
     return model, optimizer, replace(case.planner, fp8_opt_level=level)
 
 
@@ -287,7 +287,7 @@ def _dp_worker(rank: int, world: int, port: int, factory: str, case_index: int, 
     torch.manual_seed(0)
     model = case.build()
     model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), opt_level="O3")
-    report = measure_state(model, optimizer, case.loss_fn, wrapped=fd.DistributedDataParallel(model))
+    report = measure_state(model, optimizer, case.loss_fn, wrapped=fd.DistributedDataParallel(model, o3_optimizer=optimizer))
     torch.save(report, os.path.join(out, f"rank{rank}.pt"))
     Collectives().barrier("benchmark")
     dist.destroy_process_group()

@@ -230,7 +230,7 @@ def section_grad_accumulation() -> str:
 
 
 def section_planner() -> str:
-    from tools.memory_planner import plan_memory
+    from megatron.training.memory_plan import plan_memory
 
     out = ["## Planned memory for GPT-3 7B, 13B and 175B (FP8-LM's layouts)\n",
            "`tools/memory_planner.py`, per GPU (worst rank), BF16 activations, sequence length 2048, micro-batch 1, "
@@ -288,7 +288,7 @@ def section_planner() -> str:
 
 
 def _planner_config(kw: dict, level: str):
-    from tools.memory_planner import PlannerConfig
+    from megatron.training.memory_plan import PlannerConfig
 
     # BF16 as Megatron's --bf16 (FP32 main gradients), FP8 levels with their default fp32 gradient sums.
     return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1, fp32_grads=level == "none",

@@ -1,10 +1,10 @@
-"""Quickstart: train TinyGPT on Shakespeare in FP32 (O0) and FP8 (O1) and compare.
+"""Quickstart: train TinyGPT on Shakespeare in FP32 (none) and FP8 (O1) and compare.
 
 Every opt level trains from the same seed on the same batches, is evaluated on
 the same fixed validation batches, and reports its losses, wall time and the
 FP8 engine's memory report.  Run from the repository root::
 
-    python examples/quickstart.py [--steps 300] [--levels O0,O1,O2] [--json out.json]
+    python examples/quickstart.py [--steps 300] [--levels none,O1,O2] [--json out.json]
 
 A level may carry optimizer-precision overrides for ablations, e.g. ``O2:exp_avg_sq=e4m3``.
 """
@@ -29,10 +29,10 @@ import torch  # noqa: E402
 
 import fp8  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
-from tools.corpus import ByteTokenizer, get_batch, load_corpus  # noqa: E402
+from megatron.training.corpus import ByteTokenizer, get_batch, load_corpus  # noqa: E402
 
 MEMORY_CATEGORIES = (*fp8.MEMORY_CATEGORIES, "total")
-BASELINE_LEVEL = "O0"
+BASELINE_LEVEL = "none"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -69,8 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--levels",
         type=parse_levels,
-        default=["O0", "O1", "O2"],
-        help="comma-separated opt levels, e.g. O0,O1,O2; O2:exp_avg_sq=e4m3 overrides a precision role",
+        default=["none", "O1", "O2"],
+        help="comma-separated opt levels, e.g. none,O1,O2 (O0 = none); O2:exp_avg_sq=e4m3 overrides a precision role",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a JSON summary")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -91,10 +91,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def parse_levels(text: str) -> list[str]:
-    """Split a comma list of opt levels (``"O0,O1"``), dropping blanks and duplicates."""
-    levels = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    """Split a comma list of opt levels (``"none,O1"``; ``O0`` is normalised to ``none``), dropping blanks and duplicates."""
+    levels = [s.strip() for s in text.split(",") if s.strip()]
+    levels = list(dict.fromkeys(fp8.OPT_LEVEL_ALIASES.get(s, s) for s in levels))  # O0 -> none
     if not levels:
-        raise argparse.ArgumentTypeError("expected at least one opt level, e.g. O0,O1")
+        raise argparse.ArgumentTypeError("expected at least one opt level, e.g. none,O1")
     for level in levels:
         try:
             split_level(level)
@@ -262,7 +263,7 @@ def format_summary(results: Sequence[LevelResult], n_params: int) -> str:
     """Render the final loss/timing table and the per-category memory table."""
     baseline = next((r for r in results if r.level == BASELINE_LEVEL), None)
     lines = [
-        f"{'level':<6} {'train loss':>10} {'val loss':>9} {'val gap vs O0':>13} "
+        f"{'level':<6} {'train loss':>10} {'val loss':>9} {'val gap vs none':>15} "
         f"{'wall s':>7} {'ms/step':>8}  status",
     ]
     for r in results:
@@ -273,7 +274,7 @@ def format_summary(results: Sequence[LevelResult], n_params: int) -> str:
         gap_str = f"{gap:+.2f}%" if math.isfinite(gap) else "n/a"
         lines.append(
             f"{r.level:<6} {r.final_train_loss:>10.4f} {r.final_val_loss:>9.4f} "
-            f"{gap_str:>13} {r.wall_s:>7.1f} {1e3 * r.step_s:>8.1f}  {status}"
+            f"{gap_str:>15} {r.wall_s:>7.1f} {1e3 * r.step_s:>8.1f}  {status}"
         )
     extra = [k for r in results for k in r.memory if k not in MEMORY_CATEGORIES]
     categories = [*MEMORY_CATEGORIES[:-1], *dict.fromkeys(extra), MEMORY_CATEGORIES[-1]]

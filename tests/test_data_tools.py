@@ -28,7 +28,7 @@ from megatron.training.data import (  # noqa: E402
 )
 from megatron.training.tokenizer import SentencePieceTokenizer  # noqa: E402
 from tests.spawn import free_port  # noqa: E402
-from tools import preprocess_data  # noqa: E402
+from megatron.training import preprocess_data  # noqa: E402
 from tools.preprocess_data import preprocess, split_text_documents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,7 +302,7 @@ def test_cli(tmp_path, seed):
 
 # -- the default corpus (a small stand-in for Shakespeare) -------------------------------------------------
 def test_default_corpus_cached_rebuilt_and_locked(tmp_path, monkeypatch, seed):
-    from tools import corpus as corpus_module
+    from megatron.training import corpus as corpus_module
 
     text = random_text(random.Random(seed), paragraphs=150)
     monkeypatch.setattr(corpus_module, "shakespeare_text", lambda: text)

@@ -162,8 +162,7 @@ def test_single_pass_kernel_matches_the_torch_path(gen, opt_cls, kwargs, monkeyp
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
     for backend in ("torch", "triton"):
-        params, opt = _adam_setup(seed, opt_cls, precision=DELAYED_O2, **kwargs)
-        opt.kernel_backend = backend
+        params, opt = _adam_setup(seed, opt_cls, precision=DELAYED_O2, kernel_backend=backend, **kwargs)
         g = torch.Generator().manual_seed(seed + 1)
         for step in range(6):
             spike = 1e3 if step == 2 else 1.0

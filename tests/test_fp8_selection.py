@@ -80,7 +80,7 @@ def test_pretrain_applies_min_dim_and_announces_it():
 
 def test_planner_applies_the_same_selection(monkeypatch):
     from fp8.convert import CUDA_MIN_FP8_DIM
-    from tools.memory_planner import PlannerConfig, plan_memory
+    from megatron.training.memory_plan import PlannerConfig, plan_memory
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
              "--vocab-size", "256", "--fp8-opt-level", "O2"]

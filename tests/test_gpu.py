@@ -195,8 +195,7 @@ def test_fused_adam_kernel_matches_the_torch_path_on_cuda(gen):
         params = [torch.nn.Parameter(fp8.to_float8((torch.randn(400, 520, generator=g) * 0.02).to(device))),
                   torch.nn.Parameter(torch.randn(11000, generator=g).to(device)),
                   torch.nn.Parameter(torch.randn(3000, generator=g).to(device, torch.bfloat16))]
-        opt = fp8.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-        opt.kernel_backend = backend
+        opt = fp8.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, kernel_backend=backend)
         for step in range(5):
             params[0].grad = fp8.to_float8((torch.randn(400, 520, generator=g) * 1e-3).to(device))
             params[1].grad = torch.randn(11000, generator=g).to(device)

@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
                     model, optimizer = fp8.initialize(model, optimizer, "O3" if path == "o3" else "O1",
                                                       config=fp8.Float8LinearConfig(grad_accumulation=mode))
-                    ddp = fd.DistributedDataParallel(model)
+                    ddp = fd.DistributedDataParallel(model, o3_optimizer=optimizer if path == "o3" else None)
                     exact = torch.zeros(256, 256, dtype=torch.float64)
                     for k, (x, dy) in enumerate(correlated_microbatches(n, seed=seed * 10 + rank)):
                         with ddp.no_sync() if k < n - 1 else contextlib.nullcontext():
@@ -216,7 +216,7 @@ def test_memory_report_counts_the_accumulated_gradients(mode, per_element, seed)
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_planner_counts_fp32_sums_on_every_rank(level):
     """The planner's fp32 sums: the step's gradient at one DP rank, the accumulation window's at several."""
-    from tools.memory_planner import PlannerConfig, plan_memory
+    from megatron.training.memory_plan import PlannerConfig, plan_memory
 
     common = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024,
                   fp8_opt_level=level, data_parallel_size=4, global_batch_size=64)

@@ -153,8 +153,7 @@ def test_fused_adam_matches_the_torch_path(gen, opt_cls, kwargs):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
     for backend in ("torch", "triton"):
-        params, opt = _adam_setup(seed, opt_cls, **kwargs)
-        opt.kernel_backend = backend
+        params, opt = _adam_setup(seed, opt_cls, kernel_backend=backend, **kwargs)
         g = torch.Generator().manual_seed(seed + 1)
         for step in range(5):
             params[0].grad = fp8.to_float8(torch.randn(40, 52, generator=g) * 1e-3)
@@ -289,8 +288,7 @@ def test_fused_adam_is_one_launch_per_stage_and_param_group(gen, monkeypatch):
         params, _ = _adam_setup(seed, fp8.optim.AdamW)
         extra = torch.nn.Parameter(fp8.to_float8(torch.randn(16, 48, generator=torch.Generator().manual_seed(seed)) * 0.1))
         groups = [{"params": params[:2], "lr": 1e-2, "weight_decay": 0.1}, {"params": [params[2], extra], "lr": 3e-3, "weight_decay": 0.0}]
-        opt = fp8.optim.AdamW(groups, betas=(0.9, 0.95))
-        opt.kernel_backend = backend
+        opt = fp8.optim.AdamW(groups, betas=(0.9, 0.95), kernel_backend=backend)
         params = params + [extra]
         if backend == "triton":
             monkeypatch.setattr(ta, "adam_stage1_kernel", _CountingKernel(ta.adam_stage1_kernel, counts["stage1"]))

@@ -76,6 +76,10 @@ def test_plan_only_uses_the_paper_layouts(model, level):
         assert result["total_gib"] < 80, result["bytes"]
 
 
+def test_o0_is_the_alias_of_none():
+    assert plan("pretrain_gpt3_125M.sh", FP8_OPT_LEVEL="O0")["config"]["fp8_opt_level"] == "none"
+
+
 DRY_RUNS = [(model, "O2") for model in MODELS] + [("7B", level) for level in ("none", "O1", "O3")]
 
 

@@ -215,7 +215,7 @@ def _o3_worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> Non
                                     torch.nn.Linear(64, 32))
         model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), "O3")
         fp8.set_amax_reduction_group(model, dist.group.WORLD)
-        ddp = fd.DistributedDataParallel(model)
+        ddp = fd.DistributedDataParallel(model, o3_optimizer=optimizer)
         gen = torch.Generator().manual_seed(seed * 10 + rank)
         data = [(torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)) for _ in range(6)]
         poison = next(p for p in optimizer.owned_params if not isinstance(p, fp8.Float8Tensor))

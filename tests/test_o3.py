@@ -66,7 +66,8 @@ def _build(seed: int, level: str, group=None, wrap: bool = True):
     model, optimizer = fp8.initialize(model, optimizer, level, **kwargs)
     if group is not None or dist.is_initialized():
         fp8.set_amax_reduction_group(model, group or dist.group.WORLD)
-    ddp = fd.DistributedDataParallel(model, process_group=group, bucket_bytes=BUCKET_BYTES) if wrap else None
+    ddp = fd.DistributedDataParallel(model, process_group=group, bucket_bytes=BUCKET_BYTES,
+                                    o3_optimizer=optimizer if level == "O3" else None) if wrap else None
     return model, optimizer, ddp
 
 
@@ -151,7 +152,8 @@ def _run_single_rank(rank, world, seed, out_dir):
             model = TinyGPT(CFG)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
             model, optimizer = fp8.initialize(model, optimizer, level, **({"process_group": mine} if level == "O3" else {}))
-            ddp = fd.DistributedDataParallel(model, process_group=mine, bucket_bytes=BUCKET_BYTES) if wrap else None
+            ddp = fd.DistributedDataParallel(model, process_group=mine, bucket_bytes=BUCKET_BYTES,
+                                            o3_optimizer=optimizer if level == "O3" else None) if wrap else None
             _train(model, optimizer, ddp, seed + rank, range(2), 0, 1)
             runs[level] = (_params(model), _opt_state(model, optimizer))
         out["wrapped" if wrap else "bare"] = runs
@@ -494,3 +496,20 @@ def test_o3_step_without_the_wrapper_names_the_fix(launched):
     _, _, results = launched
     for r in results:
         assert "fp8.distributed.DistributedDataParallel" in r["errors"]["unwrapped_step"]
+
+
+def test_ddp_takes_the_o3_optimizer_explicitly(tmp_path):
+    """Owner mode comes from the o3_optimizer argument only (no model -> optimizer registry)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O3")
+        assert not fd.DistributedDataParallel(model).owner_mode  # not given: all-reduce
+        assert fd.DistributedDataParallel(model, o3_optimizer=optimizer).owner_mode
+        plain = TinyGPT(CFG)
+        plain, o2 = fp8.initialize(plain, torch.optim.AdamW(plain.parameters(), lr=LR), "O2")
+        with pytest.raises(TypeError, match="o3_optimizer must be the sharded optimizer"):
+            fd.DistributedDataParallel(plain, o3_optimizer=o2)
+    finally:
+        dist.destroy_process_group()

@@ -270,3 +270,21 @@ def test_o2_state_dict_resume_is_bit_identical(gen):
         for k in s1:
             a, b = s1[k].reshape(-1), s2[k].reshape(-1)
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), k
+
+
+def test_kernel_backend_and_scaling_module_are_constructor_arguments():
+    """No class-level switch and no attribute set after construction: each optimizer takes its own."""
+    from fp8.optim.base import FP8Optimizer
+
+    assert "kernel_backend" not in vars(FP8Optimizer)
+    model = torch.nn.Linear(16, 16)
+    for cls in (fp8.optim.Adam, fp8.optim.AdamW, fp8.optim.SGD):
+        opt = cls(model.parameters(), lr=1e-3, kernel_backend="torch", scaling_module=model)
+        assert opt.kernel_backend == "torch" and opt.scaling_module is model
+        assert cls(model.parameters(), lr=1e-3).kernel_backend == "auto"
+        with pytest.raises(ValueError, match="kernel_backend must be one of"):
+            cls(model.parameters(), lr=1e-3, kernel_backend="cuda")
+        with pytest.raises(TypeError, match="scaling_module must be an nn.Module"):
+            cls(model.parameters(), lr=1e-3, scaling_module=[model])
+    model, fp8_opt = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2")
+    assert fp8_opt.scaling_module is model  # fp8.initialize passes the (converted) model

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.test_data_tools import random_text  # noqa: E402
-from tools.preprocess_data import preprocess  # noqa: E402
+from megatron.training.preprocess_data import preprocess  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 # Shared launcher of examples/gpt3/pretrain_gpt3_*.sh: those set the model's defaults, then source this.
 # Every knob is an environment variable (defaults below; the model scripts set the model-specific ones):
 #
-#   FP8_OPT_LEVEL      none|O1|O2|O3 (none = BF16 mixed-precision baseline)        default O2
+#   FP8_OPT_LEVEL      none|O1|O2|O3 (none = BF16 mixed-precision baseline; O0 = none) default O2
 #   NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE   torchrun rendezvous  1 0 127.0.0.1 6000 8
 #   RDZV_ID            set: torchrun's c10d rendezvous (elastic) with this id instead of the static one
 #   TP PP VPP          tensor / pipeline parallel size, layers per virtual pipeline chunk (empty: none)
@@ -65,7 +65,8 @@ fail() {
 
 case "$FP8_OPT_LEVEL" in
     none | O1 | O2 | O3) ;;
-    *) fail "FP8_OPT_LEVEL=$FP8_OPT_LEVEL: use none, O1, O2 or O3" ;;
+    O0) FP8_OPT_LEVEL=none ;; # the alias of the baseline, as in fp8.initialize and --fp8-opt-level
+    *) fail "FP8_OPT_LEVEL=$FP8_OPT_LEVEL: use none, O1, O2 or O3 (O0 = none)" ;;
 esac
 for var in NNODES GPUS_PER_NODE TP PP MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE SEQ_LENGTH; do
     [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"

@@ -13,6 +13,9 @@ Usage::
 
     model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
     model = fp8.distributed.DistributedDataParallel(model)
+
+At opt level O3 the wrapper is given the sharded optimizer, whose owners then receive the gradients:
+``fp8.distributed.DistributedDataParallel(model, o3_optimizer=optimizer)``.
 """
 
 from ..comm import Collectives, CommBytesCounter, ring_bytes

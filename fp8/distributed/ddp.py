@@ -9,9 +9,8 @@ parameter marks it ready, full buckets are launched in a fixed order with asynch
 and a callback queued on the autograd engine finishes them all at the end of backward, then closes
 the step of the scaling factor mu.
 
-Owner mode (opt level O3): when ``fp8.initialize(..., opt_level="O3")`` registered a sharded optimizer
-for the wrapped module (:func:`fp8.optim.sharded.sharded_optimizer_of`), each bucket is reduced to the
-owners of its gradients only (:mod:`fp8.distributed.owner_reduce`, same FP8 recipe and mu, no
+Owner mode (opt level O3): given the sharded optimizer that ``fp8.initialize(..., opt_level="O3")``
+returns (``o3_optimizer=optimizer``), each bucket is reduced to the owners of its gradients only (:mod:`fp8.distributed.owner_reduce`, same FP8 recipe and mu, no
 all-gather): after backward a rank holds the averaged gradients of the parameters it owns and ``None``
 for the others; the optimizer step all-gathers the updated weights.
 """
@@ -65,6 +64,10 @@ class DistributedDataParallel(nn.Module):
       DDP does, except the FP8 scaling states (amax histories are each rank's own statistics; call
       ``fp8.set_amax_reduction_group(model, group)`` to make ranks agree on those scales).
     - ``counter``: a :class:`CommBytesCounter` recording every byte this wrapper sends.
+    - ``o3_optimizer``: opt level O3's sharded optimizer over this module's parameters (what
+      ``fp8.initialize(..., opt_level="O3")`` returns; any object with ``owner(param) -> rank`` and the
+      ``process_group`` it is sharded over): each gradient is then reduced to its owner only. ``None``
+      (default): every gradient is all-reduced to every rank.
 
     Every rank must produce gradients for the same parameters in each backward (as torch DDP with
     ``find_unused_parameters=False``); parameters without a gradient at the end of backward are
@@ -80,6 +83,7 @@ class DistributedDataParallel(nn.Module):
         scaling: AutoScaleConfig | None = None,
         broadcast_buffers: bool = True,
         counter: CommBytesCounter | None = None,
+        o3_optimizer: Any = None,
     ) -> None:
         super().__init__()
         require_process_group("fp8.distributed.DistributedDataParallel")
@@ -102,21 +106,23 @@ class DistributedDataParallel(nn.Module):
         self._require_sync = True
         self._backward: _Backward | None = None
         self.last_backward_stats: dict[str, int] = {}
-        self._owners = self._owner_plan(trained)
+        self._owners = self._owner_plan(trained, o3_optimizer)
         self._check_same_structure(params)
         self._sync_module_states(params)
         self._hook_handles = self._register_hooks(trained)
 
     # -- set-up ------------------------------------------------------------------------------
-    def _owner_plan(self, trained: list[nn.Parameter]) -> dict[int, int] | None:
-        """Owner rank per trained parameter id when an O3 optimizer is registered for the module."""
-        from ..optim.sharded import sharded_optimizer_of  # lazy: fp8.optim imports fp8.distributed
-
-        optimizer = sharded_optimizer_of(self.module)
+    def _owner_plan(self, trained: list[nn.Parameter], optimizer: Any) -> dict[int, int] | None:
+        """Owner rank per trained parameter id when an O3 optimizer is given (else None: all-reduce)."""
         if optimizer is None:
             return None
+        if not callable(getattr(optimizer, "owner", None)) or not hasattr(optimizer, "process_group"):
+            raise TypeError(
+                f"o3_optimizer must be the sharded optimizer fp8.initialize(..., opt_level='O3') returns, got "
+                f"{type(optimizer).__name__}; pass o3_optimizer=None at the other opt levels"
+            )
         mine = dist.get_process_group_ranks(self._comm.group)
-        theirs = dist.get_process_group_ranks(optimizer._comm.group)
+        theirs = dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD)
         if mine != theirs:
             raise ValueError(
                 f"the O3 optimizer is sharded over ranks {theirs} but this wrapper's process group is {mine}; pass the "

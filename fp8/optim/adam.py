@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .base import FP8Optimizer
+from .fused_adam import fused_adam_step  # Triton itself is imported only when a fused step runs
 from .precision import OptimizerPrecision
 
 __all__ = ["Adam", "AdamW"]
@@ -21,8 +23,6 @@ class Adam(FP8Optimizer):
     _has_fused_step = True
 
     def _fused_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
-        from ..kernels.optimizer_update import fused_adam_step  # Triton is imported only on this path
-
         return fused_adam_step(self, params, agreed_ok)
 
     def __init__(
@@ -37,6 +37,8 @@ class Adam(FP8Optimizer):
         decoupled_weight_decay: bool = False,
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -48,7 +50,8 @@ class Adam(FP8Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults, precision, initial_masters)
+        super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
+                         kernel_backend=kernel_backend)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -84,8 +87,11 @@ class AdamW(Adam):
         maximize: bool = False,
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, maximize=maximize, decoupled_weight_decay=True,
-            precision=precision, initial_masters=initial_masters,
+            precision=precision, initial_masters=initial_masters, scaling_module=scaling_module,
+            kernel_backend=kernel_backend,
         )

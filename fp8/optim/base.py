@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.backend import resolve_backend
+from ..kernels.backend import KERNEL_BACKENDS, resolve_backend
 from ..cast import quantize
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
@@ -88,13 +88,14 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     Subclasses define ``_moment_roles(group)`` (state keys and their precision role) and ``_update(w, g,
     state, group)`` which updates the fp32 master value ``w`` in place given the fp32 gradient ``g``.
-    ``skipped_steps`` counts steps skipped for non-finite gradients. If ``scaling_module`` is set
-    (``fp8.initialize`` sets it to the model), each step also closes its delayed-scaling step.
-    ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"``; see :mod:`fp8.kernels.backend`) picks
-    the update's implementation where a subclass has a fused kernel (Adam/AdamW on CUDA with Triton).
-    """
+    ``skipped_steps`` counts steps skipped for non-finite gradients. Constructor keywords (every
+    subclass takes them):
 
-    kernel_backend: str = "auto"
+    - ``scaling_module``: the model whose delayed-scaling step each optimizer step closes (amaxes of a
+      skipped step dropped, scales updated); ``fp8.initialize`` passes the model. None: no scaling state.
+    - ``kernel_backend`` (``"auto"``, ``"torch"``, ``"triton"``; see :mod:`fp8.kernels.backend`): the
+      update's implementation where a subclass has a fused kernel (Adam/AdamW on CUDA with Triton).
+    """
 
     def __init__(
         self,
@@ -102,13 +103,21 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         defaults: dict[str, Any],
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
+        if kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
+        if scaling_module is not None and not isinstance(scaling_module, nn.Module):
+            raise TypeError(f"scaling_module must be an nn.Module (the model) or None, got {type(scaling_module).__name__}")
         self.precision = OptimizerPrecision.preset(precision) if isinstance(precision, str) else precision
+        self.kernel_backend = kernel_backend
+        self.scaling_module = scaling_module
         super().__init__(params, defaults)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         device = first.device if first is not None else torch.device("cpu")
         self._init_skipped_counter(device)
-        self.scaling_module: nn.Module | None = None
         initial_masters = initial_masters or {}
         for group in self.param_groups:
             for p in group["params"]:

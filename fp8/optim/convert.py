@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .adam import Adam, AdamW
 from .base import FP8Optimizer
@@ -61,12 +62,15 @@ def convert_optimizer(
     replace: dict[int, torch.Tensor],
     precision: OptimizerPrecision | str,
     initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    scaling_module: nn.Module | None = None,
 ) -> FP8Optimizer:
     """The FP8-aware optimizer equivalent to ``optimizer``: same class of update, same param groups and
     hyper-parameters, with each parameter whose ``id`` is in ``replace`` swapped for its FP8 version
-    (whose master starts from ``initial_masters[new_param]``). Refuses optimizers that already stepped."""
+    (whose master starts from ``initial_masters[new_param]``); ``scaling_module`` as
+    :class:`fp8.optim.base.FP8Optimizer`. Refuses optimizers that already stepped."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
-    return target(groups, **kwargs, precision=precision, initial_masters=initial_masters)
+    return target(groups, **kwargs, precision=precision, initial_masters=initial_masters, scaling_module=scaling_module)
 
 
 def _constructor_args(target: type[FP8Optimizer], defaults: dict) -> dict:

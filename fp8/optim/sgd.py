@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .base import FP8Optimizer
 from .precision import OptimizerPrecision
@@ -29,6 +30,8 @@ class SGD(FP8Optimizer):
         maximize: bool = False,
         precision: OptimizerPrecision | str = "O2",
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
+        scaling_module: nn.Module | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         if not lr >= 0.0 or not momentum >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"invalid lr {lr}, momentum {momentum} or weight_decay {weight_decay}: must be >= 0")
@@ -38,7 +41,8 @@ class SGD(FP8Optimizer):
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
             maximize=maximize,
         )
-        super().__init__(params, defaults, precision, initial_masters)
+        super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
+                         kernel_backend=kernel_backend)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
         momentum, dampening = group["momentum"], group["dampening"]

@@ -4,21 +4,19 @@ data-parallel group, by whole tensors.
 Every rank keeps all parameters (FP8 weights with their scales, the few high-precision ones) for the
 forward and backward, but the optimizer state, i.e. FP16 master + scale, E4M3 first moment + scale,
 FP16 second moment + scale, step, only for the parameters it owns (:mod:`fp8.optim.partition`).
-:class:`fp8.distributed.DistributedDataParallel` finds the partition of the model (registered here
-by ``fp8.initialize``) and reduces each gradient to its owner only, freeing the others; the step
+:class:`fp8.distributed.DistributedDataParallel`, given this optimizer (``o3_optimizer=optimizer``),
+reduces each gradient to its owner only, freeing the others; the step
 updates the owned parameters, then all-gathers the updated FP8 payloads (``uint8``) with their scales,
 and the other parameters in their own dtype, from their owners to every rank.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..comm import Collectives, CommBytesCounter, require_process_group
 from ..distributed.gather import start_owner_gather
@@ -33,21 +31,7 @@ from .sgd import SGD
 
 __all__ = [
     "ShardedFP8Optimizer", "ShardedAdam", "ShardedAdamW", "ShardedSGD", "convert_to_sharded",
-    "register_sharded_optimizer", "sharded_optimizer_of",
 ]
-
-_REGISTRY: "weakref.WeakKeyDictionary[nn.Module, ShardedFP8Optimizer]" = weakref.WeakKeyDictionary()
-
-
-def register_sharded_optimizer(model: nn.Module, optimizer: "ShardedFP8Optimizer") -> None:
-    """Link ``model`` to its O3 optimizer, so the DDP wrapper reduces each gradient to its owner only
-    (``fp8.initialize(..., opt_level="O3")`` does this). Held weakly: no reference cycle, no leak."""
-    _REGISTRY[model] = optimizer
-
-
-def sharded_optimizer_of(model: nn.Module) -> "ShardedFP8Optimizer | None":
-    """The O3 optimizer registered for ``model``, or None."""
-    return _REGISTRY.get(model)
 
 
 def _normalize_groups(params) -> list[dict[str, Any]]:
@@ -145,7 +129,8 @@ class ShardedFP8Optimizer(FP8Optimizer):
         if stray:
             raise RuntimeError(
                 f"{len(stray)} parameter(s) this rank does not own have gradients: with opt_level 'O3', wrap the "
-                f"model in fp8.distributed.DistributedDataParallel(model) after fp8.initialize, which reduces each "
+                f"model in fp8.distributed.DistributedDataParallel(model, o3_optimizer=optimizer) after fp8.initialize, "
+                f"which reduces each "
                 f"gradient to its owner (and call the optimizer step after a synced backward, not inside no_sync)"
             )
 
@@ -245,9 +230,11 @@ def convert_to_sharded(
     precision: OptimizerPrecision | str,
     initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    scaling_module: torch.nn.Module | None = None,
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
     :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
     return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
-                            process_group=process_group)
+                            process_group=process_group, scaling_module=scaling_module)

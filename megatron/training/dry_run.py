@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from .memory_plan import PlannerConfig, plan_memory
+
 __all__ = ["dry_run"]
 
 
@@ -54,13 +56,7 @@ def dry_run(args: argparse.Namespace) -> dict:
     per_stage = {s: _count_stage(args, world, s * tp * dp, vocab) for s in stages}
     for s in range(1, pp - 1):
         per_stage[s] = per_stage.get(s, None)
-    plan = None
-    try:
-        from tools.memory_planner import PlannerConfig, plan_memory
-
-        plan = plan_memory(PlannerConfig.from_args(args))
-    except ImportError:
-        plan = None
+    plan = plan_memory(PlannerConfig.from_args(args))
     total = sum(v for v in per_stage.values() if v is not None)
     result = {
         "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world, "sequence_parallel": args.sequence_parallel},

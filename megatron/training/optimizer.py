@@ -23,13 +23,13 @@ from torch import nn
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
-from fp8.optim.sharded import convert_to_sharded, register_sharded_optimizer
+from fp8.optim.sharded import ShardedFP8Optimizer, convert_to_sharded
 from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
 from .mixed_precision import BF16MasterOptimizer, MainGrads, bf16_params
 
-__all__ = ["build_optimizer", "step_optimizer"]
+__all__ = ["build_optimizer", "owner_optimizer", "step_optimizer"]
 
 
 def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.optim.Optimizer:
@@ -45,7 +45,7 @@ def build_optimizer(
     args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None
 ) -> torch.optim.Optimizer:
     """The optimizer of ``args.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
-    the chunks for data parallelism: O3 registers itself with them)."""
+    the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it)."""
     level = args.fp8_opt_level
     masters: dict[nn.Parameter, nn.Parameter] = {}
     for chunk in chunks:
@@ -76,24 +76,21 @@ def build_optimizer(
     if level == "none":
         if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
-            optimizer = convert_to_sharded(base, {}, "O1", {}, dp_group)
-            for chunk in chunks:
-                register_sharded_optimizer(chunk, optimizer)
-            optimizer.scaling_module = None
-            return optimizer
+            return convert_to_sharded(base, {}, "O1", {}, dp_group)
         return base
     if level == "O1":
         return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)
     replace = {id(master): weight for weight, master in masters.items()}
     initial = {weight: master.detach() for weight, master in masters.items()}
     if level == "O2":
-        optimizer = convert_optimizer(base, replace, "O2", initial)
-    else:
-        optimizer = convert_to_sharded(base, replace, "O2", initial, dp_group)
-        for chunk in chunks:
-            register_sharded_optimizer(chunk, optimizer)
-    optimizer.scaling_module = scaling_module
-    return optimizer
+        return convert_optimizer(base, replace, "O2", initial, scaling_module=scaling_module)
+    return convert_to_sharded(base, replace, "O2", initial, dp_group, scaling_module=scaling_module)
+
+
+def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | None:
+    """The sharded optimizer (O3, or the ZeRO-1 baseline) whose owners receive the gradients through
+    ``fp8.distributed.DistributedDataParallel(..., o3_optimizer=...)``, else None (all-reduce)."""
+    return optimizer if isinstance(optimizer, ShardedFP8Optimizer) else None
 
 
 def _no_gather() -> None:
@@ -110,7 +107,6 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
         # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
         # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
         inner = convert_to_sharded(base, {}, "O1", {}, dp_group)
-        inner.scaling_module = None
         inner.gather_params = _no_gather  # BF16MasterOptimizer gathers the BF16 parameters instead
         with torch.no_grad():
             for master in masters.values():

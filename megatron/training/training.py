@@ -33,7 +33,7 @@ from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, mod
 from .log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
-from .optimizer import build_optimizer, step_optimizer
+from .optimizer import build_optimizer, owner_optimizer, step_optimizer
 from .p2p import FP8P2PCommunicator
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory"]
@@ -217,7 +217,9 @@ class _Run:
             self.optimizer.counter = self.counter
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
         if self.dp_size > 1 and self.main_grads is None:
-            self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter) for c in chunks]
+            owners = owner_optimizer(self.optimizer)
+            self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners)
+                           for c in chunks]
             self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         else:
             self.chunks = chunks

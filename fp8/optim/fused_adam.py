@@ -1,4 +1,5 @@
-"""The FP8 Adam/AdamW update as multi-tensor Triton kernels (CUDA; interpreter in tests).
+"""The FP8 Adam/AdamW update as multi-tensor Triton kernels (CUDA; interpreter in tests): the optimizer-level
+driver (state layout, scales, tables) over the plain-tensor kernels of :mod:`fp8.kernels.triton_adam`.
 
 :func:`fused_adam_step` does what :meth:`fp8.optim.base.FP8Optimizer.step`'s torch path does for
 :class:`fp8.optim.Adam`/``AdamW``, with the state layout of :mod:`fp8.optim.base`: per param group one
@@ -19,6 +20,8 @@ import torch
 
 from ..scaling import power_of_two_scale
 from ..tensor import Float8Tensor
+from .base import grads_finite_flag
+from .precision import DELAYED_HEADROOM, delayed_or_current_scale
 
 __all__ = ["fused_adam_step"]
 
@@ -70,8 +73,8 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
     gradient, states initialized) with the multi-tensor Triton kernels: one stage-1 and one stage-2
     launch per param group. Skipped on device when a gradient is not finite or ``agreed_ok`` (0-d bool,
     optional) is unset. Returns the 0-d bool "step taken" flag."""
-    from .triton_adam import adam_stage1_kernel, adam_stage2_kernel
-    from .triton_formats import format_code
+    from ..kernels.triton_adam import adam_stage1_kernel, adam_stage2_kernel
+    from ..kernels.triton_formats import format_code
 
     device = params[0].device
     bad = torch.zeros(1, dtype=torch.int32, device=device)
@@ -89,8 +92,6 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
     if delayed_mode:
         # The single pass writes as it reads, so whether the step is taken is decided before it: one
         # finiteness reduction over the gradients (on device, no host sync).
-        from ..optim.base import grads_finite_flag
-
         bad = bad | (~grads_finite_flag(params).to(device)).to(torch.int32).reshape(1)
     launches = []
     for group_index, group in enumerate(optimizer.param_groups):
@@ -158,9 +159,8 @@ def _delayed_launch(optimizer, group_index: int, group: dict, ps: list[torch.Ten
     that outgrew its delayed scale is recomputed from intact inputs by the fix-up launch, which does
     nothing else for the other tensors. Scales, overflow decisions and amax histories are computed on
     device over the group's tables: no host sync."""
-    from ..optim.precision import DELAYED_HEADROOM, delayed_or_current_scale
-    from .triton_adam import adam_delayed_fixup_kernel, adam_delayed_kernel
-    from .triton_formats import format_code
+    from ..kernels.triton_adam import adam_delayed_fixup_kernel, adam_delayed_kernel
+    from ..kernels.triton_formats import format_code
 
     device = ps[0].device
     precision = optimizer.precision

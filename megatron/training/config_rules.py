@@ -1,0 +1,156 @@
+"""The configuration rules of a GPT training run, in one place: ``pretrain_gpt.py``'s
+:func:`megatron.training.arguments.validate_args` and the memory planner's
+:class:`megatron.training.memory_plan.PlannerConfig` both call :func:`check_config`, so a layout one of
+them accepts the other accepts too. Every error is a :class:`ConfigurationError` (a ``ValueError``)
+whose message names the flag and the fix. Plain Python: importing this module imports no torch.
+
+Also the vocabulary of FP8 opt levels (:data:`OPT_LEVELS`, :func:`normalize_opt_level`): ``none`` is the
+high-precision baseline, ``O0`` its accepted alias (``fp8.initialize``'s historical name).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["ConfigurationError", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
+           "check_config"]
+
+OPT_LEVELS = ("none", "O1", "O2", "O3")
+"""FP8 opt levels: ``none`` (the high-precision baseline), ``O1``, ``O2``, ``O3``."""
+
+OPT_LEVEL_ALIASES = {"O0": "none"}
+"""Accepted spellings, normalised to the name in :data:`OPT_LEVELS`."""
+
+
+class ConfigurationError(ValueError):
+    """A configuration that cannot run; the message names the fix."""
+
+
+def normalize_opt_level(level: str, flag: str = "--fp8-opt-level") -> str:
+    """``level`` as named in :data:`OPT_LEVELS` (``O0`` -> ``none``); raises naming the choices."""
+    level = OPT_LEVEL_ALIASES.get(level, level)
+    if level not in OPT_LEVELS:
+        raise ConfigurationError(
+            f"{flag} must be one of {'|'.join(OPT_LEVELS)} (O0 is accepted for none), got {level!r}"
+        )
+    return level
+
+
+def opt_level_arg(text: str) -> str:
+    """argparse ``type=`` of ``--fp8-opt-level`` (pretrain_gpt.py, tools/memory_planner.py): the level's name
+    (``O0`` -> ``none``), else a usage error naming the choices."""
+    try:
+        return normalize_opt_level(text)
+    except ConfigurationError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_config(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int | None,
+    ffn_hidden_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    global_batch_size: int | None,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    data_parallel_size: int,
+    num_layers_per_virtual_pipeline_stage: int | None,
+    sequence_parallel: bool,
+    fp8_opt_level: str,
+    use_distributed_optimizer: bool,
+    swiglu: bool = False,
+) -> None:
+    """Raise :class:`ConfigurationError` (naming the fix) unless the model, its parallel layout (TP x PP x DP,
+    virtual pipeline, sequence parallelism), the batch and the FP8 level fit together as megatron-core and
+    fp8lm need. ``num_query_groups=None``: no grouped-query attention. ``global_batch_size=None``: not
+    checked (the planner's "enough micro-batches")."""
+    tp, pp, dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
+    heads = num_attention_heads
+    level = normalize_opt_level(fp8_opt_level)
+    if heads % tp:
+        raise ConfigurationError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}: use a TP size that "
+            f"divides the number of heads"
+        )
+    groups = num_query_groups or heads
+    if heads % groups or groups % tp:
+        # megatron-core splits the query groups over TP (num_query_groups % tensor_model_parallel_size == 0).
+        raise ConfigurationError(
+            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be divisible by "
+            f"--tensor-model-parallel-size {tp} (megatron-core splits the query groups over TP): use a multiple of "
+            f"{tp} that divides {heads}, or a TP size that divides {groups}"
+        )
+    if hidden_size % heads:
+        raise ConfigurationError(
+            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads {heads}: change one of them"
+        )
+    if ffn_hidden_size % tp:
+        raise ConfigurationError(
+            f"--ffn-hidden-size {ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}: use a "
+            f"multiple of {tp}"
+        )
+    if num_layers % pp:
+        raise ConfigurationError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}: use a PP size that "
+            f"divides the number of layers"
+        )
+    vpp = num_layers_per_virtual_pipeline_stage
+    if vpp is not None:
+        if vpp < 1:
+            raise ConfigurationError(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {vpp}")
+        if pp < 2:
+            raise ConfigurationError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1: drop it or raise PP"
+            )
+        if (num_layers // pp) % vpp:
+            raise ConfigurationError(
+                f"--num-layers-per-virtual-pipeline-stage {vpp} must divide the layers per pipeline stage "
+                f"({num_layers // pp})"
+            )
+    if sequence_parallel and tp > 1 and seq_length % tp:
+        raise ConfigurationError(
+            f"--seq-length {seq_length} must be divisible by TP ({tp}) with --sequence-parallel: change one of them"
+        )
+    if global_batch_size is not None:
+        if global_batch_size < 1 or global_batch_size % (micro_batch_size * dp):
+            raise ConfigurationError(
+                f"--global-batch-size {global_batch_size} must be a multiple of micro batch x data-parallel size "
+                f"({micro_batch_size} x {dp})"
+            )
+        microbatches = global_batch_size // (micro_batch_size * dp)
+        if vpp is not None and microbatches % pp:
+            raise ConfigurationError(
+                f"the interleaved schedule needs the number of micro-batches ({microbatches}) to be a multiple of PP "
+                f"({pp}): change --global-batch-size"
+            )
+    if use_distributed_optimizer and level in ("O1", "O2"):
+        raise ConfigurationError(
+            f"--use-distributed-optimizer shards the baseline's optimizer (--fp8-opt-level none); for FP8 use "
+            f"--fp8-opt-level O3 (the FP8 distributed optimizer) instead of {level} with it"
+        )
+    if level != "none":
+        _check_fp8_shapes(hidden_size, ffn_hidden_size, heads, groups, swiglu, tp, micro_batch_size * seq_length)
+
+
+def _check_fp8_shapes(h: int, f: int, heads: int, groups: int, swiglu: bool, tp: int, tokens: int) -> None:
+    """FP8 GEMMs need every TP shard's linear dimensions, and the tokens of a micro-batch (the weight
+    gradient's inner dimension), to be multiples of 16."""
+    qkv = h + 2 * groups * (h // heads)
+    fc1 = 2 * f if swiglu else f
+    for name, n_in, n_out in (("linear_qkv", h, qkv // tp), ("linear_proj", h // tp, h),
+                              ("linear_fc1", h, fc1 // tp), ("linear_fc2", f // tp, h)):
+        if n_in % 16 or n_out % 16:
+            raise ConfigurationError(
+                f"FP8 GEMMs need dimensions that are multiples of 16 on every TP shard: {name} is {n_out} x {n_in} "
+                f"with TP={tp}; make --hidden-size and --ffn-hidden-size a multiple of 16 x TP = {16 * tp} "
+                f"(e.g. {16 * tp * max(1, round(h / (16 * tp)))}), or use --fp8-opt-level none"
+            )
+    if tokens % 16:
+        raise ConfigurationError(
+            f"micro batch x seq length = {tokens} tokens must be a multiple of 16 for FP8 weight-gradient GEMMs: "
+            f"change --micro-batch-size or --seq-length"
+        )

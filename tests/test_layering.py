@@ -1,0 +1,221 @@
+"""The import structure of the library, read from the source (AST; nothing is imported).
+
+- no import cycles among ``fp8`` modules, counting imports inside functions too (strongly connected
+  components of the module graph);
+- ``fp8/`` never imports ``megatron`` or ``tools``; ``megatron/training/`` never imports ``tools``
+  (scripts are not packaged: library code importing them breaks a non-editable install);
+- ``fp8``'s layers, :data:`LAYERS`, lowest first: a module imports only from its own layer or below.
+
+Exceptions still owned by other work are listed, with their reason, in :data:`KNOWN_EXCEPTIONS`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fp8", "megatron/training")
+
+# fp8's layers, lowest first (the order the code has). A module belongs to the longest entry that is a
+# prefix of its name (a package entry covers its submodules); an import may reach its own layer or a lower
+# one. The kernels are split: the plain-tensor ones (and their backend switch) sit under scaling, which
+# launches them; the FP8 gradient accumulation works on Float8Tensors and sits above fp8.tensor.
+LAYERS = (
+    ("fp8.formats",),
+    ("fp8.cast",),
+    ("fp8.kernels.backend", "fp8.kernels.triton_formats", "fp8.kernels.triton_cast", "fp8.kernels.triton_adam",
+     "fp8.kernels.cast_transpose_amax"),
+    ("fp8.scaling",),
+    ("fp8.tensor",),
+    ("fp8.kernels",),  # grad_accumulate (+ its Triton launch) and the package's re-exports
+    ("fp8.gemm", "fp8.serialization"),
+    ("fp8.linear",),
+    ("fp8.convert", "fp8.memory"),
+    ("fp8.distributed",),
+    ("fp8.parallel",),
+    ("fp8.optim",),
+    ("fp8.checkpoint",),
+    ("fp8.initialize",),
+    ("fp8",),  # the package's __init__: the public API, above everything
+)
+
+# (importer, imported) module edges tolerated for now, each in a file another piece of issue 13 owns
+# (the linear recipe: fp8/tensor.py, fp8/kernels/grad_accumulate.py, fp8/linear.py, fp8/gemm.py; the
+# communication layer: fp8/distributed/collectives.py, bytes_counter.py). Remove an entry
+# when that work merges; test_known_exceptions_are_still_needed fails for an entry no longer used.
+KNOWN_EXCEPTIONS = frozenset({
+    # Float8Tensor's in-place gradient accumulation calls the kernel, which builds Float8Tensors.
+    ("fp8.tensor", "fp8.kernels.grad_accumulate"),
+    # The byte counter and the collectives wrapper know each other (counting vs sending).
+    ("fp8.distributed.bytes_counter", "fp8.distributed.collectives"),
+})
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = path
+    return found
+
+
+SOURCES = _sources()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports, anywhere in the file (functions included), relative imports
+    resolved; ``from package import name`` counts as importing ``package.name`` when that is a module."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                child = f"{module}.{alias.name}"
+                out.add(child if child in SOURCES else module)
+    return out
+
+
+GRAPH = {name: _imports(name, path) for name, path in SOURCES.items()}
+
+
+def _local_edges(prefix: str) -> dict[str, set[str]]:
+    return {
+        name: {target for target in targets if target in SOURCES and target.startswith(prefix)}
+        for name, targets in GRAPH.items() if name.startswith(prefix)
+    }
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components with more than one module, or a self-import."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    components.append(sorted(component))
+    return components
+
+
+def _layer(module: str) -> int:
+    best, best_len = None, -1
+    for i, entries in enumerate(LAYERS):
+        for entry in entries:
+            covers = module == entry or (entry != "fp8" and module.startswith(entry + "."))  # "fp8": __init__ only
+            if covers and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS in tests/test_layering.py"
+    return best
+
+
+def _fp8_graph_without_exceptions() -> dict[str, set[str]]:
+    return {name: {t for t in targets if (name, t) not in KNOWN_EXCEPTIONS} for name, targets in _local_edges("fp8").items()}
+
+
+def test_the_graph_is_read():
+    assert "fp8.optim.adam" in SOURCES and "megatron.training.data" in SOURCES
+    assert "fp8.optim.base" in GRAPH["fp8.optim.adam"]
+    assert "fp8.tensor" in GRAPH["fp8.optim.base"]  # relative import, resolved
+    assert "megatron.training.corpus" in GRAPH["megatron.training.data"]  # from package import module
+
+
+def test_every_fp8_module_has_a_layer():
+    for name in SOURCES:
+        if name.startswith("fp8"):
+            _layer(name)
+
+
+def test_cycle_detection_finds_function_level_cycles():
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _strongly_connected({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_fp8():
+    cycles = _strongly_connected(_fp8_graph_without_exceptions())
+    assert not cycles, f"import cycles among fp8 modules (function-level imports included): {cycles}"
+
+
+def test_no_import_cycles_in_megatron_training():
+    cycles = _strongly_connected(_local_edges("megatron.training"))
+    assert not cycles, f"import cycles among megatron.training modules: {cycles}"
+
+
+def test_fp8_imports_neither_megatron_nor_tools():
+    bad = sorted((name, target) for name, targets in GRAPH.items() if name.startswith("fp8")
+                 for target in targets if target.split(".")[0] in ("megatron", "tools"))
+    assert not bad, f"fp8 is the engine under megatron/training and tools: {bad}"
+
+
+def test_megatron_training_never_imports_tools():
+    bad = sorted((name, target) for name, targets in GRAPH.items() if name.startswith("megatron.training")
+                 for target in targets if target.split(".")[0] == "tools" or target.startswith("examples")
+                 or target.startswith("benchmarks"))
+    assert not bad, f"scripts are not packaged; move the code into megatron/training: {bad}"
+
+
+def test_fp8_imports_only_go_down_the_layers():
+    upward = sorted(
+        (name, target)
+        for name, targets in _fp8_graph_without_exceptions().items()
+        for target in targets
+        if _layer(target) > _layer(name)
+    )
+    assert not upward, (
+        "imports from a higher fp8 layer (LAYERS in tests/test_layering.py, lowest first): "
+        + ", ".join(f"{a} -> {b}" for a, b in upward)
+    )
+
+
+def test_known_exceptions_are_still_needed():
+    edges = {(name, t) for name, targets in _local_edges("fp8").items() for t in targets}
+    stale = sorted(KNOWN_EXCEPTIONS - edges)
+    assert not stale, f"remove these from KNOWN_EXCEPTIONS, the imports are gone: {stale}"
