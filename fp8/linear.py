@@ -22,6 +22,7 @@ Weight gradients over micro-batches (``Float8LinearConfig.grad_accumulation``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,10 @@ from .gemm import GEMM_BACKENDS, fp8_mm_payload
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
 
-__all__ = ["Float8LinearConfig", "Float8Linear", "fp8_dims_problem", "GRAD_ACCUMULATION", "weight_grad"]
+__all__ = [
+    "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "fp8_dims_problem",
+    "GRAD_ACCUMULATION", "weight_grad",
+]
 
 GRAD_ACCUMULATION = ("fp32", "fp8")
 """Values of ``Float8LinearConfig.grad_accumulation``: how FP8 weight gradients are held and summed."""
@@ -111,44 +115,95 @@ def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype
     return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype)
 
 
-class _Float8LinearFunction(torch.autograd.Function):
+@dataclass(frozen=True)
+class LinearHooks:
+    """Communication around :class:`Float8LinearFunction`'s GEMMs (the tensor/sequence-parallel linears';
+    :class:`Float8Linear` uses none). Each hook is optional; without one the step is skipped.
+
+    - ``gather_input(payload)``: the E4M3 input payload (rows, cast with an agreed scale) -> the gathered
+      payload the forward GEMM reads (sequence-parallel all-gather).
+    - ``reduce_output(out32, dtype, record)``: the forward GEMM's fp32 output -> the reduced output in
+      ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32, without it ``dtype``.
+    - ``gather_grad_output(payload)``: the E5M2 output-gradient payload -> the gathered payload (the
+      backward counterpart of a reduce-scatter of the output).
+    - ``reduce_grad_input(dx32, dtype)``: the input-gradient GEMM's fp32 output -> the reduced input
+      gradient in ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32.
+    """
+
+    gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_output: Callable[[torch.Tensor, torch.dtype, bool], torch.Tensor] | None = None
+    gather_grad_output: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_grad_input: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
+
+
+NO_HOOKS = LinearHooks()
+"""The hooks of a single-process linear: no communication."""
+
+
+class Float8LinearFunction(torch.autograd.Function):
+    """The FP8 linear recipe, once: ``y = x @ W^T (+ b)`` with the input cast to ``input_state``'s format
+    (E4M3), ``W`` an FP8 :class:`Float8Tensor`, FP8 GEMMs with fp32 accumulation in all three passes, the
+    output gradient cast once with its transpose (``grad_output_state``, E5M2), and the weight gradient
+    held per ``config.grad_accumulation`` (:func:`weight_grad`). ``dtype`` is the compute dtype (the
+    output's and the saved activations'); ``hooks`` (:class:`LinearHooks`) add the parallel linears'
+    collectives around the GEMMs.
+
+    ``apply(x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks)``: ``record``
+    says whether the input's amax enters its scaling history (training passes only).
+    """
+
     @staticmethod
-    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record):
+    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks):
         if not isinstance(weight, Float8Tensor):
             raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
-        lead_shape = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         x_scale = input_state.scale_for(x2d, record=record)
         x_data = quantize(x2d, x_scale, input_state.format)
+        if hooks.gather_input is not None:
+            x_data = hooks.gather_input(x_data)
         w_data, w_scale = weight.payload, weight.scale
-        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_backend)
+        gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
+        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, gemm_dtype, config.gemm_backend)
+        if hooks.reduce_output is not None:
+            out = hooks.reduce_output(out, dtype, record)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
-        ctx.grad_output_state = grad_output_state
-        ctx.config = config
-        ctx.has_bias = bias is not None
-        ctx.x_shape = x.shape
-        ctx.weight_dtype = weight.dtype
-        return out.reshape(*lead_shape, weight.shape[0])
+        ctx.grad_output_state, ctx.config, ctx.hooks = grad_output_state, config, hooks
+        ctx.has_bias, ctx.x_shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
+        if out.shape[0] == x2d.shape[0]:
+            lead = tuple(x.shape[:-1])
+        else:  # gathered or scattered along the first (sequence) dimension
+            inner = math.prod(x.shape[1:-1])
+            lead = (out.shape[0] // inner, *x.shape[1:-1])
+        return out.reshape(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        config = ctx.config
-        state = ctx.grad_output_state
+        config, state, hooks = ctx.config, ctx.grad_output_state, ctx.hooks
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
+        if hooks.gather_grad_output is not None:
+            g_scale = state.scale_for(g2d)
+            g_data = hooks.gather_grad_output(quantize(g2d, g_scale, state.format))
+            g_data_t = g_data.t().contiguous()
+        else:
+            # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
+            g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
-            grad_x = grad_x.reshape(ctx.x_shape)
+            if hooks.reduce_grad_input is not None:
+                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, torch.float32, config.gemm_backend)
+                dx = hooks.reduce_grad_input(dx, grad_out.dtype)
+            else:
+                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
+            grad_x = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w32 = fp8_mm_payload(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
             grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Module):
@@ -214,8 +269,9 @@ class Float8Linear(nn.Module):
             raise ValueError(f"Float8Linear: expected input with last dim {self.in_features}, got {tuple(x.shape)}")
         # Only passes that can train record activation amaxes: evaluation leaves the scaling history alone.
         record = torch.is_grad_enabled()
-        return _Float8LinearFunction.apply(
-            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record
+        return Float8LinearFunction.apply(
+            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record, x.dtype,
+            NO_HOOKS,
         )
 
     def extra_repr(self) -> str:
