@@ -31,6 +31,7 @@ from torch import nn
 from .cast import quantize
 from .formats import get_format
 from .gemm import GEMM_BACKENDS, fp8_mm_payload
+from .kernels.backend import KERNEL_BACKENDS
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
 
@@ -62,6 +63,9 @@ class Float8LinearConfig:
     ``grad_accumulation`` (``"fp32"`` or ``"fp8"``) says how weight gradients are held and summed over
     micro-batches (module docstring): ``"fp32"``, the default, is exact to fp32 rounding at any number of
     micro-batches for 4 bytes per weight element; ``"fp8"`` holds 1 byte but loses accuracy past a few.
+    ``accumulate_backend`` (``"auto"``, ``"torch"``, ``"triton"``) is the kernel backend of adds into the
+    FP8 weight and its FP8 gradient (:attr:`Float8Tensor.accumulate_backend`, carried by those tensors):
+    ``"auto"`` runs Triton for CUDA tensors and the torch reference elsewhere.
     """
 
     input: ScalingConfig = field(default_factory=_default_input)
@@ -70,6 +74,14 @@ class Float8LinearConfig:
     weight_grad_fmt: str = "e4m3"
     gemm_backend: str = "auto"
     grad_accumulation: str = "fp32"
+    accumulate_backend: str = "auto"
+
+    def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Float8Tensor:
+        """The FP8 weight of a high-precision ``weight`` for a model in ``dtype`` (default: ``weight``'s):
+        ``weight_fmt`` with a current scale, reporting :meth:`weight_dtype`, accumulating with
+        ``accumulate_backend``."""
+        return to_float8(weight.detach(), self.weight_fmt, dtype=self.weight_dtype(dtype or weight.dtype),
+                         accumulate_backend=self.accumulate_backend)
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an FP8 weight of a model in ``dtype`` reports (and its plain gradient has): float32
@@ -86,6 +98,11 @@ class Float8LinearConfig:
         get_format(self.weight_grad_fmt)
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
+        if self.accumulate_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"accumulate_backend must be one of {KERNEL_BACKENDS}, got {self.accumulate_backend!r} ('auto': "
+                f"Triton for CUDA tensors, torch elsewhere)"
+            )
         if self.input.fmt == "e5m2" and self.weight_fmt == "e5m2":
             raise ValueError("input and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
         if self.grad_output.fmt == "e5m2" and self.weight_fmt == "e5m2":
@@ -112,7 +129,7 @@ def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype
     E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
     if config.grad_accumulation == "fp32":
         return grad_w32
-    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype)
+    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend)
 
 
 @dataclass(frozen=True)
@@ -233,8 +250,7 @@ class Float8Linear(nn.Module):
         self.config = config or Float8LinearConfig()
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        self.weight = nn.Parameter(
-            to_float8(weight, self.config.weight_fmt, dtype=self.config.weight_dtype(weight.dtype)))
+        self.weight = nn.Parameter(self.config.quantize_weight(weight))
         if bias:
             bound = 1 / math.sqrt(in_features)
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=weight.dtype).uniform_(-bound, bound))
@@ -255,10 +271,7 @@ class Float8Linear(nn.Module):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.config = config or Float8LinearConfig()
         weight = linear.weight
-        new.weight = nn.Parameter(
-            to_float8(weight.detach(), new.config.weight_fmt, dtype=new.config.weight_dtype(weight.dtype)),
-            requires_grad=weight.requires_grad,
-        )
+        new.weight = nn.Parameter(new.config.quantize_weight(weight), requires_grad=weight.requires_grad)
         new.bias = linear.bias
         new.input_scaling = ScalingState(new.config.input, device=weight.device)
         new.grad_output_scaling = ScalingState(new.config.grad_output, device=weight.device)

@@ -45,7 +45,6 @@ from torch import nn
 from ..distributed.bytes_counter import CommBytesCounter
 from ..linear import Float8LinearConfig, Float8LinearFunction, LinearHooks, fp8_dims_problem
 from ..scaling import ScalingConfig, ScalingState
-from ..tensor import to_float8
 from .comm import TensorParallelComm
 from .init import initialize_sharded_weight
 
@@ -101,7 +100,7 @@ class _ParallelLinearBase(nn.Module):
             self.weight = nn.Parameter(weight.to(params_dtype))
             self.initial_master = None
         else:
-            self.weight = nn.Parameter(to_float8(weight, fp8.weight_fmt, dtype=fp8.weight_dtype(params_dtype)))
+            self.weight = nn.Parameter(fp8.quantize_weight(weight, params_dtype))
             self.initial_master = weight
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
