@@ -1,5 +1,9 @@
 """FP8 linear layer: FP8 weights, FP8 activations, FP8 GEMMs in all three passes, FP8 weight gradients.
 
+The recipe below is :class:`Float8LinearFunction`, the one autograd function that :class:`Float8Linear`
+and the FP8 tensor/sequence-parallel linears (:mod:`fp8.parallel.linear`) run; the parallel layers pass
+their collectives in as :class:`LinearHooks`.
+
 Forward: input cast to E4M3 (its own scaling state), weight held as an E4M3 :class:`Float8Tensor`,
 ``y = x @ W^T`` in FP8 with fp32 accumulation, bias added in high precision.
 Backward: output gradient cast to E5M2 (its own scaling state, quantized once with its transpose),

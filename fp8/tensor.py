@@ -5,10 +5,18 @@ an ``nn.Parameter``, a ``.grad``, go through ``.detach()``, ``.to(device)``, vie
 ``state_dict`` and ``torch.save``. Storage is the FP8 payload (``payload``, 1 byte per element)
 plus a 0-d fp32 ``scale`` that the tensor owns; its value is ``payload / scale``.
 
-Operations without an FP8 meaning run on the dequantized value and return ordinary tensors;
-in-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize the result into it with a
-fresh power-of-two scale taken from the result's amax (current scaling), so nothing overflows; an
-in-place write to a partial view (a slice, a row) keeps the scale it shares with the whole tensor.
+What an op does with a ``Float8Tensor`` operand is explicit: :data:`OP_TABLE` maps the ops with an FP8
+meaning to their handlers (views, copies, moves, ``copy_``, gradient accumulation, and ``mm``/``addmm``, so
+``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` run the FP8 GEMM of :mod:`fp8.gemm`, a plain
+operand cast to E4M3 with a current scale); :data:`DEQUANTIZE_OPS` lists the ops allowed to run on the
+dequantized value (they return ordinary tensors); any other op raises ``NotImplementedError`` naming it
+(call ``.dequantize()`` first). In-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize
+the result into it with a fresh power-of-two scale taken from the result's amax (current scaling), so
+nothing overflows; an in-place write to a partial view (a slice, a row) keeps the scale it shares with the
+whole tensor.
+
+Imports go one way: this module imports :mod:`fp8.gemm` and :mod:`fp8.kernels`, which work on payloads and
+scales and never import it.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
 sequence-parallel reduce-scatter carry ``sequence_parallel=True`` (their gradients must be summed over
 the tensor-parallel group, as for sequence-parallel norms).
 
-``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) computes like
-:class:`fp8.Float8Linear`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
+``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) runs :class:`fp8.Float8Linear`'s
+autograd function (:class:`fp8.linear.Float8LinearFunction`), the collectives below passed in as
+:class:`fp8.linear.LinearHooks`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
 gradient, FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
 (fp32 by default, summed exactly over micro-batches; see :mod:`fp8.linear`). Communication:
 
@@ -26,7 +27,7 @@ row, backward                all-gather of the E5M2 dY (1 B/value)      none (dY
 Every scale of a tensor that crosses the group or is sharded across it is agreed over the group (amax
 all-reduced with MAX), so all ranks cast with the scale the single-process layer would use.
 ``fp8=None`` is the high-precision baseline: the same layers, the same collectives in high precision,
-counted the same way.
+counted the same way (its own two small autograd functions).
 
 The initial high-precision weight shard of an FP8 layer is kept as ``initial_master`` until the
 optimizer takes it (:func:`take_initial_masters`), so master weights start from the exact initial
