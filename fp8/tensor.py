@@ -339,9 +339,9 @@ DEQUANTIZE_OPS = frozenset({
     # reading values: comparisons, tests, norms and reductions (clipping, finite checks, logging)
     aten.equal, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.isnan, aten.isinf, aten.isfinite,
     aten.abs, aten.amax, aten.amin, aten.max, aten.min, aten.sum, aten.mean, aten.linalg_vector_norm,
-    aten._foreach_norm, aten.allclose, aten.isclose,
+    aten._foreach_norm, aten.allclose, aten.isclose, aten.where,
     # arithmetic with a high-precision result
-    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.relu,
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.clamp, aten.relu,
     # in-place updates of FP8 parameters and gradients (fp32, then re-quantized)
     aten.add_, aten.sub_, aten.mul_, aten.div_, aten.zero_, aten.fill_, aten.lerp_, aten.addcmul_,
     aten.addcdiv_, aten._foreach_add_, aten._foreach_mul_, aten._foreach_div_, aten._foreach_zero_,
