@@ -126,13 +126,15 @@ class Float8Tensor(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         """A hash of this tensor's metadata for torch.compile's AOT autograd cache (torch's protocol for
         traceable wrapper subclasses; see ``torch._functorch._aot_autograd.autograd_cache``): class,
-        outer shape/stride/dtype/device/requires_grad and the payload's and scale's metadata. Never the
-        values, and stable across processes (no Python ``hash``)."""
+        outer shape/stride/dtype/device/requires_grad, the payload's and scale's metadata and the
+        accumulation backend (the flattened metadata). Never the values, and stable across processes (no
+        Python ``hash``)."""
 
         def meta(t: torch.Tensor) -> tuple:
             return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device.type)
 
-        key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale))
+        key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale),
+               self.accumulate_backend)
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
