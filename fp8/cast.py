@@ -11,7 +11,7 @@ import torch
 
 from .formats import FP8Format, get_format
 
-__all__ = ["quantize", "dequantize", "quantize_transpose"]
+__all__ = ["quantize", "dequantize", "quantize_transpose", "payload_and_scale"]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format | str) -> torch.Tensor:
@@ -37,3 +37,15 @@ def quantize_transpose(
         raise ValueError(f"quantize_transpose expects a 2-D tensor, got shape {tuple(x.shape)}")
     data = quantize(x, scale, fmt).contiguous()
     return data, data.t().contiguous()
+
+
+def payload_and_scale(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(payload, scale)`` of an FP8 value (a :class:`fp8.Float8Tensor`), None for a plain tensor.
+
+    Modules below :mod:`fp8.tensor` (the GEMM, the kernels) take FP8 values through this, by their
+    ``payload`` and ``scale``, so they never import the tensor class (it imports them).
+    """
+    payload, scale = getattr(t, "payload", None), getattr(t, "scale", None)
+    if isinstance(payload, torch.Tensor) and isinstance(scale, torch.Tensor):
+        return payload, scale
+    return None

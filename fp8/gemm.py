@@ -1,7 +1,8 @@
 """FP8 x FP8 GEMM: ``torch._scaled_mm`` where it can run, an exact emulation elsewhere.
 
-``fp8_mm(a, b)`` multiplies ``a`` (M x K) by ``b`` (K x N), both :class:`Float8Tensor`, with fp32
-accumulation. The hardware path follows ``torch._scaled_mm``'s rules as the GPU enforces them
+``fp8_mm(a, b)`` multiplies ``a`` (M x K) by ``b`` (K x N), both :class:`fp8.Float8Tensor`, with fp32
+accumulation (operands are taken by their payload and scale: :mod:`fp8.tensor` imports this module for
+its ``mm``/``linear``/``@`` handlers, so this one does not import it). The hardware path follows ``torch._scaled_mm``'s rules as the GPU enforces them
 (CPU is more lenient, so they are checked here on every device): ``a`` row-major, ``b``
 column-major, K and N multiples of 16, not both operands E5M2, and a CPU or a CUDA GPU of compute
 capability >= 8.9. The emulated path dequantizes to fp32 and runs an fp32 matmul; on CPU it
@@ -14,8 +15,8 @@ import logging
 
 import torch
 
+from .cast import payload_and_scale
 from .formats import E5M2
-from .tensor import Float8Tensor
 
 __all__ = ["fp8_mm", "fp8_mm_payload", "scaled_mm_supported", "scaled_mm_problem", "GEMM_BACKENDS"]
 
@@ -106,7 +107,7 @@ def fp8_mm_payload(
 
 
 def fp8_mm(
-    a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto"
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> torch.Tensor:
     """``a @ b`` for FP8 operands ``a`` (M x K) and ``b`` (K x N), accumulated in fp32, in ``out_dtype``.
 
@@ -116,9 +117,10 @@ def fp8_mm(
     """
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
+    a_parts, b_parts = payload_and_scale(a), payload_and_scale(b)
+    if a_parts is None or b_parts is None:
         raise TypeError("fp8_mm takes two Float8Tensor operands; quantize with fp8.to_float8 first")
-    return fp8_mm_payload(a.payload, a.scale, b.payload, b.scale, out_dtype, backend)
+    return fp8_mm_payload(*a_parts, *b_parts, out_dtype, backend)
 
 
 _LOGGED_FALLBACKS: set[str] = set()

@@ -1,5 +1,9 @@
 """FP8 linear layer: FP8 weights, FP8 activations, FP8 GEMMs in all three passes, FP8 weight gradients.
 
+The recipe below is :class:`Float8LinearFunction`, the one autograd function that :class:`Float8Linear`
+and the FP8 tensor/sequence-parallel linears (:mod:`fp8.parallel.linear`) run; the parallel layers pass
+their collectives in as :class:`LinearHooks`.
+
 Forward: input cast to E4M3 (its own scaling state), weight held as an E4M3 :class:`Float8Tensor`,
 ``y = x @ W^T`` in FP8 with fp32 accumulation, bias added in high precision.
 Backward: output gradient cast to E5M2 (its own scaling state, quantized once with its transpose),
@@ -22,6 +26,7 @@ Weight gradients over micro-batches (``Float8LinearConfig.grad_accumulation``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +35,14 @@ from torch import nn
 from .cast import quantize
 from .formats import get_format
 from .gemm import GEMM_BACKENDS, fp8_mm_payload
+from .kernels.backend import KERNEL_BACKENDS
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
 
-__all__ = ["Float8LinearConfig", "Float8Linear", "fp8_dims_problem", "GRAD_ACCUMULATION", "weight_grad"]
+__all__ = [
+    "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "fp8_dims_problem",
+    "GRAD_ACCUMULATION", "weight_grad",
+]
 
 GRAD_ACCUMULATION = ("fp32", "fp8")
 """Values of ``Float8LinearConfig.grad_accumulation``: how FP8 weight gradients are held and summed."""
@@ -58,6 +67,9 @@ class Float8LinearConfig:
     ``grad_accumulation`` (``"fp32"`` or ``"fp8"``) says how weight gradients are held and summed over
     micro-batches (module docstring): ``"fp32"``, the default, is exact to fp32 rounding at any number of
     micro-batches for 4 bytes per weight element; ``"fp8"`` holds 1 byte but loses accuracy past a few.
+    ``accumulate_backend`` (``"auto"``, ``"torch"``, ``"triton"``) is the kernel backend of adds into the
+    FP8 weight and its FP8 gradient (:attr:`Float8Tensor.accumulate_backend`, carried by those tensors):
+    ``"auto"`` runs Triton for CUDA tensors and the torch reference elsewhere.
     """
 
     input: ScalingConfig = field(default_factory=_default_input)
@@ -66,6 +78,14 @@ class Float8LinearConfig:
     weight_grad_fmt: str = "e4m3"
     gemm_backend: str = "auto"
     grad_accumulation: str = "fp32"
+    accumulate_backend: str = "auto"
+
+    def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Float8Tensor:
+        """The FP8 weight of a high-precision ``weight`` for a model in ``dtype`` (default: ``weight``'s):
+        ``weight_fmt`` with a current scale, reporting :meth:`weight_dtype`, accumulating with
+        ``accumulate_backend``."""
+        return to_float8(weight.detach(), self.weight_fmt, dtype=self.weight_dtype(dtype or weight.dtype),
+                         accumulate_backend=self.accumulate_backend)
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an FP8 weight of a model in ``dtype`` reports (and its plain gradient has): float32
@@ -82,6 +102,11 @@ class Float8LinearConfig:
         get_format(self.weight_grad_fmt)
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
+        if self.accumulate_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"accumulate_backend must be one of {KERNEL_BACKENDS}, got {self.accumulate_backend!r} ('auto': "
+                f"Triton for CUDA tensors, torch elsewhere)"
+            )
         if self.input.fmt == "e5m2" and self.weight_fmt == "e5m2":
             raise ValueError("input and weight cannot both be E5M2: FP8 GEMMs need one E4M3 operand")
         if self.grad_output.fmt == "e5m2" and self.weight_fmt == "e5m2":
@@ -108,47 +133,98 @@ def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype
     E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
     if config.grad_accumulation == "fp32":
         return grad_w32
-    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype)
+    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend)
 
 
-class _Float8LinearFunction(torch.autograd.Function):
+@dataclass(frozen=True)
+class LinearHooks:
+    """Communication around :class:`Float8LinearFunction`'s GEMMs (the tensor/sequence-parallel linears';
+    :class:`Float8Linear` uses none). Each hook is optional; without one the step is skipped.
+
+    - ``gather_input(payload)``: the E4M3 input payload (rows, cast with an agreed scale) -> the gathered
+      payload the forward GEMM reads (sequence-parallel all-gather).
+    - ``reduce_output(out32, dtype, record)``: the forward GEMM's fp32 output -> the reduced output in
+      ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32, without it ``dtype``.
+    - ``gather_grad_output(payload)``: the E5M2 output-gradient payload -> the gathered payload (the
+      backward counterpart of a reduce-scatter of the output).
+    - ``reduce_grad_input(dx32, dtype)``: the input-gradient GEMM's fp32 output -> the reduced input
+      gradient in ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32.
+    """
+
+    gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_output: Callable[[torch.Tensor, torch.dtype, bool], torch.Tensor] | None = None
+    gather_grad_output: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce_grad_input: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
+
+
+NO_HOOKS = LinearHooks()
+"""The hooks of a single-process linear: no communication."""
+
+
+class Float8LinearFunction(torch.autograd.Function):
+    """The FP8 linear recipe, once: ``y = x @ W^T (+ b)`` with the input cast to ``input_state``'s format
+    (E4M3), ``W`` an FP8 :class:`Float8Tensor`, FP8 GEMMs with fp32 accumulation in all three passes, the
+    output gradient cast once with its transpose (``grad_output_state``, E5M2), and the weight gradient
+    held per ``config.grad_accumulation`` (:func:`weight_grad`). ``dtype`` is the compute dtype (the
+    output's and the saved activations'); ``hooks`` (:class:`LinearHooks`) add the parallel linears'
+    collectives around the GEMMs.
+
+    ``apply(x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks)``: ``record``
+    says whether the input's amax enters its scaling history (training passes only).
+    """
+
     @staticmethod
-    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record):
+    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks):
         if not isinstance(weight, Float8Tensor):
             raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
-        lead_shape = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         x_scale = input_state.scale_for(x2d, record=record)
         x_data = quantize(x2d, x_scale, input_state.format)
+        if hooks.gather_input is not None:
+            x_data = hooks.gather_input(x_data)
         w_data, w_scale = weight.payload, weight.scale
-        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_backend)
+        gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
+        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, gemm_dtype, config.gemm_backend)
+        if hooks.reduce_output is not None:
+            out = hooks.reduce_output(out, dtype, record)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
-        ctx.grad_output_state = grad_output_state
-        ctx.config = config
-        ctx.has_bias = bias is not None
-        ctx.x_shape = x.shape
-        ctx.weight_dtype = weight.dtype
-        return out.reshape(*lead_shape, weight.shape[0])
+        ctx.grad_output_state, ctx.config, ctx.hooks = grad_output_state, config, hooks
+        ctx.has_bias, ctx.x_shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
+        if out.shape[0] == x2d.shape[0]:
+            lead = tuple(x.shape[:-1])
+        else:  # gathered or scattered along the first (sequence) dimension
+            inner = math.prod(x.shape[1:-1])
+            lead = (out.shape[0] // inner, *x.shape[1:-1])
+        return out.reshape(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        config = ctx.config
-        state = ctx.grad_output_state
+        config, state, hooks = ctx.config, ctx.grad_output_state, ctx.hooks
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
+        if hooks.gather_grad_output is not None:
+            g_scale = state.scale_for(g2d)
+            g_data = hooks.gather_grad_output(quantize(g2d, g_scale, state.format))
+            g_data_t = g_data.t().contiguous()
+        else:
+            # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
+            g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
-            grad_x = grad_x.reshape(ctx.x_shape)
+            if hooks.reduce_grad_input is not None:
+                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, torch.float32, config.gemm_backend)
+                dx = hooks.reduce_grad_input(dx, grad_out.dtype)
+            else:
+                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
+            grad_x = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w32 = fp8_mm_payload(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
             grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Module):
@@ -178,8 +254,7 @@ class Float8Linear(nn.Module):
         self.config = config or Float8LinearConfig()
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        self.weight = nn.Parameter(
-            to_float8(weight, self.config.weight_fmt, dtype=self.config.weight_dtype(weight.dtype)))
+        self.weight = nn.Parameter(self.config.quantize_weight(weight))
         if bias:
             bound = 1 / math.sqrt(in_features)
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=weight.dtype).uniform_(-bound, bound))
@@ -200,10 +275,7 @@ class Float8Linear(nn.Module):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.config = config or Float8LinearConfig()
         weight = linear.weight
-        new.weight = nn.Parameter(
-            to_float8(weight.detach(), new.config.weight_fmt, dtype=new.config.weight_dtype(weight.dtype)),
-            requires_grad=weight.requires_grad,
-        )
+        new.weight = nn.Parameter(new.config.quantize_weight(weight), requires_grad=weight.requires_grad)
         new.bias = linear.bias
         new.input_scaling = ScalingState(new.config.input, device=weight.device)
         new.grad_output_scaling = ScalingState(new.config.grad_output, device=weight.device)
@@ -214,8 +286,9 @@ class Float8Linear(nn.Module):
             raise ValueError(f"Float8Linear: expected input with last dim {self.in_features}, got {tuple(x.shape)}")
         # Only passes that can train record activation amaxes: evaluation leaves the scaling history alone.
         record = torch.is_grad_enabled()
-        return _Float8LinearFunction.apply(
-            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record
+        return Float8LinearFunction.apply(
+            x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record, x.dtype,
+            NO_HOOKS,
         )
 
     def extra_repr(self) -> str:

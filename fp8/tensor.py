@@ -5,10 +5,18 @@ an ``nn.Parameter``, a ``.grad``, go through ``.detach()``, ``.to(device)``, vie
 ``state_dict`` and ``torch.save``. Storage is the FP8 payload (``payload``, 1 byte per element)
 plus a 0-d fp32 ``scale`` that the tensor owns; its value is ``payload / scale``.
 
-Operations without an FP8 meaning run on the dequantized value and return ordinary tensors;
-in-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize the result into it with a
-fresh power-of-two scale taken from the result's amax (current scaling), so nothing overflows; an
-in-place write to a partial view (a slice, a row) keeps the scale it shares with the whole tensor.
+What an op does with a ``Float8Tensor`` operand is explicit: :data:`OP_TABLE` maps the ops with an FP8
+meaning to their handlers (views, copies, moves, ``copy_``, gradient accumulation, and ``mm``/``addmm``, so
+``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` run the FP8 GEMM of :mod:`fp8.gemm`, a plain
+operand cast to E4M3 with a current scale); :data:`DEQUANTIZE_OPS` lists the ops allowed to run on the
+dequantized value (they return ordinary tensors); any other op raises ``NotImplementedError`` naming it
+(call ``.dequantize()`` first). In-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize
+the result into it with a fresh power-of-two scale taken from the result's amax (current scaling), so
+nothing overflows; an in-place write to a partial view (a slice, a row) keeps the scale it shares with the
+whole tensor.
+
+Imports go one way: this module imports :mod:`fp8.gemm` and :mod:`fp8.kernels`, which work on payloads and
+scales and never import it.
 """
 
 from __future__ import annotations
@@ -19,35 +27,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .cast import dequantize, quantize
-from .formats import FP8Format, get_format
+from .formats import E4M3, FP8_DTYPES, FP8Format, get_format
+from .gemm import fp8_mm_payload
+from .kernels import grad_accumulate
+from .kernels.backend import KERNEL_BACKENDS
 from .scaling import amax_of, compute_scale
 
-__all__ = ["Float8Tensor", "to_float8"]
+__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS"]
 
 aten = torch.ops.aten
-
-# Ops that only re-index the payload: applied to the payload, the scale is shared.
-_PAYLOAD_VIEW_OPS = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.t.default,
-    aten.transpose.int,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.as_strided.default,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.permute.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.expand.default,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.unbind.int,
-}
-# Ops that copy the payload: the result gets its own copy of the scale.
-_PAYLOAD_COPY_OPS = {aten.clone.default, aten.cat.default, aten.stack.default}
-
 
 class Float8Tensor(torch.Tensor):
     """FP8 payload (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) plus its fp32 scale.
@@ -60,13 +48,9 @@ class Float8Tensor(torch.Tensor):
     _scale: torch.Tensor
     _shares_scale: bool = False  # a view: its scale object is shared with the tensor it views
 
-    accumulate_backend: str = "auto"
-    """Kernel backend of ``acc += new`` / ``acc.add_(new)`` into a whole FP8 tensor (gradient
-    accumulation, :func:`fp8.kernels.accumulate_fp8_grad`): ``"auto"`` runs the Triton kernel for CUDA
-    tensors and the torch reference elsewhere; tests set ``"triton"`` under ``TRITON_INTERPRET=1``."""
-
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                accumulate_backend: str = "auto"):
         get_format(data.dtype)  # validates the payload dtype
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -78,13 +62,15 @@ class Float8Tensor(torch.Tensor):
             requires_grad=False,
         )
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 accumulate_backend: str = "auto"):
         if scale.numel() != 1:
             raise ValueError(f"Float8Tensor takes one tensor-wise scale, got shape {tuple(scale.shape)}")
         self._data = data
         if scale.dim() != 0:
             scale = scale.reshape(())
         self._scale = scale.to(device=data.device, dtype=torch.float32)
+        self.accumulate_backend = accumulate_backend
 
     # -- public accessors -------------------------------------------------------------------
     @property
@@ -96,6 +82,21 @@ class Float8Tensor(torch.Tensor):
     def scale(self) -> torch.Tensor:
         """The fp32 scale: ``payload = cast(value * scale)``."""
         return self._scale
+
+    @property
+    def accumulate_backend(self) -> str:
+        """Kernel backend of ``acc += new`` / ``acc.add_(new)`` into this whole FP8 tensor (gradient
+        accumulation, :func:`fp8.kernels.accumulate_fp8_grad`): ``"auto"`` (the default) runs the Triton
+        kernel for CUDA tensors and the torch reference elsewhere; ``"torch"``/``"triton"`` force one.
+        Carried by the tensor (views, copies, moves and checkpoints keep it); an FP8 linear's weight and
+        weight gradient take it from ``Float8LinearConfig.accumulate_backend``."""
+        return self.__dict__.get("_accumulate_backend", "auto")  # "auto" for tensors saved before it existed
+
+    @accumulate_backend.setter
+    def accumulate_backend(self, backend: str) -> None:
+        if backend not in KERNEL_BACKENDS:
+            raise ValueError(f"accumulate_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+        self._accumulate_backend = backend
 
     @property
     def format(self) -> FP8Format:
@@ -116,22 +117,24 @@ class Float8Tensor(torch.Tensor):
 
     # -- subclass protocol (torch.compile, FSDP2, serialization) ----------------------------
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], {"dtype": self.dtype}
+        return ["_data", "_scale"], {"dtype": self.dtype, "accumulate_backend": self.accumulate_backend}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8Tensor(inner["_data"], inner["_scale"], meta["dtype"])
+        return Float8Tensor(inner["_data"], inner["_scale"], meta["dtype"], meta.get("accumulate_backend", "auto"))
 
     def _stable_hash_for_caching(self) -> str:
         """A hash of this tensor's metadata for torch.compile's AOT autograd cache (torch's protocol for
         traceable wrapper subclasses; see ``torch._functorch._aot_autograd.autograd_cache``): class,
-        outer shape/stride/dtype/device/requires_grad and the payload's and scale's metadata. Never the
-        values, and stable across processes (no Python ``hash``)."""
+        outer shape/stride/dtype/device/requires_grad, the payload's and scale's metadata and the
+        accumulation backend (the flattened metadata). Never the values, and stable across processes (no
+        Python ``hash``)."""
 
         def meta(t: torch.Tensor) -> tuple:
             return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device.type)
 
-        key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale))
+        key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale),
+               self.accumulate_backend)
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -139,47 +142,16 @@ class Float8Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PAYLOAD_VIEW_OPS:
-            src = args[0]
-            out = func(src._data, *args[1:], **kwargs)
-            views = [Float8Tensor(o, src._scale, src.dtype) for o in _as_list(out)]
-            for view in views:
-                view._shares_scale = True
-            return views if isinstance(out, (list, tuple)) else views[0]
-        if func in _PAYLOAD_COPY_OPS:
-            result = _payload_copy(func, args, kwargs)
-            if result is not None:
-                return result
-        if func is aten._to_copy.default:
-            return _to_copy(args[0], **kwargs)
-        if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
-            _assign(args[0], args[1])
-            return args[0]
-        if func is aten.add_.Tensor and _accumulates(args, kwargs):
-            from .kernels.grad_accumulate import accumulate_fp8_grad  # imports fp8.tensor: imported here
-
-            return accumulate_fp8_grad(args[0], args[1], backend=Float8Tensor.accumulate_backend)
-
-        def unwrap(t):
-            return t.dequantize() if isinstance(t, Float8Tensor) else t
-
-        plain_args, plain_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
-        if args and _is_inplace(func):
-            targets = _as_list(args[0])
-            if any(isinstance(t, Float8Tensor) for t in targets):
-                # In-place op (also _foreach_*_) on FP8: compute in fp32, re-quantize into the payloads.
-                def unwrap32(t):
-                    return t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t
-
-                plain_args, plain_kwargs = tree_map(unwrap32, args), tree_map(unwrap32, kwargs)
-                returned = func(*plain_args, **plain_kwargs)
-                for target, result in zip(targets, _as_list(plain_args[0])):
-                    if isinstance(target, Float8Tensor):
-                        _assign(target, result)
-                return None if returned is None else args[0]
-        if "out" in kwargs and any(isinstance(t, Float8Tensor) for t in _as_list(kwargs["out"])):
-            raise NotImplementedError(f"{func} with a Float8Tensor as out= is not supported; write to a plain tensor")
-        return func(*plain_args, **plain_kwargs)
+        handler = OP_TABLE.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        if func in DEQUANTIZE_OPS or func.overloadpacket in DEQUANTIZE_OPS:
+            return _dequantized(func, args, kwargs)
+        raise NotImplementedError(
+            f"Float8Tensor has no FP8 implementation of {func} and it is not in fp8.tensor.DEQUANTIZE_OPS (the ops "
+            f"allowed to run on the dequantized value); call .dequantize() on the Float8Tensor first to run it in "
+            f"high precision"
+        )
 
 
 def _as_list(x) -> list:
@@ -187,7 +159,7 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-_ADDEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_ADDEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -218,33 +190,170 @@ def _is_inplace(func) -> bool:
     return bool(schema.arguments) and schema.arguments[0].is_write and not schema.arguments[0].kwarg_only
 
 
+def _like(src: Float8Tensor, data: torch.Tensor, scale: torch.Tensor) -> Float8Tensor:
+    """A Float8Tensor of ``src``'s dtype and accumulation backend on a new payload and scale."""
+    return Float8Tensor(data, scale, src.dtype, src.accumulate_backend)
+
+
+def _payload_view(func, args, kwargs):
+    """Ops that only re-index the payload: applied to the payload, the scale is shared."""
+    src = args[0]
+    out = func(src._data, *args[1:], **kwargs)
+    views = [_like(src, o, src._scale) for o in _as_list(out)]
+    for view in views:
+        view._shares_scale = True
+    return views if isinstance(out, (list, tuple)) else views[0]
+
+
 def _payload_copy(func, args, kwargs):
-    """clone/split/cat/stack on Float8Tensors sharing one scale and format: done on the payloads."""
+    """clone/cat/stack on Float8Tensors sharing one scale and format: done on the payloads, the result
+    owning a copy of the scale; otherwise (mixed scales, formats or plain tensors) on the dequantized values."""
     tensors = args[0] if func in (aten.cat.default, aten.stack.default) else [args[0]]
-    if not all(isinstance(t, Float8Tensor) for t in tensors):
-        return None
     first = tensors[0]
-    if any(t._data.dtype != first._data.dtype or t.dtype != first.dtype for t in tensors):
-        return None
-    if any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors[1:]):
-        return None
+    same = all(isinstance(t, Float8Tensor) for t in tensors) and not any(
+        t._data.dtype != first._data.dtype or t.dtype != first.dtype for t in tensors)
+    if same and any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors[1:]):
+        same = False
+    if not same:
+        return _dequantized(func, args, kwargs)
     if func in (aten.cat.default, aten.stack.default):
         data = func([t._data for t in tensors], *args[1:], **kwargs)
     else:
         data = func(first._data, *args[1:], **kwargs)
     if isinstance(data, (list, tuple)):
-        return [Float8Tensor(d, first._scale.clone(), first.dtype) for d in data]
-    return Float8Tensor(data, first._scale.clone(), first.dtype)
+        return [_like(first, d, first._scale.clone()) for d in data]
+    return _like(first, data, first._scale.clone())
 
 
-def _to_copy(src: Float8Tensor, dtype=None, device=None, **kwargs):
+def _to_copy(func, args, kwargs):
     """``.to()``: a device move keeps FP8; a dtype change returns the dequantized value."""
+    src, kwargs = args[0], dict(kwargs)
+    dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
     kwargs.pop("layout", None)
     if dtype is not None and dtype != src.dtype:
         value = src.dequantize(dtype)
         return value.to(device=device) if device is not None else value
     data = aten._to_copy.default(src._data, device=device, **kwargs)
-    return Float8Tensor(data, src._scale.to(device=data.device, copy=True), src.dtype)
+    return _like(src, data, src._scale.to(device=data.device, copy=True))
+
+
+def _copy_into(func, args, kwargs):
+    """``dst.copy_(src)``: into a Float8Tensor, re-quantized (:func:`_assign`); into a plain tensor, the
+    dequantized value."""
+    if isinstance(args[0], Float8Tensor):
+        _assign(args[0], args[1])
+        return args[0]
+    return _dequantized(func, args, kwargs)
+
+
+def _add_inplace(func, args, kwargs):
+    """``acc += new``: a whole FP8 gradient takes the fused accumulation (:mod:`fp8.kernels.grad_accumulate`,
+    on ``acc``'s own ``accumulate_backend``); anything else the generic in-place path (same semantics)."""
+    if _accumulates(args, kwargs):
+        return grad_accumulate.accumulate_fp8_grad(args[0], args[1], backend=args[0].accumulate_backend)
+    return _dequantized(func, args, kwargs)
+
+
+def _gemm_operand(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(payload, scale)`` of a GEMM operand: a Float8Tensor's own; a plain tensor cast to E4M3 with a
+    current power-of-two scale from its amax."""
+    if isinstance(t, Float8Tensor):
+        return t._data, t._scale
+    scale = compute_scale(amax_of(t), E4M3)
+    return quantize(t, scale, E4M3), scale
+
+
+def _mm(func, args, kwargs):
+    """``a @ b`` with a Float8Tensor operand (``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` reach
+    here): the FP8 GEMM (:func:`fp8.gemm.fp8_mm_payload`, fp32 accumulation, emulated where
+    ``torch._scaled_mm`` cannot run) in the promoted dtype of the operands, a plain operand cast to E4M3
+    with a current scale."""
+    a, b = args
+    out_dtype = torch.promote_types(a.dtype, b.dtype)
+    return fp8_mm_payload(*_gemm_operand(a), *_gemm_operand(b), out_dtype)
+
+
+def _addmm(func, args, kwargs):
+    """``beta * input + alpha * (mat1 @ mat2)`` (``F.linear`` with a bias): the product as in :func:`_mm`,
+    then the add in high precision."""
+    bias, mat1, mat2 = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    out = _mm(aten.mm.default, (mat1, mat2), {})
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out
+    bias = bias.dequantize() if isinstance(bias, Float8Tensor) else bias
+    return (out + (bias if beta == 1 else bias * beta)).to(out.dtype)
+
+
+def _dequantized(func, args, kwargs):
+    """An op of :data:`DEQUANTIZE_OPS` on the dequantized values. An in-place op on a Float8Tensor (also
+    ``_foreach_*_``) computes in fp32 and re-quantizes the result into it (:func:`_assign`); ``out=`` a
+    Float8Tensor is refused."""
+    if "out" in kwargs and any(isinstance(t, Float8Tensor) for t in _as_list(kwargs["out"])):
+        raise NotImplementedError(f"{func} with a Float8Tensor as out= is not supported; write to a plain tensor")
+    if args and _is_inplace(func):
+        targets = _as_list(args[0])
+        if any(isinstance(t, Float8Tensor) for t in targets):
+            def unwrap32(t):
+                return t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t
+
+            plain_args, plain_kwargs = tree_map(unwrap32, args), tree_map(unwrap32, kwargs)
+            returned = func(*plain_args, **plain_kwargs)
+            for target, result in zip(targets, _as_list(plain_args[0])):
+                if isinstance(target, Float8Tensor):
+                    _assign(target, result)
+            return None if returned is None else args[0]
+
+    def unwrap(t):
+        return t.dequantize() if isinstance(t, Float8Tensor) else t
+
+    return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+_PAYLOAD_VIEW_OPS = (
+    aten.detach.default, aten.alias.default, aten.t.default, aten.transpose.int, aten.view.default,
+    aten._unsafe_view.default, aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int,
+)
+
+OP_TABLE = {
+    **{op: _payload_view for op in _PAYLOAD_VIEW_OPS},
+    aten.clone.default: _payload_copy,
+    aten.cat.default: _payload_copy,
+    aten.stack.default: _payload_copy,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_into,
+    aten.add_.Tensor: _add_inplace,
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+}
+"""What each op means with a :class:`Float8Tensor` operand, ``{op: handler(func, args, kwargs)}``: views
+re-index the payload and share the scale; clone/cat/stack copy payloads; ``.to()`` moves FP8 or
+dequantizes on a dtype change; ``copy_`` into FP8 re-quantizes; ``add_`` into a whole FP8 gradient is the
+fused accumulation; ``mm``/``addmm`` (``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` on operands
+they fold to 2-D) run the FP8 GEMM, a plain operand cast to E4M3 with a current scale. Ops in neither this
+table nor :data:`DEQUANTIZE_OPS` raise ``NotImplementedError``."""
+
+DEQUANTIZE_OPS = frozenset({
+    # reading values: comparisons, tests, norms and reductions (clipping, finite checks, logging)
+    aten.equal, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.isnan, aten.isinf, aten.isfinite,
+    aten.abs, aten.amax, aten.amin, aten.max, aten.min, aten.sum, aten.mean, aten.linalg_vector_norm,
+    aten._foreach_norm, aten.allclose, aten.isclose, aten.where,
+    # arithmetic with a high-precision result
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.clamp, aten.relu,
+    # in-place updates of FP8 parameters and gradients (fp32, then re-quantized)
+    aten.add_, aten.sub_, aten.mul_, aten.div_, aten.zero_, aten.fill_, aten.lerp_, aten.addcmul_,
+    aten.addcdiv_, aten._foreach_add_, aten._foreach_mul_, aten._foreach_div_, aten._foreach_zero_,
+    aten._foreach_copy_,
+})
+"""Ops allowed to run on a :class:`Float8Tensor`'s dequantized value (an overload packet matches all its
+overloads): reading values (comparisons, reductions, norms), arithmetic whose result is a high-precision
+tensor, and in-place updates of FP8 parameters and gradients (computed in fp32 and re-quantized with a
+current scale, :func:`_assign`). Anything else raises ``NotImplementedError``: call ``.dequantize()``
+first, so no high-precision computation on FP8 data is silent."""
 
 
 @torch.no_grad()
@@ -273,11 +382,13 @@ def to_float8(
     scale: torch.Tensor | None = None,
     margin: int = 0,
     dtype: torch.dtype | None = None,
+    accumulate_backend: str = "auto",
 ) -> Float8Tensor:
     """Quantize ``x`` into a :class:`Float8Tensor` of format ``fmt``.
 
     With ``scale=None`` the scale is the current power-of-two scale from ``x``'s amax. The result
-    reports ``dtype`` (default: ``x``'s dtype) and owns a copy of the scale.
+    reports ``dtype`` (default: ``x``'s dtype), owns a copy of the scale, and accumulates in-place adds
+    with ``accumulate_backend`` (:attr:`Float8Tensor.accumulate_backend`).
     """
     fmt = get_format(fmt)
     if isinstance(x, Float8Tensor):
@@ -288,4 +399,4 @@ def to_float8(
         scale = compute_scale(amax_of(x), fmt, margin)
     else:
         scale = scale.detach().to(device=x.device, dtype=torch.float32).clone()
-    return Float8Tensor(quantize(x.detach(), scale, fmt), scale, dtype or x.dtype)
+    return Float8Tensor(quantize(x.detach(), scale, fmt), scale, dtype or x.dtype, accumulate_backend)

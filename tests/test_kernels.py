@@ -240,8 +240,7 @@ def test_float8_inplace_add_runs_the_accumulation_kernel(gen, monkeypatch):
         new = torch.randn(37, 41, generator=gen) * 50.0
         results = {}
         for backend in ("torch", "triton"):
-            monkeypatch.setattr(fp8.Float8Tensor, "accumulate_backend", backend)
-            acc = fp8.to_float8(base)
+            acc = fp8.to_float8(base, accumulate_backend=backend)
             acc += fp8.to_float8(new) if addend_kind == "fp8" else new
             results[backend] = acc
         assert torch.equal(_bits(results["torch"].payload), _bits(results["triton"].payload))
@@ -250,9 +249,9 @@ def test_float8_inplace_add_runs_the_accumulation_kernel(gen, monkeypatch):
     grads = {}
     x = [torch.randn(16, 32, generator=gen) * 10.0**k for k in (-2, 1, 0)]
     for backend in ("torch", "triton"):
-        monkeypatch.setattr(fp8.Float8Tensor, "accumulate_backend", backend)
         torch.manual_seed(1)
-        layer = fp8.Float8Linear(32, 48, config=fp8.Float8LinearConfig(grad_accumulation="fp8"))
+        config = fp8.Float8LinearConfig(grad_accumulation="fp8", accumulate_backend=backend)
+        layer = fp8.Float8Linear(32, 48, config=config)
         for xi in x:
             layer(xi).pow(2).sum().backward()
         grads[backend] = layer.weight.grad

@@ -6,7 +6,7 @@
   (scripts are not packaged: library code importing them breaks a non-editable install);
 - ``fp8``'s layers, :data:`LAYERS`, lowest first: a module imports only from its own layer or below.
 
-Exceptions still owned by other work are listed, with their reason, in :data:`KNOWN_EXCEPTIONS`.
+Exceptions, each with its reason, would be listed in :data:`KNOWN_EXCEPTIONS` (there are none).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ PACKAGES = ("fp8", "megatron/training")
 
 # fp8's layers, lowest first (the order the code has). A module belongs to the longest entry that is a
 # prefix of its name (a package entry covers its submodules); an import may reach its own layer or a lower
-# one. The kernels are split: the plain-tensor ones (and their backend switch) sit under scaling, which
-# launches them; the FP8 gradient accumulation works on Float8Tensors and sits above fp8.tensor.
+# one. Kernels and the GEMM work on payloads and scales (plain tensors); Float8Tensor sits above them.
 LAYERS = (
     ("fp8.formats",),
     ("fp8.comm",),  # every collective: counted, FP8 as bytes, on the group's device (needs only the formats)
@@ -28,9 +27,9 @@ LAYERS = (
     ("fp8.kernels.backend", "fp8.kernels.triton_formats", "fp8.kernels.triton_cast", "fp8.kernels.triton_adam",
      "fp8.kernels.cast_transpose_amax"),
     ("fp8.scaling",),
+    ("fp8.kernels", "fp8.gemm"),  # grad accumulation (+ its Triton launch), the package's re-exports; FP8 GEMM
     ("fp8.tensor",),
-    ("fp8.kernels",),  # grad_accumulate (+ its Triton launch) and the package's re-exports
-    ("fp8.gemm", "fp8.serialization"),
+    ("fp8.serialization",),
     ("fp8.linear",),
     ("fp8.convert", "fp8.memory"),
     ("fp8.distributed",),
@@ -41,13 +40,9 @@ LAYERS = (
     ("fp8",),  # the package's __init__: the public API, above everything
 )
 
-# (importer, imported) module edges tolerated for now, each in a file another piece of issue 13 owns
-# (the linear recipe: fp8/tensor.py, fp8/kernels/grad_accumulate.py, fp8/linear.py, fp8/gemm.py). Remove an entry
-# when that work merges; test_known_exceptions_are_still_needed fails for an entry no longer used.
-KNOWN_EXCEPTIONS = frozenset({
-    # Float8Tensor's in-place gradient accumulation calls the kernel, which builds Float8Tensors.
-    ("fp8.tensor", "fp8.kernels.grad_accumulate"),
-})
+# (importer, imported) module edges tolerated, each with its reason; test_known_exceptions_are_still_needed
+# fails for an entry no longer used.
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 
 
 def _module_name(path: Path) -> str:

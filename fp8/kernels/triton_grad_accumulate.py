@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import get_format
 from ..scaling import compute_scale
-from ..tensor import Float8Tensor
 from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 
 __all__ = ["launch_accumulate"]
@@ -45,22 +45,25 @@ def _cast_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, out_scale_ptr, 
     tl.store(acc_ptr + offs, encode_f32(y, ACC_FMT), mask=mask)
 
 
-def launch_accumulate(acc: Float8Tensor, new: torch.Tensor) -> None:
-    """``acc += new`` in place with the two kernels (see :func:`fp8.kernels.accumulate_fp8_grad`)."""
-    if isinstance(new, Float8Tensor):
-        new_data, new_scale = new.payload.contiguous(), new.scale
-    else:
+def launch_accumulate(acc_payload: torch.Tensor, acc_scale: torch.Tensor, new: torch.Tensor,
+                      new_scale: torch.Tensor | None) -> None:
+    """``acc += new`` in place with the two kernels (see :func:`fp8.kernels.accumulate_fp8_payload`):
+    ``new`` is a high-precision tensor (``new_scale`` None) or an FP8 payload with its scale."""
+    if new_scale is None:
         new_data, new_scale = new.detach().contiguous(), torch.ones((), dtype=torch.float32, device=new.device)
-    acc_data = payload_view(acc.payload)
+    else:
+        new_data = new.contiguous()
+    fmt = get_format(acc_payload.dtype)
+    acc_data = payload_view(acc_payload)
     numel = acc_data.numel()
     amax = torch.zeros((), dtype=torch.float32, device=acc_data.device)
     has_nan = torch.zeros((), dtype=torch.int32, device=acc_data.device)
     grid = (max(1, triton.cdiv(numel, _BLOCK)),)
-    flags = dict(ACC_FMT=format_code(acc.payload.dtype), NEW_FMT=format_code(new_data.dtype), BLOCK=_BLOCK)
-    _amax_kernel[grid](acc_data, acc.scale, payload_view(new_data), new_scale, amax, has_nan, numel, **flags)
+    flags = dict(ACC_FMT=format_code(acc_payload.dtype), NEW_FMT=format_code(new_data.dtype), BLOCK=_BLOCK)
+    _amax_kernel[grid](acc_data, acc_scale, payload_view(new_data), new_scale, amax, has_nan, numel, **flags)
     amax = torch.where(has_nan > 0, torch.full_like(amax, float("nan")), amax)
-    scale = compute_scale(amax, acc.format, previous=acc.scale)
+    scale = compute_scale(amax, fmt, previous=acc_scale)
     # Stage 2 reads the old payload and scale: the new scale is written only after it.
-    _cast_kernel[grid](acc_data, acc.scale, payload_view(new_data), new_scale, scale, numel,
-                       FMAX=acc.format.max, **flags)
-    acc.scale.copy_(scale)
+    _cast_kernel[grid](acc_data, acc_scale, payload_view(new_data), new_scale, scale, numel,
+                       FMAX=fmt.max, **flags)
+    acc_scale.copy_(scale)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels.backend import KERNEL_BACKENDS, resolve_backend
 from ..cast import quantize
+from ..formats import FP8_DTYPES, byte_view
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from .skipped import SkippedStepsCounter
@@ -78,8 +79,8 @@ def grads_finite_flag(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 def select_where(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` where the 0-d bool ``ok`` is set, else ``old`` (any dtype, FP8 included; no host sync)."""
-    if new.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # torch.where has no FP8 kernel
-        return torch.where(ok, new.view(torch.uint8), old.view(torch.uint8)).view(new.dtype)
+    if new.dtype in FP8_DTYPES:  # torch.where has no FP8 kernel: select the bytes
+        return torch.where(ok, byte_view(new), byte_view(old)).view(new.dtype)
     return torch.where(ok, new, old)
 
 

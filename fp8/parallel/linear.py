@@ -9,8 +9,9 @@ attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``);
 sequence-parallel reduce-scatter carry ``sequence_parallel=True`` (their gradients must be summed over
 the tensor-parallel group, as for sequence-parallel norms).
 
-``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) computes like
-:class:`fp8.Float8Linear`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
+``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) runs :class:`fp8.Float8Linear`'s
+autograd function (:class:`fp8.linear.Float8LinearFunction`), the collectives below passed in as
+:class:`fp8.linear.LinearHooks`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
 gradient, FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
 (fp32 by default, summed exactly over micro-batches; see :mod:`fp8.linear`). Communication:
 
@@ -26,7 +27,7 @@ row, backward                all-gather of the E5M2 dY (1 B/value)      none (dY
 Every scale of a tensor that crosses the group or is sharded across it is agreed over the group (amax
 all-reduced with MAX), so all ranks cast with the scale the single-process layer would use.
 ``fp8=None`` is the high-precision baseline: the same layers, the same collectives in high precision,
-counted the same way.
+counted the same way (its own two small autograd functions).
 
 The initial high-precision weight shard of an FP8 layer is kept as ``initial_master`` until the
 optimizer takes it (:func:`take_initial_masters`), so master weights start from the exact initial
@@ -42,12 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cast import quantize
 from ..comm import CommBytesCounter
-from ..gemm import fp8_mm
-from ..linear import Float8LinearConfig, fp8_dims_problem, weight_grad
+from ..linear import Float8LinearConfig, Float8LinearFunction, LinearHooks, fp8_dims_problem
 from ..scaling import ScalingConfig, ScalingState
-from ..tensor import Float8Tensor, to_float8
 from .comm import TensorParallelComm
 from .init import initialize_sharded_weight
 
@@ -103,7 +101,7 @@ class _ParallelLinearBase(nn.Module):
             self.weight = nn.Parameter(weight.to(params_dtype))
             self.initial_master = None
         else:
-            self.weight = nn.Parameter(to_float8(weight, fp8.weight_fmt, dtype=fp8.weight_dtype(params_dtype)))
+            self.weight = nn.Parameter(fp8.quantize_weight(weight, params_dtype))
             self.initial_master = weight
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
@@ -125,6 +123,14 @@ class _ParallelLinearBase(nn.Module):
         state.amax_comm = self.comm.collectives
         return state
 
+    def _gather(self, payload: torch.Tensor) -> torch.Tensor:
+        """Sequence-parallel all-gather of an FP8 payload (cast with a scale agreed over the group)."""
+        return self.comm.all_gather(payload, "sp all-gather")
+
+    def _all_reduce(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor-parallel all-reduce of a GEMM's fp32 output, in ``dtype``."""
+        return self.comm.all_reduce(tensor.to(dtype), "tp all-reduce")
+
     def set_counter(self, counter: CommBytesCounter | None) -> None:
         """Count this layer's collectives in ``counter``."""
         self.comm.counter = counter
@@ -145,26 +151,18 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _ColumnFunction(torch.autograd.Function):
-    """Y_shard = gather(X) @ W_shard^T (+ b_shard); backward reduces dX over the group."""
+class _HighPrecisionColumnFunction(torch.autograd.Function):
+    """The high-precision baseline: Y_shard = gather(X) @ W_shard^T (+ b_shard); backward reduces dX over
+    the group."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, record):
-        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+    def forward(ctx, x, weight, bias, layer):
+        comm, sp = layer.comm, layer.sequence_parallel
         dtype = _compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        if fp8 is None:
-            full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
-            out = torch.mm(full, weight.t().to(dtype))
-            ctx.save_for_backward(full, weight)
-        else:
-            scale = layer.input_scaling.scale_for(x2d, record=record)
-            payload = quantize(x2d, scale, layer.input_scaling.format)
-            if sp:
-                payload = comm.all_gather(payload, "sp all-gather")
-            full = Float8Tensor(payload, scale, dtype)
-            out = fp8_mm(full, weight.t(), out_dtype=dtype, backend=fp8.gemm_backend)
-            ctx.save_for_backward(full, weight)
+        full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
+        out = torch.mm(full, weight.t().to(dtype))
+        ctx.save_for_backward(full, weight)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.layer, ctx.has_bias, ctx.x_shape, ctx.dtype = layer, bias is not None, x.shape, dtype
@@ -175,60 +173,32 @@ class _ColumnFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         full, weight = ctx.saved_tensors
         layer = ctx.layer
-        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        comm, sp = layer.comm, layer.sequence_parallel
+        g2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
         grad_x = grad_w = grad_b = None
-        if fp8 is None:
-            g2d = g2d.to(ctx.dtype)
-            if ctx.needs_input_grad[0]:
-                dx = torch.mm(g2d, weight.to(ctx.dtype))
-                dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
-                grad_x = dx.reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.mm(g2d.t(), full).to(weight.dtype)
-        else:
-            # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
-            g_data, g_data_t, g_scale = layer.grad_output_scaling.quantize_transpose(g2d)
-            if ctx.needs_input_grad[0]:
-                dx = fp8_mm(Float8Tensor(g_data, g_scale, grad_out.dtype), weight, out_dtype=torch.float32,
-                            backend=fp8.gemm_backend)
-                if sp:
-                    dx = comm.fp8_reduce_scatter(dx, layer.grad_input_scatter_scaling, grad_out.dtype,
-                                                 tag="sp reduce-scatter")
-                else:
-                    dx = comm.all_reduce(dx.to(grad_out.dtype), "tp all-reduce")
-                grad_x = dx.reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), full, out_dtype=torch.float32,
-                            backend=fp8.gemm_backend)
-                grad_w = weight_grad(dw, fp8, weight.dtype)
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(g2d, weight.to(ctx.dtype))
+            dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
+            grad_x = dx.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(g2d.t(), full).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None
 
 
-class _RowFunction(torch.autograd.Function):
-    """Y = reduce(X_shard @ W_shard^T) over the group (scattered along the sequence with SP)."""
+class _HighPrecisionRowFunction(torch.autograd.Function):
+    """The high-precision baseline: Y = reduce(X_shard @ W_shard^T) over the group (scattered along the
+    sequence with SP)."""
 
     @staticmethod
-    def forward(ctx, x, weight, layer, record):
-        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
+    def forward(ctx, x, weight, layer):
+        comm, sp = layer.comm, layer.sequence_parallel
         dtype = _compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        if fp8 is None:
-            out = torch.mm(x2d, weight.t().to(dtype))
-            out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
-            ctx.save_for_backward(x2d, weight)
-        else:
-            scale = layer.input_scaling.scale_for(x2d, record=record)
-            xq = Float8Tensor(quantize(x2d, scale, layer.input_scaling.format), scale, dtype)
-            out = fp8_mm(xq, weight.t(), out_dtype=torch.float32, backend=fp8.gemm_backend)
-            if sp:
-                out = comm.fp8_reduce_scatter(out, layer.output_scatter_scaling, dtype, record=record,
-                                              tag="sp reduce-scatter")
-            else:
-                out = comm.all_reduce(out.to(dtype), "tp all-reduce")
-            ctx.save_for_backward(xq, weight)
+        out = torch.mm(x2d, weight.t().to(dtype))
+        out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
+        ctx.save_for_backward(x2d, weight)
         ctx.layer, ctx.x_shape, ctx.dtype = layer, x.shape, dtype
         lead = (x.shape[0] // comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
         return out.reshape(*lead, weight.shape[0])
@@ -237,32 +207,15 @@ class _RowFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved_x, weight = ctx.saved_tensors
         layer = ctx.layer
-        comm, sp, fp8 = layer.comm, layer.sequence_parallel, layer.fp8
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        comm, sp = layer.comm, layer.sequence_parallel
+        g2d = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
+        full_g = comm.all_gather(g2d.contiguous(), "sp all-gather") if sp else g2d
         grad_x = grad_w = None
-        if fp8 is None:
-            g2d = g2d.to(ctx.dtype)
-            full_g = comm.all_gather(g2d.contiguous(), "sp all-gather") if sp else g2d
-            if ctx.needs_input_grad[0]:
-                grad_x = torch.mm(full_g, weight.to(ctx.dtype)).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.mm(full_g.t(), saved_x).to(weight.dtype)
-        else:
-            state = layer.grad_output_scaling
-            if sp:
-                g_scale = state.scale_for(g2d)
-                g_data = comm.all_gather(quantize(g2d, g_scale, state.format), "sp all-gather")
-                g_data_t = g_data.t().contiguous()
-            else:
-                g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
-            if ctx.needs_input_grad[0]:
-                grad_x = fp8_mm(Float8Tensor(g_data, g_scale, grad_out.dtype), weight, out_dtype=grad_out.dtype,
-                                backend=fp8.gemm_backend).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                dw = fp8_mm(Float8Tensor(g_data_t, g_scale, grad_out.dtype), saved_x, out_dtype=torch.float32,
-                            backend=fp8.gemm_backend)
-                grad_w = weight_grad(dw, fp8, weight.dtype)
-        return grad_x, grad_w, None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(full_g, weight.to(ctx.dtype)).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(full_g.t(), saved_x).to(weight.dtype)
+        return grad_x, grad_w, None
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -300,6 +253,16 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if fp8 is not None and self.sequence_parallel:
             self.grad_input_scatter_scaling = self._scatter_scaling(fp8.grad_output.fmt)
 
+    def _fp8_hooks(self) -> LinearHooks:
+        """The FP8 recipe's collectives: all-gather of the E4M3 input and FP8 reduce-scatter of dX with
+        sequence parallelism; all-reduce of dX otherwise."""
+        if self.sequence_parallel:
+            return LinearHooks(gather_input=self._gather, reduce_grad_input=self._scatter_grad_input)
+        return LinearHooks(reduce_grad_input=self._all_reduce)
+
+    def _scatter_grad_input(self, dx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.comm.fp8_reduce_scatter(dx, self.grad_input_scatter_scaling, dtype, tag="sp reduce-scatter")
+
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output, bias)``: ``bias`` is returned unapplied when ``skip_bias_add``, else None."""
@@ -308,7 +271,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if input_.shape[-1] != self.input_size:
             raise ValueError(f"{type(self).__name__}: expected input last dim {self.input_size}, got {tuple(input_.shape)}")
         bias = None if self.skip_bias_add else self.bias
-        out = _ColumnFunction.apply(input_, self.weight, bias, self, torch.is_grad_enabled())
+        if self.fp8 is None:
+            out = _HighPrecisionColumnFunction.apply(input_, self.weight, bias, self)
+        else:
+            out = Float8LinearFunction.apply(
+                input_, self.weight, bias, self.input_scaling, self.grad_output_scaling, self.fp8,
+                torch.is_grad_enabled(), _compute_dtype(input_), self._fp8_hooks(),
+            )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
             out = _GatherLastDim.apply(out, self.comm)
@@ -344,12 +313,29 @@ class RowParallelLinear(_ParallelLinearBase):
         if fp8 is not None and self.sequence_parallel:
             self.output_scatter_scaling = self._scatter_scaling(fp8.input.fmt)
 
+    def _fp8_hooks(self) -> LinearHooks:
+        """The FP8 recipe's collectives: FP8 reduce-scatter of Y and all-gather of the E5M2 dY with
+        sequence parallelism; all-reduce of Y otherwise."""
+        if self.sequence_parallel:
+            return LinearHooks(reduce_output=self._scatter_output, gather_grad_output=self._gather)
+        return LinearHooks(reduce_output=lambda out, dtype, record: self._all_reduce(out, dtype))
+
+    def _scatter_output(self, out: torch.Tensor, dtype: torch.dtype, record: bool) -> torch.Tensor:
+        return self.comm.fp8_reduce_scatter(out, self.output_scatter_scaling, dtype, record=record,
+                                            tag="sp reduce-scatter")
+
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(output, bias)``: ``bias`` is returned unapplied when ``skip_bias_add``, else None."""
         expected = self.input_size // self.tp_size
         if input_.shape[-1] != expected:
             raise ValueError(f"{type(self).__name__}: expected input last dim {expected}, got {tuple(input_.shape)}")
-        out = _RowFunction.apply(input_, self.weight, self, torch.is_grad_enabled())
+        if self.fp8 is None:
+            out = _HighPrecisionRowFunction.apply(input_, self.weight, self)
+        else:
+            out = Float8LinearFunction.apply(
+                input_, self.weight, None, self.input_scaling, self.grad_output_scaling, self.fp8,
+                torch.is_grad_enabled(), _compute_dtype(input_), self._fp8_hooks(),
+            )
         if self.skip_bias_add:
             return out, self.bias
         if self.bias is not None:
