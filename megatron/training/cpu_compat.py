@@ -147,7 +147,8 @@ def _setup_embeddings_without_cuda(original):
             del self._is_in_embd_group
         if torch.distributed.is_initialized() and self._is_in_embd_group():
             weight = self.shared_embedding_or_output_weight()
-            Collectives(self.embd_group).all_reduce(weight.data, tag="tied embedding init").wait()
+            if weight.device.type != "meta":  # a model built on meta (--dry-run) holds no values to agree on
+                Collectives(self.embd_group).all_reduce(weight.data, tag="tied embedding init").wait()
 
     setup._fp8lm_cpu_compat = True
     return setup
