@@ -177,7 +177,15 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel, fp8_opt_level=args.fp8_opt_level,
         use_distributed_optimizer=args.use_distributed_optimizer, swiglu=args.swiglu,
+        max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
     )
+    if args.lr < 0 or args.min_lr < 0:
+        raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")
+    if args.min_lr > args.lr:
+        raise ConfigurationError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr to "
+                                 f"--min-lr; lower --min-lr")
+    if args.train_iters < 1:
+        raise ConfigurationError(f"--train-iters must be >= 1, got {args.train_iters}")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage

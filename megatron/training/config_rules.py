@@ -63,12 +63,25 @@ def check_config(
     fp8_opt_level: str,
     use_distributed_optimizer: bool,
     swiglu: bool = False,
+    max_position_embeddings: int | None = None,
+    position_embedding_type: str = "learned_absolute",
 ) -> None:
     """Raise :class:`ConfigurationError` (naming the fix) unless the model, its parallel layout (TP x PP x DP,
     virtual pipeline, sequence parallelism), the batch and the FP8 level fit together as megatron-core and
     fp8lm need. ``num_query_groups=None``: no grouped-query attention. ``global_batch_size=None``: not
-    checked (the planner's "enough micro-batches")."""
+    checked (the planner's "enough micro-batches"). ``max_position_embeddings=None``: the sequence length."""
     tp, pp, dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
+    for flag, value in (("--num-layers", num_layers), ("--hidden-size", hidden_size),
+                        ("--num-attention-heads", num_attention_heads), ("--seq-length", seq_length),
+                        ("--micro-batch-size", micro_batch_size)):
+        if value < 1:
+            raise ConfigurationError(f"{flag} must be >= 1, got {value}")
+    if position_embedding_type == "learned_absolute" and max_position_embeddings is not None \
+            and seq_length > max_position_embeddings:
+        raise ConfigurationError(
+            f"--seq-length {seq_length} is above --max-position-embeddings {max_position_embeddings} (learned "
+            f"positions): raise --max-position-embeddings (it defaults to --seq-length) or shorten the sequences"
+        )
     heads = num_attention_heads
     level = normalize_opt_level(fp8_opt_level)
     if heads % tp:

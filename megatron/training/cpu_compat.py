@@ -10,8 +10,9 @@ What it redirects, and why:
    megatron-core modules a view of ``torch`` whose tensor factories place ``cuda`` requests on the CPU
    and whose ``torch.cuda.current_device()`` is the CPU: ``pipeline_parallel.schedules`` (token counters
    allocated with ``device="cuda"``), ``tensor_parallel.mappings`` (sequence-parallel gather/scatter
-   buffers of the embedding and output layer), ``tensor_parallel.layers`` (the output layer) and
-   ``utils`` (``GlobalMemoryBuffer``).
+   buffers of the embedding and output layer), ``tensor_parallel.layers`` (the output layer),
+   ``utils`` (``GlobalMemoryBuffer``) and ``models.common.embeddings.rotary_pos_embedding`` (RoPE's
+   inverse frequencies).
 2. The RNG tracker (``tensor_parallel.random``): a tracker of named CPU generator states replaces the
    CUDA one (``TransformerBlock`` forks it under sequence parallelism), and the module's CUDA RNG
    state get/set helpers (used by activation recomputation) read and write the CPU generator.
@@ -41,6 +42,7 @@ _REBOUND_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
 )
 _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "empty_like",
                         "zeros_like", "ones_like"})

@@ -215,10 +215,8 @@ class PlannerConfig:
             num_layers_per_virtual_pipeline_stage=self.num_layers_per_virtual_pipeline_stage,
             sequence_parallel=self.sequence_parallel, fp8_opt_level=self.fp8_opt_level,
             use_distributed_optimizer=self.use_distributed_optimizer, swiglu=self.swiglu,
+            max_position_embeddings=self.max_position_embeddings, position_embedding_type=self.position_embedding_type,
         )
-        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
-            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                             f"{self.max_position_embeddings}: raise --max-position-embeddings")
 
     # -- derived sizes -------------------------------------------------------------------------------
     @property
