@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-interval", type=int, default=100)
     t.add_argument("--eval-iters", type=int, default=8)
     t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--max-skipped-steps", type=int, default=10,
+                   help="stop with an error when more than N of the last --skipped-steps-window iterations were "
+                        "skipped for non-finite gradients")
+    t.add_argument("--skipped-steps-window", type=int, default=100)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--bf16", action="store_true", help="baseline and activations in BF16 (default on GPU)")
     t.add_argument("--fp32", action="store_true", help="baseline and activations in FP32 (default on CPU)")
@@ -184,6 +188,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.min_lr > args.lr:
         raise ConfigurationError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr to "
                                  f"--min-lr; lower --min-lr")
+    if args.max_skipped_steps < 0 or args.skipped_steps_window < 1:
+        raise ConfigurationError(f"--max-skipped-steps must be >= 0 and --skipped-steps-window >= 1, got "
+                                 f"{args.max_skipped_steps} and {args.skipped_steps_window}")
     if args.train_iters < 1:
         raise ConfigurationError(f"--train-iters must be >= 1, got {args.train_iters}")
     args.virtual_pipeline_model_parallel_size = None

@@ -380,6 +380,11 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     if iteration is None:
         iteration = latest_iteration(directory)
         if iteration is None:
+            save = run.args.save
+            if not directory.exists() and (save is None or Path(save).resolve() != directory.resolve()):
+                raise FileNotFoundError(
+                    f"--load {directory} does not exist: correct the path (a run that starts fresh and resumes later "
+                    f"uses the same directory for --save and --load)")
             if rank0:
                 print(f"--load {directory}: no checkpoint there yet, starting from scratch", flush=True)
             return 0

@@ -29,7 +29,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import cpu_compat
 from .core_comm import record_core_collectives, record_core_construction
+from .config_rules import ConfigurationError
 from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
+from .health import SkipMonitor
 from .log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
@@ -360,7 +362,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
                 counter: CommBytesCounter | None = None) -> RunHistory:
     """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history. ``counter``
     (default: a new one) counts every byte this rank sends, start-up and evaluation included."""
-    from .checkpointing import load_checkpoint, save_checkpoint
+    from .checkpointing import load_checkpoint
     from .exit import ExitPolicy
 
     run = _Run(args, datasets, counter)
@@ -368,7 +370,24 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
     run.consumed_samples = 0
     if args.load:
         start = load_checkpoint(args.load, run, getattr(args, "ckpt_step", None))
+        if start >= args.train_iters:
+            raise ConfigurationError(
+                f"--load {args.load} holds iteration {start}, at or past --train-iters {args.train_iters}: raise "
+                f"--train-iters to train on (nothing was trained or saved)")
     exit_policy = ExitPolicy(args, run.device, run.world)
+    try:
+        history = _train_iterations(args, datasets, logger, run, start, exit_policy)
+    finally:
+        exit_policy.close()
+    history["summary"] = _summary(history, run)
+    logger.end_level(history["summary"])
+    return history
+
+
+def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> RunHistory:
+    from .checkpointing import save_checkpoint
+
+    health = SkipMonitor(args.max_skipped_steps, args.skipped_steps_window, announce=dist.get_rank() == 0)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
@@ -390,6 +409,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
             for record in records:
                 history["train"].append(record)
                 logger.log_iteration(record)
+            health.observe(records)  # before any save: a run that is not training stops here
         if save:
             save_checkpoint(args.save, run, it + 1)
         if stop:
@@ -398,9 +418,6 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
                 print(f"stopping after iteration {it + 1} ({stop})"
                       + (f"; checkpoint saved in {args.save}" if args.save else ""), flush=True)
             break
-    exit_policy.close()
-    history["summary"] = _summary(history, run)
-    logger.end_level(history["summary"])
     return history
 
 
