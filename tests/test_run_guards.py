@@ -1,0 +1,87 @@
+"""pretrain_gpt.py refuses bad input before building the model (exit 2, one line, no traceback), guards
+resumes, trains with RoPE on CPU, and stops a run whose steps keep being skipped (exit 1, nothing saved)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.health import RunHealthError, SkipMonitor
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--mock-data", "--vocab-size", "256", "--no-progress", "--eval-iters", "1"]
+
+
+def _run(args, timeout=600):
+    return subprocess.run([sys.executable, "pretrain_gpt.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"],
+     "--seq-length 64 is above --max-position-embeddings 32 (learned positions): raise --max-position-embeddings"),
+    (["--min-lr", "1e-2", "--lr", "1e-3"], "--min-lr 0.01 is above --lr 0.001"),
+    (["--lr", "-1"], "--lr -1.0 and --min-lr 0.0 must be >= 0"),
+    (["--train-iters", "0"], "--train-iters must be >= 1, got 0"),
+    (["--max-skipped-steps", "-1"], "--max-skipped-steps must be >= 0"),
+])
+def test_configuration_rules_before_the_model_is_built(flags, message):
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_args(parse_args(SMALL + flags), world_size=1)
+
+
+def test_a_configuration_error_is_one_line_with_exit_code_2():
+    proc = _run(SMALL + ["--min-lr", "1e-2", "--lr", "1e-3"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: configuration error: --min-lr 0.01")
+    assert "Traceback" not in proc.stderr
+
+
+def test_skip_monitor_warns_once_and_stops_past_the_limit(capsys):
+    monitor = SkipMonitor(max_skipped=2, window=4)
+    rec = lambda i, s: {"iteration": i, "skipped": s, "loss": 1.0, "grad_norm": float("inf") if s else 1.0}  # noqa: E731
+    monitor.observe([rec(1, False), rec(2, True), rec(3, False), rec(4, True)])
+    assert capsys.readouterr().err.count("warning: iteration 2 was skipped") == 1
+    monitor.observe([rec(5, False), rec(6, False), rec(7, True)])  # window 4..7 holds 2 skipped: not more than 2
+    with pytest.raises(RunHealthError, match="3 of the 4 iterations 6-9 were skipped"):
+        monitor.observe([rec(8, True), rec(9, True)])
+    assert "warning" not in capsys.readouterr().err  # warned once per run
+
+
+def test_a_run_that_is_not_training_stops_with_exit_code_1_and_saves_nothing(tmp_path):
+    save = tmp_path / "ckpt"
+    proc = _run(SMALL + ["--train-iters", "25", "--lr", "1e4", "--clip-grad", "0", "--log-interval", "5",
+                         "--save", str(save), "--fp8-opt-level", "O2"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "warning: iteration" in proc.stderr and "was skipped" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain_gpt.py: ") and "were skipped for non-finite gradients" in last
+    assert "lower --lr" in last and "Traceback" not in proc.stderr
+    assert not save.exists() or not any(save.glob("iter_*"))
+
+
+def test_resume_guards_and_rope_on_cpu(tmp_path):
+    """A --load path that does not exist is an error (unless it is the --save directory: a fresh job that
+    resumes later); a loaded iteration at or past --train-iters is refused and nothing is overwritten. The
+    first run uses RoPE: it trains on CPU."""
+    missing = tmp_path / "typo"
+    proc = _run(SMALL + ["--train-iters", "2", "--load", str(missing)])
+    assert proc.returncode == 2 and f"--load {missing} does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    ckpt = tmp_path / "ckpt"
+    rope = ["--position-embedding-type", "rope"]
+    proc = _run(SMALL + rope + ["--train-iters", "4", "--save", str(ckpt), "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    latest = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+    proc = _run(SMALL + rope + ["--train-iters", "2", "--save", str(ckpt), "--load", str(ckpt),
+                                "--override-opt-param-scheduler"])
+    assert proc.returncode == 2
+    assert "holds iteration 4, at or past --train-iters 2: raise --train-iters" in proc.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == latest == "4"
+    assert not (ckpt / "iter_0000002").exists()
