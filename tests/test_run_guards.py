@@ -85,3 +85,12 @@ def test_resume_guards_and_rope_on_cpu(tmp_path):
     assert "holds iteration 4, at or past --train-iters 2: raise --train-iters" in proc.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == latest == "4"
     assert not (ckpt / "iter_0000002").exists()
+
+
+def test_compare_saves_each_level_in_its_own_subdirectory(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _run(SMALL + ["--train-iters", "2", "--fp8-opt-level", "O1", "--compare", "none", "--save", str(ckpt)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for level in ("none", "O1"):
+        assert (ckpt / level / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()

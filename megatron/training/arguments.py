@@ -227,7 +227,5 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             "copies of tied embeddings to "
             "different owners, so their gradients cannot be summed: add --untie-embeddings-and-output-weights"
         )
-    if (args.save or args.load) and args.compare_levels:
-        raise ConfigurationError("--save/--load checkpoint one opt level: drop --compare (or run each level on its own)")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

@@ -538,7 +538,8 @@ def _summary(history: RunHistory, run: _Run) -> dict:
 
 
 def pretrain(args: argparse.Namespace) -> list[RunHistory]:
-    """Train ``--fp8-opt-level`` and every ``--compare`` level (baseline first) at the same seed and data."""
+    """Train ``--fp8-opt-level`` and every ``--compare`` level (baseline first) at the same seed and data; with
+    ``--compare``, ``--save DIR``/``--load DIR`` use ``DIR/<level>`` for each level."""
     initialize_distributed(args)
     logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
     datasets = _Datasets(args)
@@ -546,11 +547,14 @@ def pretrain(args: argparse.Namespace) -> list[RunHistory]:
     levels = list(args.compare_levels) + [args.fp8_opt_level]
     levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))
     histories = []
-    main_level = args.fp8_opt_level
+    main_level, save, load = args.fp8_opt_level, args.save, args.load
     for level in levels:
         args.fp8_opt_level = level
+        if len(levels) > 1:  # --compare: each level checkpoints in its own subdirectory
+            args.save = None if save is None else os.path.join(save, level)
+            args.load = None if load is None else os.path.join(load, level)
         histories.append(train_level(args, datasets, logger))
-    args.fp8_opt_level = main_level
+    args.fp8_opt_level, args.save, args.load = main_level, save, load
     logger.finish(histories)
     return histories
 
