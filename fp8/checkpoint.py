@@ -27,6 +27,7 @@ them) into ``checksums.sha256``; every load verifies them first and names any co
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -49,7 +50,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
-           "CheckpointCorruptedError", "CHECKPOINT_VERSION", "CHECKSUMS"]
+           "CheckpointCorruptedError", "CheckpointMismatchError", "CHECKPOINT_VERSION", "CHECKSUMS"]
 
 CHECKPOINT_VERSION = 1
 """Layout version written in ``meta``."""
@@ -128,7 +129,42 @@ def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, A
     fp8_dtypes = {n: str(p.payload.dtype).removeprefix("torch.") for n, p in module.named_parameters()
                   if isinstance(p, Float8Tensor) and id(p) in params}
     return {"version": CHECKPOINT_VERSION, "world_size": world, "param_groups": groups,
-            "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes}
+            "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes, "config": _config(module, optimizer)}
+
+
+def _config(module: nn.Module, optimizer: FP8Optimizer) -> dict[str, Any]:
+    """What a load must match: the optimizer's class and storage precision, every parameter's name, shape
+    and storage dtype."""
+    return {
+        "optimizer": type(optimizer).__name__,
+        "precision": dataclasses.asdict(optimizer.precision),
+        "params": {n: [list(p.shape), str(p.payload.dtype if isinstance(p, Float8Tensor) else p.dtype)]
+                   for n, p in module.named_parameters()},
+    }
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint saved with another model shape, optimizer or precision; the message names each difference."""
+
+
+def _check_config(path: Path, saved: dict[str, Any] | None, module: nn.Module, optimizer: FP8Optimizer) -> None:
+    if saved is None:
+        return  # written before the configuration was recorded
+    mine = _config(module, optimizer)
+    diffs = []
+    if saved["optimizer"] != mine["optimizer"]:
+        diffs.append(f"optimizer {saved['optimizer']} (checkpoint) vs {mine['optimizer']} (this run)")
+    diffs += [f"precision {k} {v!r} (checkpoint) vs {mine['precision'].get(k)!r} (this run)"
+              for k, v in saved["precision"].items() if mine["precision"].get(k) != v]
+    for name in sorted(set(saved["params"]) | set(mine["params"])):
+        a, b = saved["params"].get(name), mine["params"].get(name)
+        if a != b:
+            diffs.append(f"parameter {name} {a or 'absent'} (checkpoint) vs {b or 'absent'} (this run)")
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this model and optimizer: {shown}. Build them as they were when it "
+            f"was saved (model, optimizer class, OptimizerPrecision / opt level)")
 
 
 class CheckpointCorruptedError(ValueError):
@@ -272,6 +308,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 
+def _read(path: Path, state: dict[str, Any], reader, process_group, distributed: bool) -> None:
+    """``dcp.load`` into ``state``; DCP's ``CheckpointException`` (a ``BaseException``) is raised as the
+    :class:`CheckpointCorruptedError` it is."""
+    try:
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=not distributed)
+    except CheckpointException as error:
+        raise CheckpointCorruptedError(f"checkpoint {path} could not be read ({error}); restore the files or load "
+                                       f"another checkpoint") from error
+
+
 def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: FP8Optimizer, *,
     process_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None,
@@ -286,16 +332,16 @@ def load_checkpoint(
     verify_checksums(path, process_group=process_group, counter=counter)
     reader = dcp.FileSystemReader(str(path))
     meta_holder: dict[str, Any] = {"meta": io.BytesIO()}
-    dcp.load(meta_holder, storage_reader=reader, process_group=process_group, no_dist=not distributed)
+    _read(path, meta_holder, reader, process_group, distributed)
     meta = json.loads(meta_holder["meta"].getvalue().decode())
     if meta.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint layout version {meta.get('version')}, expected {CHECKPOINT_VERSION}")
+    _check_config(path, meta.get("config"), _split(model)[0], optimizer)
     saved_world = int(meta["world_size"])
     state = _state(model, optimizer, process_group, rank % saved_world)
     loaded = {k: v for k, v in state.items() if not k.startswith("scaling/")}
     loaded.update({k: v for k, v in state.items() if k.startswith("scaling/")})
-    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)), process_group=process_group,
-             no_dist=not distributed)
+    _read(path, loaded, dcp.FileSystemReader(str(path)), process_group, distributed)
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"{path}: {len(meta['param_groups'])} param groups saved, the optimizer has "
                          f"{len(optimizer.param_groups)}")
