@@ -37,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from fp8.checkpoint import CheckpointCorruptedError
     from megatron.training.checkpointing import CheckpointMismatchError
+    from megatron.training.data import DataError
     from megatron.training.health import RunHealthError
     from megatron.training.training import pretrain
 
     try:
         pretrain(args)
-    except (FileNotFoundError, ConfigurationError, CheckpointMismatchError, CheckpointCorruptedError,
+    except (FileNotFoundError, ConfigurationError, DataError, CheckpointMismatchError, CheckpointCorruptedError,
             RunHealthError) as error:
         print(f"pretrain_gpt.py: {error}", file=sys.stderr)
         return 1 if isinstance(error, RunHealthError) else 2  # the run failed / the input is wrong

@@ -94,3 +94,16 @@ def test_compare_saves_each_level_in_its_own_subdirectory(tmp_path):
     for level in ("none", "O1"):
         assert (ckpt / level / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_bad_data_files_are_one_line_with_exit_code_2(tmp_path):
+    (tmp_path / "d_text_document.idx").write_bytes(b"garbage")
+    (tmp_path / "d_text_document.bin").write_bytes(b"xx")
+    (tmp_path / "d.model").write_bytes(b"zz")
+    proc = _run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                 "--micro-batch-size", "2", "--train-iters", "2", "--data-path", str(tmp_path / "d_text_document"),
+                 "--tokenizer-model", str(tmp_path / "d.model")])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"pretrain_gpt.py: {tmp_path}/d_text_document.idx is not a megatron-core index (bad header): rebuild it "
+        f"with `python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix {tmp_path}/d`")

@@ -49,16 +49,20 @@ def _preprocess_command(data_prefix: str) -> str:
     return f"python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix {stem}"
 
 
+class DataError(ValueError):
+    """The data or tokenizer files given cannot train this model; the message names the fix."""
+
+
 def check_data_files(data_prefix: str | os.PathLike | Sequence[str | os.PathLike], tokenizer_model=None) -> None:
     """Raise ``FileNotFoundError``/``ValueError`` naming the fix unless every ``PREFIX.bin``/``PREFIX.idx`` of
     ``data_prefix`` (one prefix or a list) is a readable indexed dataset and ``tokenizer_model`` (a path,
     optional) a loadable sentencepiece model."""
     prefixes = [data_prefix] if isinstance(data_prefix, (str, os.PathLike)) else list(data_prefix)
     if not prefixes:
-        raise ValueError("no data prefix given: pass PREFIX_text_document as written by " + _PREPROCESS_HINT)
+        raise DataError("no data prefix given: pass PREFIX_text_document as written by " + _PREPROCESS_HINT)
     for prefix in map(os.fspath, prefixes):
         if prefix.endswith((".bin", ".idx")):
-            raise ValueError(
+            raise DataError(
                 f"data prefix {prefix!r} ends in {prefix[-4:]}: pass the prefix without the extension, "
                 f"e.g. {prefix[:-4]!r}"
             )
@@ -83,17 +87,17 @@ def _open_indexed_dataset(prefix: str) -> IndexedDataset:
         header = f.read(len(_INDEX_HEADER))
     fix = f"rebuild it with `{_preprocess_command(prefix)}`"
     if header != _INDEX_HEADER:
-        raise ValueError(f"{prefix}.idx is not a megatron-core index (bad header): {fix}")
+        raise DataError(f"{prefix}.idx is not a megatron-core index (bad header): {fix}")
     try:
         dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
     except Exception as error:  # noqa: BLE001 - any parse failure means a damaged file
-        raise ValueError(f"{prefix}.idx cannot be read ({error}): {fix}") from error
+        raise DataError(f"{prefix}.idx cannot be read ({error}): {fix}") from error
     index = dataset.index
     count = len(index.sequence_lengths)
     expected = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if count else 0
     actual = os.path.getsize(f"{prefix}.bin")
     if actual != expected:
-        raise ValueError(f"{prefix}.bin holds {actual} bytes but its .idx describes {expected}: {fix}")
+        raise DataError(f"{prefix}.bin holds {actual} bytes but its .idx describes {expected}: {fix}")
     return dataset
 
 
@@ -124,7 +128,7 @@ def _check_token_range(prefix: str, dtype, tokenizer: SentencePieceTokenizer, sa
     top = max(int(tokens[:sample].max()), int(tokens[-sample:].max()))
     del tokens
     if top >= tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"{prefix}.bin holds token id {top} but the tokenizer {tokenizer.path!r} has {tokenizer.vocab_size} "
             "pieces: the data was made with another tokenizer; pass the PREFIX.model written with it by "
             "tools/preprocess_data.py (or preprocess again with --tokenizer-model)"
@@ -136,7 +140,7 @@ def _split_string(split: str | Sequence[float]) -> str:
         return split
     values = list(split)
     if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"split must be up to three non-negative weights with a positive sum, got {values}")
+        raise DataError(f"split must be up to three non-negative weights with a positive sum, got {values}")
     return ",".join(repr(float(v)) for v in values)
 
 
