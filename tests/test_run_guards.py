@@ -85,6 +85,11 @@ def test_resume_guards_and_rope_on_cpu(tmp_path):
     assert "holds iteration 4, at or past --train-iters 2: raise --train-iters" in proc.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == latest == "4"
     assert not (ckpt / "iter_0000002").exists()
+    # Another FP8 recipe flag or optimizer hyper-parameter: refused, each difference named.
+    proc = _run(SMALL + rope + ["--train-iters", "6", "--load", str(ckpt), "--fp8-amax-history-len", "8",
+                                "--weight-decay", "0.01"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--fp8-amax-history-len 16 (checkpoint) vs 8 (this run)" in proc.stderr
 
 
 def test_compare_saves_each_level_in_its_own_subdirectory(tmp_path):

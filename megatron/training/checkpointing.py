@@ -72,11 +72,13 @@ _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
                "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
-               "use_distributed_optimizer", "make_vocab_size_divisible_by")
+               "use_distributed_optimizer", "make_vocab_size_divisible_by", "fp8_amax_history_len", "fp8_margin",
+               "fp8_grad_accumulation")
 # Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
 # resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size")
+_SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size",
+                  "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 
 
 class CheckpointMismatchError(ValueError):
@@ -321,8 +323,9 @@ def _raw_vocab(args: argparse.Namespace) -> int | None:
 
 def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
     saved = meta["args"]
+    # A flag absent from an older checkpoint's arguments is not compared (it did not exist when it was saved).
     diffs = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
-             for k in _MODEL_ARGS if saved.get(k) != getattr(args, k, None)]
+             for k in _MODEL_ARGS if k in saved and saved[k] != getattr(args, k, None)]
     raw = _raw_vocab(args)
     if meta.get("raw_vocab_size") != raw:
         diffs.append(f"vocabulary {meta.get('raw_vocab_size')} (checkpoint) vs {raw} (this run: --vocab-size or the "
@@ -336,10 +339,11 @@ def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_si
               "layout may differ)")
     if not getattr(args, "override_opt_param_scheduler", False):
         sched = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
-                 for k in _SCHEDULE_ARGS if saved.get(k) != getattr(args, k, None)]
+                 for k in _SCHEDULE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
         if sched:
             raise CheckpointMismatchError(
-                f"checkpoint {path} was trained with another learning-rate schedule or batch: " + "; ".join(sched)
+                f"checkpoint {path} was trained with another learning-rate schedule, batch or optimizer "
+                f"hyper-parameters: " + "; ".join(sched)
                 + ". Pass the checkpoint's values, or --override-opt-param-scheduler to continue with this run's")
 
 
