@@ -53,8 +53,8 @@ from megatron.training.preprocess_data import (  # noqa: E402  (re-exported)
 )
 
 __all__ = ["DEFAULT_DOCUMENT_CHARS", "DEFAULT_MAX_TRAINING_SENTENCES", "DEFAULT_VOCAB_SIZE", "JSONL_SUFFIXES",
-           "PreprocessResult", "check_output_prefix", "data_prefix_for", "iter_documents", "list_input_files", "preprocess",
-           "split_text_documents", "train_tokenizer", "build_parser", "main"]
+           "PreprocessResult", "check_output_prefix", "data_prefix_for", "iter_documents", "list_input_files",
+           "preprocess", "split_text_documents", "train_tokenizer", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
