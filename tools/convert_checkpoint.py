@@ -118,6 +118,9 @@ def _save(state: dict[str, torch.Tensor], output: Path, metadata: dict[str, str]
     tmp = output.with_name(f".{output.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         save_file(state, str(tmp), metadata=metadata)
+        umask = os.umask(0)  # one thread here: read it back at once
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors writes 0600)
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
