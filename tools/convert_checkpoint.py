@@ -138,9 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         output = _check_output(args.output)
         _check_checkpoint(args.checkpoint)
-        from megatron.training.checkpointing import is_megatron_checkpoint, read_checkpoint
+        from megatron.training.checkpointing import checkpoint_dir, is_megatron_checkpoint, read_checkpoint
 
         if is_megatron_checkpoint(args.checkpoint):
+            wanted = None if args.iteration is None else checkpoint_dir(args.checkpoint, args.iteration)
+            if wanted is not None and not wanted.exists() and not wanted.with_name(wanted.name + ".old").exists():
+                saved = sorted(p.name for p in Path(args.checkpoint).glob("iter_*") if p.is_dir())
+                raise ValueError(f"--iteration {args.iteration}: {wanted} does not exist (saved: "
+                                 f"{', '.join(saved) or 'none'}): pass a saved iteration, or leave --iteration "
+                                 "out for the latest")
             _, state = read_checkpoint(args.checkpoint, args.iteration, source=args.source)
             state = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in sorted(state.items())}
         elif args.iteration is not None:
