@@ -164,3 +164,30 @@ def test_convert_names_the_path_and_the_fix(tmp_path, engine_checkpoint):
     for args, fragments in cases:
         assert_user_error(tool("convert_checkpoint.py", *args, cwd=tmp_path), *fragments)
     assert not (tmp_path / "m.safetensors").exists() and list((tmp_path / "empty").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def save_directory(tmp_path_factory) -> Path:
+    """A pretrain_gpt.py --save directory of one iteration (tiny GPT, mock data, O2)."""
+    save = tmp_path_factory.mktemp("megatron") / "save"
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+             "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "4", "--mock-data",
+             "--vocab-size", "512", "--eval-interval", "1000", "--eval-iters", "1", "--no-progress", "--lr", "3e-3",
+             "--lr-warmup-iters", "0", "--lr-decay-iters", "8", "--train-iters", "1", "--fp8-opt-level", "O2",
+             "--save", str(save), "--save-interval", "1"]
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *flags], capture_output=True, text=True,
+                          cwd=save.parent, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return save
+
+
+def test_convert_save_directory_iterations(tmp_path, save_directory):
+    done = tool("convert_checkpoint.py", str(save_directory), "out/dir/it1.safetensors", "--iteration", "1",
+                cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "dir" / "it1.safetensors").is_file()
+    assert_user_error(tool("convert_checkpoint.py", str(save_directory), "x.safetensors", "--iteration", "7",
+                           cwd=tmp_path),
+                      "--iteration 7: ", "iter_0000007 does not exist (saved: iter_0000001)",
+                      "pass a saved iteration, or leave --iteration out for the latest")
+    assert not (tmp_path / "x.safetensors").exists()
