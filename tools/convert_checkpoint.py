@@ -14,7 +14,9 @@ into the unconverted model with ``load_state_dict(safetensors.torch.load_file(..
   most precise value); ``--source fp8`` dequantizes the FP8 weight the model computed with.
 - Other parameters and buffers: as stored. FP8 scaling states, optimizer moments and mu are dropped.
 
-Runs in one process, without torch.distributed initialized.
+Runs in one process, without torch.distributed initialized. The output's missing parent directories are
+created; the file appears atomically (a temporary file renamed). Errors (a missing or unreadable checkpoint,
+an output path through a file or onto a directory) are one line naming the path and the fix, exit status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -79,8 +83,51 @@ def export_state_dict(path: str | Path, dtype: torch.dtype = torch.float32, sour
     return {k: v.contiguous() for k, v in sorted(out.items())}
 
 
+def _check_output(output: str) -> Path:
+    """``output`` as a ``Path`` once it can be written: not a directory, no file among its parents (missing
+    parents are created later); ``ValueError`` naming the fix otherwise."""
+    path = Path(output)
+    if output.endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"output {output!r} is a directory: name the file to write, e.g. "
+                         f"{str(path / 'model.safetensors')!r}")
+    for ancestor in path.parents:
+        if ancestor.is_dir():
+            break
+        if ancestor.exists() or ancestor.is_symlink():
+            raise ValueError(f"output {output!r}: {str(ancestor)!r} is a file, not a directory: choose an output "
+                             "path in a directory (missing directories are created)")
+    return path
+
+
+def _check_checkpoint(checkpoint: str) -> None:
+    """``ValueError`` naming the fix unless ``checkpoint`` (or its interrupted-save ``.old`` copy) exists."""
+    path = Path(checkpoint)
+    if not path.exists() and not path.with_name(path.name + ".old").exists():
+        raise ValueError(f"checkpoint {checkpoint!r} does not exist: pass a pretrain_gpt.py --save directory, "
+                         "one of its iter_XXXXXXX directories, or an engine checkpoint directory")
+    if not path.is_dir() and path.exists():
+        raise ValueError(f"checkpoint {checkpoint!r} is a file: pass the checkpoint's directory (a pretrain_gpt.py "
+                         "--save directory, one of its iter_XXXXXXX directories, or an engine checkpoint)")
+
+
+def _save(state: dict[str, torch.Tensor], output: Path, metadata: dict[str, str]) -> None:
+    """Write ``output`` atomically, creating its missing parent directories."""
+    from safetensors.torch import save_file
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        save_file(state, str(tmp), metadata=metadata)
+        umask = os.umask(0)  # one thread here: read it back at once
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors writes 0600)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("output", help="the .safetensors file to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -88,18 +135,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iteration", type=int, default=None,
                         help="pretrain_gpt.py --save directories: this iteration instead of the latest")
     args = parser.parse_args(argv)
-    from safetensors.torch import save_file
+    try:
+        output = _check_output(args.output)
+        _check_checkpoint(args.checkpoint)
+        from megatron.training.checkpointing import checkpoint_dir, is_megatron_checkpoint, read_checkpoint
 
-    from megatron.training.checkpointing import is_megatron_checkpoint, read_checkpoint
-
-    if is_megatron_checkpoint(args.checkpoint):
-        _, state = read_checkpoint(args.checkpoint, args.iteration, source=args.source)
-        state = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in sorted(state.items())}
-    elif args.iteration is not None:
-        sys.exit(f"--iteration: {args.checkpoint} is an engine checkpoint (one iteration), not a --save directory")
-    else:
-        state = export_state_dict(args.checkpoint, DTYPES[args.dtype], args.source)
-    save_file(state, args.output, metadata={"format": "pt", "source": f"fp8lm {args.source}"})
+        if is_megatron_checkpoint(args.checkpoint):
+            wanted = None if args.iteration is None else checkpoint_dir(args.checkpoint, args.iteration)
+            if wanted is not None and not wanted.exists() and not wanted.with_name(wanted.name + ".old").exists():
+                saved = sorted(p.name for p in Path(args.checkpoint).glob("iter_*") if p.is_dir())
+                raise ValueError(f"--iteration {args.iteration}: {wanted} does not exist (saved: "
+                                 f"{', '.join(saved) or 'none'}): pass a saved iteration, or leave --iteration "
+                                 "out for the latest")
+            _, state = read_checkpoint(args.checkpoint, args.iteration, source=args.source)
+            state = {k: v.to(DTYPES[args.dtype]).contiguous() for k, v in sorted(state.items())}
+        elif args.iteration is not None:
+            raise ValueError(f"--iteration: {args.checkpoint} is an engine checkpoint (one iteration), not a "
+                             "--save directory: leave --iteration out")
+        else:
+            resolved = _resolve(Path(args.checkpoint))
+            if not (resolved / ".metadata").is_file():
+                raise ValueError(f"checkpoint {args.checkpoint!r} is not a checkpoint (no .metadata, no "
+                                 "latest_checkpointed_iteration.txt): pass a pretrain_gpt.py --save directory, one "
+                                 "of its iter_XXXXXXX directories, or an engine checkpoint directory")
+            state = export_state_dict(args.checkpoint, DTYPES[args.dtype], args.source)
+        _save(state, output, metadata={"format": "pt", "source": f"fp8lm {args.source}"})
+    except (ValueError, OSError) as error:  # FileNotFoundError, PermissionError, a full disk...
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     n = sum(t.numel() for t in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {n:,} elements, {args.dtype}")
 

@@ -14,7 +14,13 @@ Without ``--tokenizer-model`` a sentencepiece model (BPE by default, ``--vocab-s
 fallback, identity normalization, whitespace kept: any text round-trips exactly) is trained on the input
 and written to ``PREFIX.model`` / ``PREFIX.vocab``. Each document is tokenized, the end-of-document token
 (``</s>``) appended, and written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` to
-``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically.
+``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically,
+with the permissions the umask gives new files (all of them alike).
+
+Bad input fails before any training or writing, with one line naming the file, line and fix (exit status
+2, no traceback): the whole input is read and checked first (JSON syntax, fields, UTF-8, NUL bytes).
+``PREFIX`` is a file-name stem (``out/corpus``, not ``out/``); its directory is created when missing. A
+``--vocab-size`` larger than the input supports is an error naming the largest size it gave.
 
 The library (``preprocess``, ``split_text_documents``, ...) is the packaged module
 ``megatron.training.preprocess_data``; its names are re-exported here.
@@ -39,6 +45,7 @@ from megatron.training.preprocess_data import (  # noqa: E402  (re-exported)
     PreprocessResult,
     data_prefix_for,
     iter_documents,
+    check_output_prefix,
     list_input_files,
     preprocess,
     split_text_documents,
@@ -46,8 +53,8 @@ from megatron.training.preprocess_data import (  # noqa: E402  (re-exported)
 )
 
 __all__ = ["DEFAULT_DOCUMENT_CHARS", "DEFAULT_MAX_TRAINING_SENTENCES", "DEFAULT_VOCAB_SIZE", "JSONL_SUFFIXES",
-           "PreprocessResult", "data_prefix_for", "iter_documents", "list_input_files", "preprocess",
-           "split_text_documents", "train_tokenizer", "build_parser", "main"]
+           "PreprocessResult", "check_output_prefix", "data_prefix_for", "iter_documents", "list_input_files",
+           "preprocess", "split_text_documents", "train_tokenizer", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             workers=args.workers,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, full disk... (FileNotFoundError too)
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     return 0
 

@@ -13,7 +13,13 @@ Without ``--tokenizer-model`` a sentencepiece model (BPE by default, ``--vocab-s
 fallback, identity normalization, whitespace kept: any text round-trips exactly) is trained on the input
 and written to ``PREFIX.model`` / ``PREFIX.vocab``. Each document is tokenized, the end-of-document token
 (``</s>``) appended, and written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` to
-``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically.
+``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically,
+with the permissions the umask gives new files (all of them alike).
+
+Bad input fails before any training or writing, with one message naming the file, line and fix: the whole
+input is read and checked first (JSON syntax, fields, UTF-8, NUL bytes). ``PREFIX`` is a file-name stem
+(``out/corpus``, not ``out/``); its directory is created when missing. A ``--vocab-size`` larger than the
+input supports is an error naming the largest size it gave (never silently capped).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import io
 import json
 import os
 import re
+import secrets
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -95,9 +102,10 @@ def _read_text(path: Path) -> str:
     raw = path.read_bytes()
     nul = raw.find(b"\x00")
     if nul >= 0:  # UTF-16 text, archives, images, compiled files...
+        line = raw.count(b"\n", 0, nul) + 1
         raise ValueError(
-            f"{path} looks binary (a NUL byte at offset {nul}): pass UTF-8 text or JSONL "
-            "(decompress or convert it first), or leave it out of --input"
+            f"{path}:{line} looks binary (a NUL byte at offset {nul}): pass UTF-8 text or JSONL "
+            "(decompress or convert it first, or remove the NUL bytes), or leave it out of --input"
         )
     try:
         return raw.decode("utf-8")  # exact: no newline translation
@@ -184,7 +192,8 @@ def train_tokenizer(
 
     Ids: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (end of document), ``<pad>`` 3, then the 256 byte pieces. At most
     ``max_training_sentences`` lines are used (a seeded sample), so training time stays bounded.
-    ``vocab_size`` is an upper bound on tiny corpora (``hard_vocab_limit=False``).
+    A ``vocab_size`` larger than the sentences support is a ``ValueError`` naming the largest size they
+    gave; an error raised while reading ``sentences`` propagates as it is.
     """
     import sentencepiece
 
@@ -195,11 +204,20 @@ def train_tokenizer(
         )
     prefix = Path(model_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    input_errors: list[BaseException] = []
+
+    def checked_sentences() -> Iterator[str]:  # sentencepiece rewraps errors of the iterator: keep them
+        try:
+            yield from sentences
+        except BaseException as error:
+            input_errors.append(error)
+            raise
+
     sentencepiece.set_random_generator_seed(seed)
     model = io.BytesIO()  # in memory: a model_prefix would be recorded in the model (not reproducible)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=sentences,
+            sentence_iterator=checked_sentences(),
             model_writer=model,
             vocab_size=vocab_size,
             model_type=model_type,
@@ -222,11 +240,21 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as error:
+        if input_errors:  # bad input, not a training problem: its own message
+            raise input_errors[0] from None
         raise ValueError(
             f"sentencepiece training failed ({error}): give more input text or a different --vocab-size, "
             "or pass an existing model with --tokenizer-model"
         ) from error
+    if input_errors:
+        raise input_errors[0]
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    if processor.get_piece_size() < vocab_size:  # hard_vocab_limit=False stopped early: never cap silently
+        raise ValueError(
+            f"--vocab-size {vocab_size} is more than this input supports: training stopped at "
+            f"{processor.get_piece_size()} pieces; pass --vocab-size {processor.get_piece_size()} or less, "
+            "or give more input text"
+        )
     pieces = range(processor.get_piece_size())
     vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in pieces)
     _write_atomically(Path(f"{prefix}.vocab"), vocab.encode("utf-8"))
@@ -235,7 +263,15 @@ def train_tokenizer(
 
 
 def _write_atomically(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    """``path`` holds ``payload`` or is untouched; created like any new file (mode 0666 less the umask, as
+    the .bin/.idx outputs: not mkstemp's 0600)."""
+    while True:
+        tmp = path.parent / f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -262,6 +298,28 @@ def _encode_batches(
 def data_prefix_for(output_prefix: str | os.PathLike, key: str = "text") -> str:
     """The indexed-dataset prefix written for ``key``: ``PREFIX_<key>_document``."""
     return f"{os.fspath(output_prefix)}_{key}_document"
+
+
+def check_output_prefix(output_prefix: str | os.PathLike) -> Path:
+    """``output_prefix`` as a ``Path``, after checking it names a file stem in a directory that exists or
+    can be created (nothing is created here); ``ValueError`` naming the fix otherwise."""
+    raw = os.fspath(output_prefix)
+    prefix = Path(raw)
+    if not raw or raw.endswith(("/", os.sep)) or prefix.name in ("", ".", ".."):
+        raise ValueError(
+            f"--output-prefix {raw!r} is not a file-name stem (outputs are PREFIX.model, "
+            "PREFIX_text_document.bin, ...): name a file in the directory, e.g. "
+            f"{str(Path(raw or '.') / 'corpus')!r}"
+        )
+    for ancestor in (prefix.parent, *prefix.parent.parents):
+        if ancestor.is_dir():
+            break
+        if ancestor.exists() or ancestor.is_symlink():
+            raise ValueError(
+                f"--output-prefix {raw!r}: {str(ancestor)!r} is a file, not a directory: "
+                "choose a prefix in a directory (it is created when missing)"
+            )
+    return prefix
 
 
 def preprocess(
@@ -292,10 +350,13 @@ def preprocess(
         raise ValueError(f"--json-keys must name distinct keys, got {list(json_keys)}")
     if input_format not in ("auto", "text", "jsonl"):
         raise ValueError(f"input_format must be auto, text or jsonl, got {input_format!r}")
-    output_prefix = Path(output_prefix)
+    output_prefix = check_output_prefix(output_prefix)
     data_prefixes = {key: data_prefix_for(output_prefix, key) for key in json_keys}
     outputs = [f"{output_prefix}.model", f"{output_prefix}.vocab"]
     outputs += [f"{p}.{ext}" for p in data_prefixes.values() for ext in ("bin", "idx")]
+    for output in outputs[0 if tokenizer_model is None else 2 :]:
+        if Path(output).is_dir():
+            raise ValueError(f"output {output!r} is a directory: move it away or choose another --output-prefix")
     files = list_input_files(input_path, exclude=outputs)
     if not files:
         raise ValueError(f"--input {str(input_path)!r} is an empty directory: put text or JSONL files in it")
@@ -304,7 +365,8 @@ def preprocess(
     def documents():
         return iter_documents(files, json_keys, document_chars, input_format)
 
-    if next(documents(), None) is None:
+    # One full pass first: bad input (a later file, line 10,000) fails here, before any training or writing.
+    if sum(1 for _ in documents()) == 0:
         raise ValueError(
             f"--input {str(input_path)!r} holds no text ({len(files)} file(s), {input_bytes} bytes: empty or "
             f"whitespace, or JSONL whose {list(json_keys)} fields are): give it files with text"
@@ -317,7 +379,13 @@ def preprocess(
 
     if tokenizer_model is not None:
         load_sentencepiece_model(tokenizer_model)  # fail before any work on a bad model
-    output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output_prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"cannot create the output directory {str(output_prefix.parent)!r} ({error.strerror}): "
+            "choose another --output-prefix"
+        ) from error
     trained = tokenizer_model is None
     if trained:
         tokenizer_model = train_tokenizer(
