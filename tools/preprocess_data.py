@@ -3,27 +3,9 @@
     python tools/preprocess_data.py --input FILE_OR_DIR --output-prefix PREFIX \
         [--tokenizer-model MODEL | --vocab-size N]
 
-Input is one file or a directory (read recursively, files in sorted relative-path order, hidden files
-skipped). Files ending in ``.jsonl``/``.json`` hold one JSON object per line; each object's ``--json-keys``
-field (default ``text``) is one document. Any other file is UTF-8 plain text, cut into documents after
-blank lines: paragraphs are packed, in order, until a document holds at least ``--document-chars``
-characters (default 4096; 0 makes every paragraph a document), and a file always ends a document. The
-documents of a file concatenate back to the file exactly.
-
-Without ``--tokenizer-model`` a sentencepiece model (BPE by default, ``--vocab-size`` pieces, byte
-fallback, identity normalization, whitespace kept: any text round-trips exactly) is trained on the input
-and written to ``PREFIX.model`` / ``PREFIX.vocab``. Each document is tokenized, the end-of-document token
-(``</s>``) appended, and written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` to
-``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically,
-with the permissions the umask gives new files (all of them alike).
-
-Bad input fails before any training or writing, with one line naming the file, line and fix (exit status
-2, no traceback): the whole input is read and checked first (JSON syntax, fields, UTF-8, NUL bytes).
-``PREFIX`` is a file-name stem (``out/corpus``, not ``out/``); its directory is created when missing. A
-``--vocab-size`` larger than the input supports is an error naming the largest size it gave.
-
-The library (``preprocess``, ``split_text_documents``, ...) is the packaged module
-``megatron.training.preprocess_data``; its names are re-exported here.
+What it reads and writes (documents, tokenizer, ``PREFIX_<key>_document.bin/.idx``) is described in the
+docstring of the library, the packaged module ``megatron.training.preprocess_data`` (``preprocess``,
+``split_text_documents``, ...), whose names are re-exported here.
 """
 
 from __future__ import annotations
