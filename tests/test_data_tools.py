@@ -26,7 +26,7 @@ from megatron.training.data import (  # noqa: E402
     gpt_batch_iterator,
     prepare_default_corpus,
 )
-from megatron.training.tokenizer import SentencePieceTokenizer  # noqa: E402
+from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model  # noqa: E402
 from tests.spawn import free_port  # noqa: E402
 from megatron.training import preprocess_data  # noqa: E402
 from tools.preprocess_data import preprocess, split_text_documents  # noqa: E402
@@ -206,13 +206,16 @@ def test_batch_iterator(corpus, seed, tmp_path):
 
 def test_tokenizer_without_pad(tmp_path, corpus, seed):
     """A model trained elsewhere (no <pad>) works; the dataset then pads with -1, never a real id."""
-    prefix, _, text, _ = corpus
+    _, _, text, _ = corpus
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(text.splitlines()), model_prefix=str(tmp_path / "plain"), vocab_size=VOCAB,
         pad_id=-1, byte_fallback=True, minloglevel=2, hard_vocab_limit=False,
     )
     tokenizer = SentencePieceTokenizer(tmp_path / "plain.model")
     assert tokenizer.pad is None and tokenizer.eod == 2
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    prefix = preprocess(tmp_path / "input.txt", tmp_path / "plain_data", tokenizer_model=tmp_path / "plain.model",
+                        log=None).data_prefixes["text"]
     train, _, _ = build_gpt_datasets(prefix, tokenizer, 16, "1", (8, None, None), seed, tmp_path)
     assert torch.equal(train[0]["loss_mask"], torch.ones(16))
 
@@ -271,6 +274,14 @@ def test_clear_errors(tmp_path, corpus):
     )
     with pytest.raises(ValueError, match="made with another tokenizer"):
         build_gpt_datasets(prefix, f"{tiny}.model", 16, "1", (4, None, None), 1, tmp_path / "c")
+    # A tokenizer with more pieces than the data's: every id is in range, the record tells them apart.
+    larger = tmp_path / "larger"
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(Path(model).parent / "input.txt"), model_prefix=str(larger), minloglevel=2, hard_vocab_limit=False,
+        vocab_size=load_sentencepiece_model(model).get_piece_size() + 64, byte_fallback=True,
+    )
+    with pytest.raises(ValueError, match=r"made with another tokenizer than .*larger.model"):
+        build_gpt_datasets(prefix, f"{larger}.model", 16, "1", (4, None, None), 1, tmp_path / "c")
     with pytest.raises(ValueError, match="the valid split .* fewer than one sample"):
         build_gpt_datasets(prefix, model, 64, "999999,1,0", (10, 1, 0), 1, tmp_path / "c")
 

@@ -107,7 +107,8 @@ def test_preprocess_outputs_share_the_umask_mode(tmp_path):
     finally:
         os.umask(old)
     outputs = sorted((tmp_path / "out").iterdir())
-    assert [p.name for p in outputs] == ["p.model", "p.vocab", "p_text_document.bin", "p_text_document.idx"]
+    assert [p.name for p in outputs] == ["p.model", "p.vocab", "p_text_document.bin", "p_text_document.idx",
+                                           "p_text_document.tokenizer.json"]
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in outputs} == {p.name: 0o640 for p in outputs}
     assert result.vocab_size == VOCAB
 

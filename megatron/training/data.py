@@ -32,6 +32,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset
 from megatron.core.datasets.utils import Split
 from megatron.training import corpus, preprocess_data
+from megatron.training.preprocess_data import TOKENIZER_RECORD
 from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
 
 _PREPROCESS_HINT = "python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix PREFIX"
@@ -118,6 +119,20 @@ def _fingerprint(prefixes: Sequence[str]) -> str:
                 f.seek(size - (1 << 20))
                 digest.update(f.read())
     return digest.hexdigest()[:16]
+
+
+def _check_tokenizer_record(prefix: str, tokenizer: SentencePieceTokenizer) -> None:
+    """Refuse a tokenizer other than the one the data was made with (``PREFIX.tokenizer.json``, written by
+    tools/preprocess_data.py; data without the record gets only the token-range check)."""
+    record_path = Path(f"{prefix}{TOKENIZER_RECORD}")
+    if not record_path.exists():
+        return
+    record = json.loads(record_path.read_text())
+    if record["sha256"] != tokenizer.unique_identifiers["sha256"]:
+        raise DataError(
+            f"{prefix} was made with another tokenizer than {tokenizer.path!r} ({tokenizer.vocab_size} pieces): with "
+            f"{record['tokenizer_model']} ({record['vocab_size']} pieces); pass the .model written with the data by "
+            f"tools/preprocess_data.py (or preprocess again with --tokenizer-model)")
 
 
 def _check_token_range(prefix: str, dtype, tokenizer: SentencePieceTokenizer, sample: int = 1 << 21) -> None:
@@ -241,6 +256,7 @@ def _starved_splits(prefixes, tokenizer, seq_length: int, split_matrix, skip: se
     for prefix in prefixes:
         indexed = _open_indexed_dataset(prefix)
         lengths = numpy.array(indexed.sequence_lengths)  # a copy: the view dies with the dataset's mmap
+        _check_tokenizer_record(prefix, tokenizer)
         _check_token_range(prefix, indexed.index.dtype, tokenizer)
         del indexed
         for index, bounds in enumerate(split_matrix):

@@ -13,7 +13,8 @@ Without ``--tokenizer-model`` a sentencepiece model (BPE by default, ``--vocab-s
 fallback, identity normalization, whitespace kept: any text round-trips exactly) is trained on the input
 and written to ``PREFIX.model`` / ``PREFIX.vocab``. Each document is tokenized, the end-of-document token
 (``</s>``) appended, and written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` to
-``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text). Outputs appear atomically,
+``PREFIX_<key>_document.bin/.idx`` (``PREFIX_text_document`` for plain text), with
+``PREFIX_<key>_document.tokenizer.json`` recording the tokenizer. Outputs appear atomically,
 with the permissions the umask gives new files (all of them alike).
 
 Bad input fails before any training or writing, with one message naming the file, line and fix: the whole
@@ -322,6 +323,11 @@ def check_output_prefix(output_prefix: str | os.PathLike) -> Path:
     return prefix
 
 
+TOKENIZER_RECORD = ".tokenizer.json"
+"""Suffix of the record written beside each ``.bin``/``.idx``: which tokenizer made the ids (file name,
+vocabulary size, sha256 of the ``.model``), checked by training against the tokenizer it is given."""
+
+
 def preprocess(
     input_path: str | os.PathLike,
     output_prefix: str | os.PathLike,
@@ -420,6 +426,9 @@ def preprocess(
             builders[key].finalize(f"{tmp}.idx")
             os.replace(f"{tmp}.bin", f"{data_prefixes[key]}.bin")
             os.replace(f"{tmp}.idx", f"{data_prefixes[key]}.idx")
+            _write_atomically(Path(f"{data_prefixes[key]}{TOKENIZER_RECORD}"), json.dumps(
+                {"tokenizer_model": os.path.basename(str(tokenizer_model)), "vocab_size": tokenizer.vocab_size,
+                 "sha256": tokenizer.unique_identifiers["sha256"]}).encode())
     finally:
         for key, (_, tmp) in staging.items():
             if key in builders:
