@@ -38,8 +38,8 @@ def normalize_opt_level(opt_level: str) -> str:
 
 
 
-def _names(names: list[str], max_names: int = 4) -> str:
-    shown = ", ".join(repr(n) for n in names[:max_names])
+def _names(names: list[str], max_names: int = 4, quote: bool = True) -> str:
+    shown = ", ".join(repr(n) if quote else n for n in names[:max_names])
     return shown + (f", ... ({len(names) - max_names} more)" if len(names) > max_names else "")
 
 
@@ -68,7 +68,7 @@ def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) 
     if foreign:
         raise ValueError(
             f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of this model: "
-            f"{_names(foreign)}; build the optimizer on this model's parameters (e.g. "
+            f"{_names(foreign, quote=False)}; build the optimizer on this model's parameters (e.g. "
             f"torch.optim.AdamW(model.parameters())) and pass that model and optimizer to fp8.initialize"
         )
 
