@@ -4,7 +4,12 @@ Quick use::
 
     import fp8
     model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
+
+``fp8.checkpoint`` (sharded checkpoints) is imported on first use: ``torch.distributed.checkpoint`` is a
+heavy import that ``import fp8`` does not pay for.
 """
+
+import importlib
 
 from .cast import dequantize, quantize, quantize_transpose
 from .convert import convert_to_float8_linear
@@ -27,3 +32,10 @@ __all__ = [
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",
     "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]
+
+
+def __getattr__(name: str):
+    """``fp8.checkpoint``, imported on first access (module ``__getattr__``, PEP 562)."""
+    if name == "checkpoint":
+        return importlib.import_module(f"{__name__}.checkpoint")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,6 +61,8 @@ def convert_to_float8_linear(
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
     min_fp8_dim: int | None = None,
+    *,
+    require_fp8: bool = False,
 ) -> tuple[nn.Module, list[ConvertedLinear]]:
     """Replace every eligible ``nn.Linear`` in ``model`` (in place) by a :class:`Float8Linear`.
 
@@ -70,6 +72,9 @@ def convert_to_float8_linear(
     min_fp8_dim`` stay in high precision (too small to gain from FP8); None picks
     :func:`default_min_fp8_dim` (2048 on CUDA, 0 on CPU). Returns the (possibly new, if ``model`` itself
     is a linear) model and the list of swaps.
+
+    A conversion that makes no layer FP8 (no ``nn.Linear``, or none eligible) logs so at WARNING, with the
+    reasons; ``require_fp8=True`` raises a ``ValueError`` instead (the model is then left unchanged).
     """
     config = config or Float8LinearConfig()
     if min_fp8_dim is None:
@@ -94,6 +99,12 @@ def convert_to_float8_linear(
             continue
         parent_name, _, child_name = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
+    if require_fp8 and not converted:  # nothing was swapped: the model is unchanged
+        raise ValueError(
+            f"{fp8_selection_message(0, kept, min_fp8_dim)}, and require_fp8=True asks for at least one FP8 "
+            f"layer: give the linears in/out features that are multiples of 16, lower min_fp8_dim (0 converts "
+            f"every eligible layer), loosen module_filter_fn, or pass require_fp8=False to train in high precision"
+        )
     announce_fp8_selection(len(converted), kept, min_fp8_dim)
     return model, converted
 
@@ -114,6 +125,8 @@ def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: 
         groups.setdefault(_reason_kind(reason, min_fp8_dim), []).append(name)
     total = n_fp8 + len(kept)
     message = f"fp8: {n_fp8} of {total} linear layer(s) run in FP8"
+    if not total:
+        return message + " (the model has no torch.nn.Linear; only nn.Linear modules are converted) -- no FP8 GEMM will run"
     if kept:
         parts = []
         for kind, names in groups.items():
@@ -127,8 +140,8 @@ def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: 
 
 def announce_fp8_selection(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int,
                            log: logging.Logger | None = None) -> str:
-    """Log :func:`fp8_selection_message` at WARNING (a model whose layers are all under ``min_fp8_dim``
-    runs no FP8 GEMM: that must not pass unnoticed). Returns the message."""
+    """Log :func:`fp8_selection_message` at WARNING (a model with no linear, or whose linears all stay in
+    high precision, runs no FP8 GEMM: that must not pass unnoticed). Returns the message."""
     message = fp8_selection_message(n_fp8, kept, min_fp8_dim)
     (log or logger).warning(message)
     return message

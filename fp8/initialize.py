@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -9,12 +10,13 @@ from torch import nn
 
 from .convert import ModuleFilter, convert_to_float8_linear
 from .gemm import scaled_mm_supported
-from .linear import Float8LinearConfig
+from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
 from .optim.sharded import convert_to_sharded
+from .tensor import Float8Tensor
 
 __all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
 
@@ -34,6 +36,69 @@ def normalize_opt_level(opt_level: str) -> str:
         raise ValueError(f"opt_level must be one of {OPT_LEVELS} (or 'O0', an alias of 'none'), got {opt_level!r}")
     return level
 
+
+
+def _names(names: list[str], max_names: int = 4, quote: bool = True) -> str:
+    shown = ", ".join(repr(n) if quote else n for n in names[:max_names])
+    return shown + (f", ... ({len(names) - max_names} more)" if len(names) > max_names else "")
+
+
+def _check_not_initialized(model: nn.Module) -> None:
+    """Refuse a model that already holds FP8 layers or weights: a second ``initialize`` would give the
+    optimizer no master weights (it would step the FP8 weights themselves, losing most updates)."""
+    layers = [fqn or "<root>" for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+    weights = [fqn for fqn, p in model.named_parameters() if isinstance(p, Float8Tensor)]
+    if layers or weights:
+        found = (f"{len(layers)} Float8Linear module(s): {_names(layers)}" if layers
+                 else f"{len(weights)} Float8Tensor parameter(s): {_names(weights)}")
+        raise ValueError(
+            f"model is already initialized for FP8 (it holds {found}); call fp8.initialize once, on the original "
+            f"model and optimizer, and train with the (model, optimizer) it returns"
+        )
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer holding parameters that are not ``model``'s (built on another model or a copy):
+    it would step tensors the model never uses."""
+    own = {id(p) for p in model.parameters()}
+    foreign = [
+        f"param_groups[{g}]['params'][{i}] (shape {list(p.shape)})"
+        for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]) if id(p) not in own
+    ]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of this model: "
+            f"{_names(foreign, quote=False)}; build the optimizer on this model's parameters (e.g. "
+            f"torch.optim.AdamW(model.parameters())) and pass that model and optimizer to fp8.initialize"
+        )
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Refuse parameters on the meta device: converting quantizes the weights, which needs their values."""
+    meta = [fqn for fqn, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"model has {len(meta)} parameter(s) on the meta device ({_names(meta)}), which hold no values to "
+            f"quantize; build the model on a real device (or call model.to_empty(device=...) and initialize the "
+            f"weights) before fp8.initialize"
+        )
+
+
+def _check_no_closure_required(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, at O1, an optimizer whose ``step`` needs a closure (e.g. ``torch.optim.LBFGS``): it
+    re-evaluates the model inside one step, and O1 steps the master weights once, after the backward."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: nothing to refuse
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        name = type(optimizer).__name__
+        raise TypeError(
+            f"{name}.step(closure) re-evaluates the model within one step, which opt_level 'O1' does not "
+            f"support (it steps the master weights once per step, after the backward, and re-quantizes the FP8 "
+            f"weights after it); use a first-order optimizer (e.g. torch.optim.AdamW or SGD) at O1, or "
+            f"opt_level='none' to train with {name} in high precision"
+        )
 
 
 def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
@@ -60,6 +125,7 @@ def initialize(
     precision: OptimizerPrecision | None = None,
     process_group=None,
     min_fp8_dim: int | None = None,
+    require_fp8: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -85,6 +151,13 @@ def initialize(
 
     ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
     logged (None: 2048 on CUDA, the measured crossover, and 0 on CPU; see :data:`fp8.convert.CUDA_MIN_FP8_DIM`).
+    A model where no linear becomes FP8 is announced at WARNING; ``require_fp8=True`` raises a ``ValueError``
+    instead, before the model or optimizer is touched.
+
+    Refused up front (the model and optimizer untouched), each error naming the fix: a model already
+    initialized (holding ``Float8Linear`` modules or ``Float8Tensor`` weights; call it once), an optimizer
+    holding parameters that are not the model's, a model with parameters on the meta device (at the FP8
+    levels), and at O1 an optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``).
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
@@ -94,6 +167,9 @@ def initialize(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
         raise ValueError("this optimizer is already FP8-initialized; call fp8.initialize once per model")
+    _check_not_initialized(model)
+    if optimizer is not None:
+        _check_optimizer_params(model, optimizer)
     if precision is not None and opt_level not in ("O2", "O3"):
         raise ValueError(f"precision= applies to opt_levels 'O2' and 'O3', not {opt_level!r}")
     if process_group is not None and opt_level != "O3":
@@ -104,11 +180,14 @@ def initialize(
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
     if opt_level == "none":
         return model, optimizer
+    _check_materialized(model)
+    if opt_level == "O1" and optimizer is not None:
+        _check_no_closure_required(optimizer)
     config = config or Float8LinearConfig()
     _check_hardware(model, config)
     if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
-    model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim)
+    model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8)
     if optimizer is None:
         return model, None
     if opt_level in ("O2", "O3"):
