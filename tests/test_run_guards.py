@@ -112,3 +112,21 @@ def test_bad_data_files_are_one_line_with_exit_code_2(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"pretrain_gpt.py: {tmp_path}/d_text_document.idx is not a megatron-core index (bad header): rebuild it "
         f"with `python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix {tmp_path}/d`")
+
+
+def test_a_corrupted_checkpoint_is_refused_or_falls_back_to_the_previous_good_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _run(SMALL + ["--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = next(p for p in sorted((ckpt / "iter_0000004").iterdir()) if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte
+    data.write_bytes(bytes(raw))
+    resume = SMALL + ["--train-iters", "6", "--save", str(ckpt), "--load", str(ckpt), "--override-opt-param-scheduler"]
+    proc = _run(resume)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{data.name} does not match its checksum" in proc.stderr and "--load-fallback" in proc.stderr
+    proc = _run(resume + ["--load-fallback"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iteration 4 is corrupted" in proc.stderr and "--load-fallback loads iteration 2" in proc.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"

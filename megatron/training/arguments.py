@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--load", default=None)
     c.add_argument("--save-interval", type=int, default=None, help="default: at the end only")
     c.add_argument("--ckpt-step", type=int, default=None, help="--load this iteration instead of the latest")
+    c.add_argument("--load-fallback", action="store_true",
+                   help="--load: when the checkpoint fails its checksums, load the newest earlier iteration that "
+                        "verifies (warned on stderr)")
     c.add_argument("--override-opt-param-scheduler", action="store_true",
                    help="--load: continue with this run's learning-rate schedule and batch size, not the checkpoint's")
     c.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at iterations divisible by N")

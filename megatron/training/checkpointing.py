@@ -39,6 +39,7 @@ import io
 import json
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fp8.checkpoint import resolve_checkpoint, verify_checksums, write_atomically
+from fp8.checkpoint import CheckpointCorruptedError, resolve_checkpoint, verify_checksums, write_atomically
 from fp8.formats import byte_view
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
@@ -374,6 +375,23 @@ def _empty(md) -> torch.Tensor:
     return torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 
+def _earlier_good_checkpoint(directory: Path, iteration: int, run, error: Exception, announce: bool) -> tuple[Path, int]:
+    """``--load-fallback``: the newest checkpoint of ``directory`` before ``iteration`` whose files verify."""
+    earlier = sorted((int(m.group(1)) for p in directory.iterdir()
+                      if (m := re.fullmatch(r"iter_(\d{7})", p.name)) and int(m.group(1)) < iteration), reverse=True)
+    for candidate in earlier:
+        path = checkpoint_dir(directory, candidate)
+        try:
+            verify_checksums(path, counter=run.counter)
+        except CheckpointCorruptedError:
+            continue
+        if announce:
+            print(f"warning: --load {directory}: iteration {iteration} is corrupted ({error}); --load-fallback loads "
+                  f"iteration {candidate}", file=sys.stderr, flush=True)
+        return path, candidate
+    raise CheckpointCorruptedError(f"{error}; --load-fallback found no earlier iteration of {directory} that verifies")
+
+
 def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = None) -> int:
     """Restore the run from the latest checkpoint in ``directory`` (or ``iteration``'s), at this run's
     parallel layout (every rank calls it); returns its iteration (0 when ``directory`` holds none yet).
@@ -396,7 +414,13 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     if not path.exists() and not path.with_name(path.name + ".old").exists():
         raise FileNotFoundError(f"{path} is missing although {directory / LATEST} names iteration {iteration}")
     path = resolve_checkpoint(path)
-    verify_checksums(path, counter=run.counter)
+    try:
+        verify_checksums(path, counter=run.counter)
+    except CheckpointCorruptedError as error:
+        if not getattr(run.args, "load_fallback", False):
+            raise CheckpointCorruptedError(f"{error}; or pass --load-fallback to load the newest earlier iteration "
+                                           f"that verifies") from error
+        path, iteration = _earlier_good_checkpoint(directory, iteration, run, error, rank0)
     meta = _read_meta(path, distributed)
     args = run.args
     _check_compatible(path, meta, args, run.vocab_size)
