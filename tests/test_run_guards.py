@@ -3,6 +3,8 @@ resumes, trains with RoPE on CPU, and stops a run whose steps keep being skipped
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +132,55 @@ def test_a_corrupted_checkpoint_is_refused_or_falls_back_to_the_previous_good_on
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "iteration 4 is corrupted" in proc.stderr and "--load-fallback loads iteration 2" in proc.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+# Every documented flag of pretrain_gpt.py trains once on CPU (here, three single-process runs); the parallel
+# layout flags (--tensor/--pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage,
+# --sequence-parallel, --use-distributed-optimizer) train in tests/test_megatron_parallel.py, --data-parallel-size
+# and --dry-run in tests/test_pretrain_gpt.py.
+FLAG_RUNS = {
+    "model_and_adam": [
+        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings", "48", "--vocab-size", "200",
+        "--make-vocab-size-divisible-by", "64", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--init-method-std", "0.01",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--recompute-activations", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--optimizer", "adam", "--lr", "2e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "linear", "--lr-warmup-iters", "1", "--lr-decay-iters", "3", "--weight-decay", "0.01",
+        "--adam-beta1", "0.8", "--adam-beta2", "0.9", "--adam-eps", "1e-6", "--clip-grad", "0.5",
+        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1",
+        "--max-skipped-steps", "3", "--skipped-steps-window", "10", "--seed", "7", "--fp32", "--mock-data",
+        "--fp8-opt-level", "O2", "--fp8-amax-history-len", "4", "--fp8-margin", "1", "--fp8-grad-accumulation", "fp8",
+        "--fp8-min-dim", "16", "--exit-interval", "3", "--no-progress"],
+    "sgd_bf16_compare": [
+        *SMALL, "--optimizer", "sgd", "--lr-decay-style", "constant", "--bf16", "--fp8-opt-level", "O1",
+        "--compare", "none", "--fp8-pipeline", "off", "--train-iters", "3", "--exit-duration-in-mins", "60",
+        "--exit-signal-handler"],
+    "data_and_checkpoints": [  # --data-path, --tokenizer-model, --save, --save-interval added by the test
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--split", "90,10,0", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAG_RUNS))
+def test_every_documented_flag_trains_once(tmp_path, name):
+    flags = list(FLAG_RUNS[name]) + ["--log-json", str(tmp_path / "log.jsonl")]
+    if name == "sgd_bf16_compare":
+        flags += ["--plot", str(tmp_path / "curve.png")]
+    if name == "data_and_checkpoints":
+        from megatron.training.preprocess_data import preprocess
+
+        text = "\n\n".join(f"Line {i} of a small corpus, with words enough to train on. " * 4 for i in range(300))
+        (tmp_path / "in.txt").write_text(text)
+        result = preprocess(tmp_path / "in.txt", tmp_path / "data", vocab_size=300, log=None)
+        flags += ["--data-path", str(result.data_prefixes["text"]), "--tokenizer-model", str(result.tokenizer_model),
+                  "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    proc = _run(flags + ["--train-iters", "3"] if name == "data_and_checkpoints" else flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    assert losses and all(math.isfinite(x) for x in losses)
+    if name == "data_and_checkpoints":  # --load, --ckpt-step, --override-opt-param-scheduler
+        resumed = _run(flags + ["--train-iters", "4", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "2",
+                                "--override-opt-param-scheduler"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
