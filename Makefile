@@ -21,7 +21,7 @@ quickstart-engine: install
 	$(PYTHON) examples/quickstart.py
 
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=40 tests
 
 # The one GPU check (docs/gpu.md). Without a CUDA GPU it stops at once, installing nothing. On a CUDA machine:
 # the CUDA build of torch (kept if already there, else installed from TORCH_CUDA_INDEX), torchao and

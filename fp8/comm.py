@@ -110,15 +110,17 @@ def require_process_group(what: str) -> None:
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device | None:
     """The device whose tensors ``group``'s backend carries: CUDA (the current device) for NCCL, the CPU for
-    gloo/MPI; ``None`` for a backend that serves several devices (``"cpu:gloo,cuda:nccl"``)."""
+    gloo/MPI, the device named by a one-device spec (``"meta:gloo"`` -> meta); ``None`` for a backend that
+    serves several devices (``"cpu:gloo,cuda:nccl"``)."""
     backend = str(dist.get_backend(group)).lower()
     if "," in backend:
         return None
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend in ("xccl",):
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")
+    device_type, _, name = backend.rpartition(":")
+    if not device_type:
+        device_type = {"nccl": "cuda", "xccl": "xpu"}.get(name, "cpu")
+    if device_type in ("cuda", "xpu"):
+        return torch.device(device_type, getattr(torch, device_type).current_device())
+    return torch.device(device_type)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -236,6 +236,10 @@ class _HistoryProbe:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
+    def started(self) -> list[bool]:
+        """The flags, read on the host once :meth:`ready`: the copy has landed, so no device sync."""
+        return self.host.tolist()
+
 
 @torch.no_grad()
 def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> None:
@@ -271,7 +275,7 @@ def _confirm_histories(members: list[ScalingState]) -> None:
         if not probe.ready():
             return  # still in flight
         pending[0]._history_probe = None
-        for state, started in zip(probe.states, probe.host.tolist()):
+        for state, started in zip(probe.states, probe.started()):
             state.history_confirmed = state.history_confirmed or started
         pending = [s for s in pending if not s.history_confirmed]
     if pending:
