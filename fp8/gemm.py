@@ -7,6 +7,13 @@ its ``mm``/``linear``/``@`` handlers, so this one does not import it). The hardw
 column-major, K and N multiples of 16, not both operands E5M2, and a CPU or a CUDA GPU of compute
 capability >= 8.9. The emulated path dequantizes to fp32 and runs an fp32 matmul; on CPU it
 equals ``_scaled_mm`` bit for bit.
+
+Finer scales (:mod:`fp8.blocks`): an operand's scale may be a grid of block scales, given with its block
+(``a_block``/``b_block``; ``None`` for a 0-d tensor-wise scale). Scales constant along K (per-row scales
+of ``a``, per-column scales of ``b``) run ``torch._scaled_mm``'s row-wise scaling (CPU; CUDA with a bf16
+output); scales that vary along K in 128-element blocks (DeepSeek-style ``1x128`` x ``128x128``) run the
+Triton block GEMM on CUDA (:mod:`fp8.kernels.triton_block_gemm`) when it is installed, and the exact
+emulation elsewhere; any other layout is emulated. Each fallback is logged once per reason.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 
 import torch
 
+from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scales_constant_along
 from .cast import payload_and_scale
 from .formats import E5M2
 
@@ -66,6 +74,30 @@ def _emulated_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     return torch.mm(lhs, rhs).to(out_dtype)
 
 
+def _dequantized(data: torch.Tensor, scale: torch.Tensor, block: Block | None) -> torch.Tensor:
+    if is_tensorwise(block):
+        return data.to(torch.float32) * scale.reciprocal()
+    return dequantize_blocks(data, scale, block)
+
+
+def _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype):
+    return torch.mm(_dequantized(a, a_scale, a_block), _dequantized(b, b_scale, b_block)).to(out_dtype)
+
+
+def _outer_scales(a, a_scale, a_block, b, b_scale, b_block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise dequantization scales ``(M, 1)`` and ``(1, N)`` of operands whose scales are constant along K."""
+    m, n = a.shape[0], b.shape[1]
+    if is_tensorwise(a_block):
+        sa = a_scale.reshape(1, 1).expand(m, 1)
+    else:
+        sa = expand_scales(a_scale, a_block, tuple(a.shape))[:, :1]
+    if is_tensorwise(b_block):
+        sb = b_scale.reshape(1, 1).expand(1, n)
+    else:
+        sb = expand_scales(b_scale, b_block, tuple(b.shape))[:1, :]
+    return sa.reciprocal().contiguous(), sb.reciprocal().contiguous()
+
+
 def _hardware_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  out_dtype: torch.dtype) -> torch.Tensor:
     lhs = a if _row_major(a) else a.contiguous()
@@ -80,16 +112,20 @@ def fp8_mm_payload(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
+    a_block: Block | None = None,
+    b_block: Block | None = None,
 ) -> torch.Tensor:
     """:func:`fp8_mm` on plain FP8 payloads (``torch.float8_*`` tensors, ``a_payload`` M x K and
     ``b_payload`` K x N) and their 0-d fp32 scales (value = payload / scale): same rules, same
     fallback, same errors, same bits. Taking plain tensors (no :class:`Float8Tensor` built or
     unwrapped) keeps callers free of graph breaks under ``torch.compile``; the FP8 linear calls it
-    inside its autograd function."""
+    inside its autograd function. ``a_block``/``b_block`` give the block of a scale grid (module docstring)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if a_payload.dim() != 2 or b_payload.dim() != 2 or a_payload.shape[1] != b_payload.shape[0]:
         raise ValueError(f"fp8_mm: cannot multiply {tuple(a_payload.shape)} by {tuple(b_payload.shape)}")
+    if not (is_tensorwise(a_block) and is_tensorwise(b_block)):
+        return _block_scaled_mm(a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype, backend)
     if backend == "emulated":
         return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
     problem = scaled_mm_problem(a_payload, b_payload)
@@ -104,6 +140,37 @@ def fp8_mm_payload(
         raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
     _log_fallback(problem)
     return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
+
+
+def _block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, backend):
+    """GEMM of operands with block scale grids (module docstring): row-wise ``_scaled_mm``, the Triton block
+    GEMM on CUDA, or the exact emulation."""
+    if backend == "emulated":
+        return _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
+    problem = None
+    if scales_constant_along(a_block, tuple(a.shape), 1) and scales_constant_along(b_block, tuple(b.shape), 0):
+        problem = scaled_mm_problem(a, b)
+        if problem is None and not scaled_mm_supported(a.device):
+            problem = f"torch._scaled_mm has no FP8 support on {a.device}"
+        if problem is None and a.device.type == "cuda" and out_dtype != torch.bfloat16:
+            problem = "row-wise torch._scaled_mm on CUDA writes bfloat16 only (the model's dtype is not bfloat16)"
+        if problem is None:
+            lhs = a if _row_major(a) else a.contiguous()
+            rhs = b if _col_major(b) else b.t().contiguous().t()
+            sa, sb = _outer_scales(a, a_scale, a_block, b, b_scale, b_block)
+            return torch._scaled_mm(lhs, rhs, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    elif a.device.type == "cuda":
+        from .kernels.triton_block_gemm import block_mm_problem, block_mm
+
+        problem = block_mm_problem(a, a_block, b, b_block)
+        if problem is None:
+            return block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
+    else:
+        problem = f"block scales that vary along K ({a_block} x {b_block}) have no torch._scaled_mm path on {a.device}"
+    if backend == "scaled_mm":
+        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}; use backend='auto' or 'emulated'")
+    _log_fallback(problem)
+    return _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
 
 
 def fp8_mm(
