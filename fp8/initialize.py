@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 
@@ -16,6 +17,7 @@ from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
 from .optim.sharded import convert_to_sharded
+from .recipes import get_recipe
 from .tensor import Float8Tensor
 
 __all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
@@ -126,6 +128,7 @@ def initialize(
     process_group=None,
     min_fp8_dim: int | None = None,
     require_fp8: bool = False,
+    recipe: str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -159,6 +162,10 @@ def initialize(
     holding parameters that are not the model's, a model with parameters on the meta device (at the FP8
     levels), and at O1 an optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``).
 
+    ``recipe`` (``"tensorwise"``, the default, ``"rowwise"`` or ``"blockwise"``; :mod:`fp8.recipes`) sets the
+    granularity of the FP8 scales (``config.recipe``); layers that cannot tile ``blockwise`` (dimensions not
+    multiples of 128) run ``tensorwise``, logged.
+
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
@@ -167,6 +174,8 @@ def initialize(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
         raise ValueError("this optimizer is already FP8-initialized; call fp8.initialize once per model")
+    if recipe is not None:
+        get_recipe(recipe)  # a bad name fails at every level
     _check_not_initialized(model)
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
@@ -183,6 +192,10 @@ def initialize(
     _check_materialized(model)
     if opt_level == "O1" and optimizer is not None:
         _check_no_closure_required(optimizer)
+    if recipe is not None:
+        if config is not None and config.recipe not in ("tensorwise", recipe):
+            raise ValueError(f"recipe={recipe!r} contradicts config.recipe={config.recipe!r}; pass one of them")
+        config = dataclasses.replace(config or Float8LinearConfig(), recipe=recipe)
     config = config or Float8LinearConfig()
     _check_hardware(model, config)
     if opt_level in ("O2", "O3") and optimizer is not None:

@@ -25,6 +25,8 @@ Weight gradients over micro-batches (``Float8LinearConfig.grad_accumulation``):
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,12 +34,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .blocks import dequantize_blocks, quantize_to_blocks, transpose_block
 from .cast import quantize
 from .formats import get_format
 from .gemm import GEMM_BACKENDS, fp8_mm_payload
 from .kernels.backend import KERNEL_BACKENDS
+from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "fp8_dims_problem",
@@ -70,6 +76,9 @@ class Float8LinearConfig:
     ``accumulate_backend`` (``"auto"``, ``"torch"``, ``"triton"``) is the kernel backend of adds into the
     FP8 weight and its FP8 gradient (:attr:`Float8Tensor.accumulate_backend`, carried by those tensors):
     ``"auto"`` runs Triton for CUDA tensors and the torch reference elsewhere.
+    ``recipe`` (:data:`fp8.recipes.RECIPES`) is the granularity of the scales: ``"tensorwise"`` (the
+    default: ``input``/``grad_output`` scaling as configured), ``"rowwise"`` or ``"blockwise"`` (current
+    per-row / per-block scales, E4M3 everywhere; :mod:`fp8.recipes`).
     """
 
     input: ScalingConfig = field(default_factory=_default_input)
@@ -79,13 +88,29 @@ class Float8LinearConfig:
     gemm_backend: str = "auto"
     grad_accumulation: str = "fp32"
     accumulate_backend: str = "auto"
+    recipe: str = "tensorwise"
+
+    @property
+    def recipe_spec(self) -> Recipe:
+        """The :class:`fp8.recipes.Recipe` named by ``recipe``."""
+        return get_recipe(self.recipe)
 
     def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Float8Tensor:
         """The FP8 weight of a high-precision ``weight`` for a model in ``dtype`` (default: ``weight``'s):
-        ``weight_fmt`` with a current scale, reporting :meth:`weight_dtype`, accumulating with
-        ``accumulate_backend``."""
+        ``weight_fmt`` with a current scale (per block of the recipe's weight block), reporting
+        :meth:`weight_dtype`, accumulating with ``accumulate_backend``."""
         return to_float8(weight.detach(), self.weight_fmt, dtype=self.weight_dtype(dtype or weight.dtype),
-                         accumulate_backend=self.accumulate_backend)
+                         accumulate_backend=self.accumulate_backend, block=self.recipe_spec.weight)
+
+    def for_dims(self, in_features: int, out_features: int, name: str = "") -> "Float8LinearConfig":
+        """This config for a linear of these dimensions: ``blockwise`` on dimensions that are not multiples of
+        :data:`fp8.recipes.BLOCKWISE_TILE` falls back to ``tensorwise`` for that layer (logged)."""
+        if self.recipe == "blockwise" and (in_features % BLOCKWISE_TILE or out_features % BLOCKWISE_TILE):
+            logger.info("fp8: %s (in_features=%d, out_features=%d) cannot tile in %dx%d blocks; it runs the "
+                        "tensorwise recipe", name or "a linear", in_features, out_features, BLOCKWISE_TILE,
+                        BLOCKWISE_TILE)
+            return dataclasses.replace(self, recipe="tensorwise")
+        return self
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an FP8 weight of a model in ``dtype`` reports (and its plain gradient has): float32
@@ -93,6 +118,11 @@ class Float8LinearConfig:
         return torch.float32 if self.grad_accumulation == "fp32" else dtype
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(
+                f"recipe must be one of {RECIPES}, got {self.recipe!r} ('tensorwise': one scale per tensor; 'rowwise': "
+                f"per token and per output channel; 'blockwise': 1x128 activation tiles, 128x128 weight blocks)"
+            )
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise ValueError(
                 f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got {self.grad_accumulation!r} ('fp32': exact "
@@ -133,7 +163,8 @@ def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype
     E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
     if config.grad_accumulation == "fp32":
         return grad_w32
-    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend)
+    return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend,
+                     block=config.recipe_spec.weight)
 
 
 @dataclass(frozen=True)
@@ -141,19 +172,20 @@ class LinearHooks:
     """Communication around :class:`Float8LinearFunction`'s GEMMs (the tensor/sequence-parallel linears';
     :class:`Float8Linear` uses none). Each hook is optional; without one the step is skipped.
 
-    - ``gather_input(payload)``: the E4M3 input payload (rows, cast with an agreed scale) -> the gathered
-      payload the forward GEMM reads (sequence-parallel all-gather).
+    - ``gather_input(payload, scale)``: the E4M3 input payload (rows) and its scale (0-d, agreed over the group,
+      or a grid of per-row / per-tile scales) -> the gathered ``(payload, scale)`` the forward GEMM reads
+      (sequence-parallel all-gather).
     - ``reduce_output(out32, dtype, record)``: the forward GEMM's fp32 output -> the reduced output in
       ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32, without it ``dtype``.
-    - ``gather_grad_output(payload)``: the E5M2 output-gradient payload -> the gathered payload (the
-      backward counterpart of a reduce-scatter of the output).
+    - ``gather_grad_output(payload, scale)``: the output-gradient payload and scale -> the gathered
+      ``(payload, scale)`` (the backward counterpart of a reduce-scatter of the output).
     - ``reduce_grad_input(dx32, dtype)``: the input-gradient GEMM's fp32 output -> the reduced input
       gradient in ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32.
     """
 
-    gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gather_input: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     reduce_output: Callable[[torch.Tensor, torch.dtype, bool], torch.Tensor] | None = None
-    gather_grad_output: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gather_grad_output: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     reduce_grad_input: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
 
 
@@ -178,19 +210,24 @@ class Float8LinearFunction(torch.autograd.Function):
         if not isinstance(weight, Float8Tensor):
             raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        x_scale = input_state.scale_for(x2d, record=record)
-        x_data = quantize(x2d, x_scale, input_state.format)
+        recipe = config.recipe_spec
+        if recipe.tensorwise:
+            x_scale = input_state.scale_for(x2d, record=record)
+            x_data = quantize(x2d, x_scale, input_state.format)
+        else:
+            x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
         if hooks.gather_input is not None:
-            x_data = hooks.gather_input(x_data)
-        w_data, w_scale = weight.payload, weight.scale
+            x_data, x_scale = hooks.gather_input(x_data, x_scale)
+        w_data, w_scale, w_block = weight.payload, weight.scale, weight.block
         gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
-        out = fp8_mm_payload(x_data, x_scale, w_data.t(), w_scale, gemm_dtype, config.gemm_backend)
+        out = fp8_mm_payload(x_data, x_scale, w_data.t(), _t(w_scale), gemm_dtype, config.gemm_backend,
+                             a_block=None if recipe.tensorwise else recipe.input, b_block=transpose_block(w_block))
         if hooks.reduce_output is not None:
             out = hooks.reduce_output(out, dtype, record)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
-        ctx.grad_output_state, ctx.config, ctx.hooks = grad_output_state, config, hooks
+        ctx.grad_output_state, ctx.config, ctx.hooks, ctx.w_block = grad_output_state, config, hooks, w_block
         ctx.has_bias, ctx.x_shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
         if out.shape[0] == x2d.shape[0]:
             lead = tuple(x.shape[:-1])
@@ -202,11 +239,13 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        if not ctx.config.recipe_spec.tensorwise:
+            return _block_backward(ctx, grad_out, x_data, x_scale, w_data, w_scale)
         config, state, hooks = ctx.config, ctx.grad_output_state, ctx.hooks
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         if hooks.gather_grad_output is not None:
             g_scale = state.scale_for(g2d)
-            g_data = hooks.gather_grad_output(quantize(g2d, g_scale, state.format))
+            g_data, g_scale = hooks.gather_grad_output(quantize(g2d, g_scale, state.format), g_scale)
             g_data_t = g_data.t().contiguous()
         else:
             # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
@@ -225,6 +264,45 @@ class Float8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _t(scale: torch.Tensor) -> torch.Tensor:
+    """The scale of a transposed operand: a grid is transposed, a 0-d scale is itself."""
+    return scale.t() if scale.dim() == 2 else scale
+
+
+def _block_backward(ctx, grad_out, x_data, x_scale, w_data, w_scale):
+    """Backward of the rowwise/blockwise recipes (:mod:`fp8.recipes`): dY cast in the recipe's blocks along the
+    output features for ``dY @ W`` and along the tokens for ``dY^T @ x``; operands held in another layout are
+    re-quantized from their exact dequantized values."""
+    config, hooks, recipe = ctx.config, ctx.hooks, ctx.config.recipe_spec
+    backend = config.gemm_backend
+    g2d = grad_out.reshape(-1, grad_out.shape[-1])
+    g_data, g_scale = quantize_to_blocks(g2d, recipe.grad_output, recipe.grad_fmt)
+    if hooks.gather_grad_output is not None:
+        g_data, g_scale = hooks.gather_grad_output(g_data, g_scale)
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        if recipe.dgrad_weight == ctx.w_block:
+            wd, ws = w_data, w_scale
+        else:
+            wd, ws = quantize_to_blocks(dequantize_blocks(w_data, w_scale, ctx.w_block), recipe.dgrad_weight,
+                                        config.weight_fmt)
+        reduce = hooks.reduce_grad_input
+        dx = fp8_mm_payload(g_data, g_scale, wd, ws, torch.float32 if reduce else grad_out.dtype, backend,
+                            a_block=recipe.grad_output, b_block=recipe.dgrad_weight)
+        grad_x = (reduce(dx, grad_out.dtype) if reduce else dx).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        g_full = dequantize_blocks(g_data, g_scale, recipe.grad_output)
+        gt_data, gt_scale = quantize_to_blocks(g_full, recipe.wgrad_grad_output, recipe.grad_fmt)
+        xw_data, xw_scale = quantize_to_blocks(dequantize_blocks(x_data, x_scale, recipe.input), recipe.wgrad_input,
+                                               "e4m3")
+        grad_w32 = fp8_mm_payload(gt_data.t(), gt_scale.t(), xw_data, xw_scale, torch.float32, backend,
+                                  a_block=transpose_block(recipe.wgrad_grad_output), b_block=recipe.wgrad_input)
+        grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2d.sum(0)
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Module):
@@ -251,7 +329,7 @@ class Float8Linear(nn.Module):
             raise ValueError(f"Float8Linear: {problem}")
         self.in_features = in_features
         self.out_features = out_features
-        self.config = config or Float8LinearConfig()
+        self.config = (config or Float8LinearConfig()).for_dims(in_features, out_features)
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype or torch.float32)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         self.weight = nn.Parameter(self.config.quantize_weight(weight))
@@ -273,7 +351,7 @@ class Float8Linear(nn.Module):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.config = config or Float8LinearConfig()
+        new.config = (config or Float8LinearConfig()).for_dims(linear.in_features, linear.out_features)
         weight = linear.weight
         new.weight = nn.Parameter(new.config.quantize_weight(weight), requires_grad=weight.requires_grad)
         new.bias = linear.bias
@@ -296,5 +374,5 @@ class Float8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"weight={self.config.weight_fmt}, input={self.config.input.fmt}/{self.config.input.kind}, "
             f"grad_output={self.config.grad_output.fmt}/{self.config.grad_output.kind}, "
-            f"grad_accumulation={self.config.grad_accumulation}"
+            f"grad_accumulation={self.config.grad_accumulation}, recipe={self.config.recipe}"
         )

@@ -26,6 +26,7 @@ import hashlib
 import torch
 from torch.utils._pytree import tree_map
 
+from .blocks import Block, block_scales, dequantize_blocks, grid_shape, is_tensorwise, quantize_blocks, transpose_block
 from .cast import dequantize, quantize
 from .formats import E4M3, FP8_DTYPES, FP8Format, get_format
 from .gemm import fp8_mm_payload
@@ -50,7 +51,7 @@ class Float8Tensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                accumulate_backend: str = "auto"):
+                accumulate_backend: str = "auto", block: Block | None = None):
         get_format(data.dtype)  # validates the payload dtype
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -63,12 +64,25 @@ class Float8Tensor(torch.Tensor):
         )
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 accumulate_backend: str = "auto"):
-        if scale.numel() != 1:
-            raise ValueError(f"Float8Tensor takes one tensor-wise scale, got shape {tuple(scale.shape)}")
+                 accumulate_backend: str = "auto", block: Block | None = None):
+        if is_tensorwise(block):
+            block = None
+            if scale.numel() != 1:
+                raise ValueError(
+                    f"a tensor-wise Float8Tensor takes one scale, got shape {tuple(scale.shape)}; pass block= for a "
+                    f"grid of block scales (fp8.blocks)"
+                )
+            if scale.dim() != 0:
+                scale = scale.reshape(())
+        else:
+            block = (int(block[0]), int(block[1]))
+            if data.dim() != 2 or tuple(scale.shape) != grid_shape(block, tuple(data.shape)):
+                raise ValueError(
+                    f"a block-scaled Float8Tensor needs a 2-D payload and a scale grid of shape grid_shape(block, "
+                    f"payload shape); got payload {tuple(data.shape)}, block {block}, scales {tuple(scale.shape)}"
+                )
         self._data = data
-        if scale.dim() != 0:
-            scale = scale.reshape(())
+        self._block = block
         self._scale = scale.to(device=data.device, dtype=torch.float32)
         self.accumulate_backend = accumulate_backend
 
@@ -82,6 +96,12 @@ class Float8Tensor(torch.Tensor):
     def scale(self) -> torch.Tensor:
         """The fp32 scale: ``payload = cast(value * scale)``."""
         return self._scale
+
+    @property
+    def block(self) -> Block | None:
+        """The block of each scale of :attr:`scale` (:mod:`fp8.blocks`): ``None`` for one tensor-wise 0-d
+        scale; ``(rows, cols)`` (``0``: the whole dimension) for a grid of block scales of a 2-D payload."""
+        return self.__dict__.get("_block")
 
     @property
     def accumulate_backend(self) -> str:
@@ -105,23 +125,28 @@ class Float8Tensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The value ``payload / scale`` as an ordinary tensor in ``dtype`` (default: ``self.dtype``)."""
+        if self.block is not None:
+            return dequantize_blocks(self._data, self._scale, self.block, dtype or self.dtype)
         return dequantize(self._data, self._scale, dtype or self.dtype)
 
     def __repr__(self) -> str:  # type: ignore[override]
         # Metadata only: no host read of the scale (a device sync on CUDA), and no format spec on values,
         # which are symbolic while torch.compile traces (Inductor's trace logging calls repr).
+        block = "" if self.block is None else f", block={self.block}"
         return (
             f"Float8Tensor(format={self.format.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"device={self.device}{block})"
         )
 
     # -- subclass protocol (torch.compile, FSDP2, serialization) ----------------------------
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], {"dtype": self.dtype, "accumulate_backend": self.accumulate_backend}
+        return ["_data", "_scale"], {"dtype": self.dtype, "accumulate_backend": self.accumulate_backend,
+                                     "block": self.block}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8Tensor(inner["_data"], inner["_scale"], meta["dtype"], meta.get("accumulate_backend", "auto"))
+        return Float8Tensor(inner["_data"], inner["_scale"], meta["dtype"], meta.get("accumulate_backend", "auto"),
+                            meta.get("block"))
 
     def _stable_hash_for_caching(self) -> str:
         """A hash of this tensor's metadata for torch.compile's AOT autograd cache (torch's protocol for
@@ -134,7 +159,7 @@ class Float8Tensor(torch.Tensor):
             return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device.type)
 
         key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale),
-               self.accumulate_backend)
+               self.accumulate_backend, self.block)
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -176,6 +201,8 @@ def _accumulates(args, kwargs) -> bool:
     acc, new = args
     if not isinstance(acc, Float8Tensor) or not isinstance(new, torch.Tensor) or new.shape != acc.shape:
         return False
+    if acc.block is not None or getattr(new, "block", None) is not None:
+        return False  # block-scaled: the generic path re-quantizes per block
     if acc._shares_scale and acc._data.numel() != acc._data.untyped_storage().nbytes():
         return False  # a partial view keeps the scale it shares: the generic path handles it
     if not _plain(acc._data) or not acc._data.is_contiguous():
@@ -190,14 +217,45 @@ def _is_inplace(func) -> bool:
     return bool(schema.arguments) and schema.arguments[0].is_write and not schema.arguments[0].kwarg_only
 
 
-def _like(src: Float8Tensor, data: torch.Tensor, scale: torch.Tensor) -> Float8Tensor:
-    """A Float8Tensor of ``src``'s dtype and accumulation backend on a new payload and scale."""
-    return Float8Tensor(data, scale, src.dtype, src.accumulate_backend)
+def _like(src: Float8Tensor, data: torch.Tensor, scale: torch.Tensor, block: Block | None = None) -> Float8Tensor:
+    """A Float8Tensor of ``src``'s dtype and accumulation backend on a new payload and scale (and ``block``,
+    default ``src``'s)."""
+    return Float8Tensor(data, scale, src.dtype, src.accumulate_backend, src.block if block is None else block)
+
+
+_BLOCK_SAFE_VIEWS = frozenset({aten.detach.default, aten.alias.default})
+_BLOCK_TRANSPOSES = frozenset({aten.t.default, aten.transpose.int, aten.permute.default})
+
+
+def _block_view(func, args, kwargs):
+    """A view of a block-scaled tensor: detach/alias share the grid; a 2-D transpose transposes it. Other views
+    would cut blocks apart: refused."""
+    src = args[0]
+    if func in _BLOCK_SAFE_VIEWS:
+        view = _like(src, func(src._data, *args[1:], **kwargs), src._scale)
+    elif func in _BLOCK_TRANSPOSES and src._data.dim() == 2:
+        if func is aten.t.default:
+            swap = True
+        elif func is aten.transpose.int:
+            swap = args[1] % 2 != args[2] % 2
+        else:
+            swap = [d % 2 for d in args[1]] == [1, 0]
+        data = func(src._data, *args[1:], **kwargs)
+        view = _like(src, data, src._scale.t(), transpose_block(src.block)) if swap else _like(src, data, src._scale)
+    else:
+        raise NotImplementedError(
+            f"{func} on a block-scaled Float8Tensor (block {src.block}) would split its scale blocks; call "
+            f".dequantize() first"
+        )
+    view._shares_scale = True
+    return view
 
 
 def _payload_view(func, args, kwargs):
     """Ops that only re-index the payload: applied to the payload, the scale is shared."""
     src = args[0]
+    if src.block is not None:
+        return _block_view(func, args, kwargs)
     out = func(src._data, *args[1:], **kwargs)
     views = [_like(src, o, src._scale) for o in _as_list(out)]
     for view in views:
@@ -212,6 +270,10 @@ def _payload_copy(func, args, kwargs):
     first = tensors[0]
     same = all(isinstance(t, Float8Tensor) for t in tensors) and not any(
         t._data.dtype != first._data.dtype or t.dtype != first.dtype for t in tensors)
+    if first.block is not None or any(getattr(t, "block", None) is not None for t in tensors):
+        if func is not aten.clone.default:
+            return _dequantized(func, args, kwargs)
+        return _like(first, func(first._data, *args[1:], **kwargs), first._scale.clone())
     if same and any(t._scale is not first._scale and not torch.equal(t._scale, first._scale) for t in tensors[1:]):
         same = False
     if not same:
@@ -263,6 +325,10 @@ def _gemm_operand(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(t, scale, E4M3), scale
 
 
+def _gemm_block(t: torch.Tensor) -> Block | None:
+    return t.block if isinstance(t, Float8Tensor) else None
+
+
 def _mm(func, args, kwargs):
     """``a @ b`` with a Float8Tensor operand (``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` reach
     here): the FP8 GEMM (:func:`fp8.gemm.fp8_mm_payload`, fp32 accumulation, emulated where
@@ -270,7 +336,8 @@ def _mm(func, args, kwargs):
     with a current scale."""
     a, b = args
     out_dtype = torch.promote_types(a.dtype, b.dtype)
-    return fp8_mm_payload(*_gemm_operand(a), *_gemm_operand(b), out_dtype)
+    return fp8_mm_payload(*_gemm_operand(a), *_gemm_operand(b), out_dtype, a_block=_gemm_block(a),
+                          b_block=_gemm_block(b))
 
 
 def _addmm(func, args, kwargs):
@@ -363,6 +430,17 @@ def _assign(dst: Float8Tensor, src: torch.Tensor) -> None:
     (a slice or row of a larger FP8 tensor) shares its scale with the rest of the payload, so it is
     written with that scale (values beyond its range saturate) instead of re-scaling what it does not cover."""
     partial_view = dst._shares_scale and dst._data.numel() != dst._data.untyped_storage().nbytes()
+    if dst.block is not None:
+        if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype and src.block == dst.block:
+            dst._data.copy_(src._data)
+            dst._scale.copy_(src._scale)
+            return
+        value = src.dequantize(torch.float32) if isinstance(src, Float8Tensor) else src
+        value = value.to(torch.float32).expand(dst.shape)
+        scales = block_scales(value, dst.block, dst.format)
+        dst._data.copy_(quantize_blocks(value, scales, dst.block, dst.format))
+        dst._scale.copy_(scales)
+        return
     if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype and not partial_view:
         dst._data.copy_(src._data)
         dst._scale.copy_(src._scale)
@@ -383,18 +461,24 @@ def to_float8(
     margin: int = 0,
     dtype: torch.dtype | None = None,
     accumulate_backend: str = "auto",
+    block: Block | None = None,
 ) -> Float8Tensor:
     """Quantize ``x`` into a :class:`Float8Tensor` of format ``fmt``.
 
     With ``scale=None`` the scale is the current power-of-two scale from ``x``'s amax. The result
     reports ``dtype`` (default: ``x``'s dtype), owns a copy of the scale, and accumulates in-place adds
-    with ``accumulate_backend`` (:attr:`Float8Tensor.accumulate_backend`).
+    with ``accumulate_backend`` (:attr:`Float8Tensor.accumulate_backend`). ``block`` (a 2-D ``x``) quantizes
+    with one current power-of-two scale per block instead (:mod:`fp8.blocks`; ``scale`` is then the grid).
     """
     fmt = get_format(fmt)
     if isinstance(x, Float8Tensor):
         x = x.dequantize()
     if not x.is_floating_point():
         raise TypeError(f"to_float8 takes a floating-point tensor, got {x.dtype}")
+    if not is_tensorwise(block):
+        scales = block_scales(x, block, fmt, margin) if scale is None else scale.detach().to(x.device, torch.float32).clone()
+        return Float8Tensor(quantize_blocks(x.detach(), scales, block, fmt), scales, dtype or x.dtype,
+                            accumulate_backend, block)
     if scale is None:
         scale = compute_scale(amax_of(x), fmt, margin)
     else:

@@ -118,8 +118,10 @@ def test_torch_save_load_round_trip(gen, weights_only):
 def test_constructor_validation(gen):
     with pytest.raises(ValueError, match="float8"):
         Float8Tensor(torch.randn(4), torch.tensor(1.0))
-    with pytest.raises(ValueError, match="one tensor-wise scale"):
+    with pytest.raises(ValueError, match="tensor-wise Float8Tensor takes one scale.*block="):
         Float8Tensor(torch.randn(4).to(torch.float8_e4m3fn), torch.ones(2))
+    with pytest.raises(ValueError, match="scale grid of shape grid_shape"):
+        Float8Tensor(torch.randn(4, 256).to(torch.float8_e4m3fn), torch.ones(4, 1), block=(1, 128))
     with pytest.raises(TypeError, match="floating-point"):
         fp8.to_float8(torch.arange(4))
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.backend import KERNEL_BACKENDS, resolve_backend
+from ..blocks import quantize_to_blocks
 from ..cast import quantize
 from ..formats import FP8_DTYPES, byte_view
 from ..scaling import amax_of, discard_step_amaxes, update_scales
@@ -69,7 +70,7 @@ def grads_finite_flag(params: Iterable[torch.Tensor]) -> torch.Tensor:
         if grad is None:
             continue
         if isinstance(grad, Float8Tensor):
-            flags.append(torch.isfinite(grad.payload.to(torch.float32)).all() & torch.isfinite(grad.scale))
+            flags.append(torch.isfinite(grad.payload.to(torch.float32)).all() & torch.isfinite(grad.scale).all())
         else:
             flags.append(torch.isfinite(grad).all())
     if not flags:
@@ -216,7 +217,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 if p.grad is not None and not self.state[p]:
                     self._init_state(p, group)
         device = self._skipped_counter.device
-        if params and self._has_fused_step and resolve_backend(self.kernel_backend, *params) == "triton":
+        block_scaled = any(getattr(p, "block", None) is not None or getattr(p.grad, "block", None) is not None
+                           for p in params)
+        if params and self._has_fused_step and not block_scaled and resolve_backend(self.kernel_backend, *params) == "triton":
             ok = self._fused_step(params, agreed_ok)
         else:
             ok = grads_finite_flag(params).to(device)
@@ -273,6 +276,12 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         record the new amax; every write masked by ``ok``."""
         value = self._load(state, "master")
         amax = amax_of(value)
+        if p.block is not None:  # a recipe's block scales: current per block (fp8.recipes)
+            payload, scales = quantize_to_blocks(value.reshape(p.shape), p.block, p.format)
+            p.payload.copy_(select_where(ok, payload, p.payload))
+            p.scale.copy_(torch.where(ok, scales, p.scale))
+            state["param_amax"] = torch.where(ok, amax, state["param_amax"])
+            return
         scale = delayed_or_current_scale(amax, state["param_amax"], p.format.max, p.scale)
         payload = quantize(value, scale, p.format)
         p.payload.copy_(select_where(ok, payload, p.payload))

@@ -12,6 +12,8 @@ __all__ = ["clip_grad_norm_", "scale_grads_to_norm_"]
 
 
 def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if isinstance(grad, Float8Tensor) and grad.block is not None:
+        return torch.linalg.vector_norm(grad.dequantize(torch.float32), norm_type)
     if isinstance(grad, Float8Tensor):
         # The norm of payload / scale, without materialising the dequantized gradient twice.
         return torch.linalg.vector_norm(grad.payload.to(torch.float32), norm_type) / grad.scale

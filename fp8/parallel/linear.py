@@ -94,6 +94,8 @@ class _ParallelLinearBase(nn.Module):
                 f"{type(self).__name__}: the weight shard of a {output_size} x {input_size} weight over tensor-parallel "
                 f"size {tp}: {problem}; pick hidden/FFN sizes that are multiples of 16 x the tensor-parallel size"
             )
+        if fp8 is not None:
+            fp8 = self.fp8 = fp8.for_dims(local_in, local_out, type(self).__name__)
         init = init_method if getattr(config, "perform_initialization", True) else None
         weight = initialize_sharded_weight(full_shape, self.partition_dim, self.comm.rank, tp, init, stride,
                                            torch.float32)
@@ -123,9 +125,12 @@ class _ParallelLinearBase(nn.Module):
         state.amax_comm = self.comm.collectives
         return state
 
-    def _gather(self, payload: torch.Tensor) -> torch.Tensor:
-        """Sequence-parallel all-gather of an FP8 payload (cast with a scale agreed over the group)."""
-        return self.comm.all_gather(payload, "sp all-gather")
+    def _gather(self, payload: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence-parallel all-gather of an FP8 payload with its scale: a 0-d scale is agreed over the group
+        (the payload alone travels); a grid of per-row or per-tile scales travels with its rows."""
+        if scale.dim() == 0:
+            return self.comm.all_gather(payload, "sp all-gather"), scale
+        return self.comm.all_gather(payload, "sp all-gather"), self.comm.all_gather(scale, "sp all-gather scales")
 
     def _all_reduce(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Tensor-parallel all-reduce of a GEMM's fp32 output, in ``dtype``."""

@@ -1,0 +1,72 @@
+"""FP8 scaling recipes: which block of each GEMM operand shares one scale (:mod:`fp8.blocks`).
+
+An FP8 linear ``y = x @ W^T`` runs three GEMMs; each operand's scales must be constant along the
+dimension the GEMM sums over, or vary in the 128-element K blocks the block GEMM takes:
+
+=============  =====================  =====================  ======================================
+recipe         forward ``x @ W^T``    input grad ``dY @ W``  weight grad ``dY^T @ x``
+=============  =====================  =====================  ======================================
+tensorwise     x: tensor, W: tensor   dY: tensor, W: tensor  dY: tensor, x: tensor
+rowwise        x: per token (row),    dY: per token,         dY: per output feature (column),
+               W: per output channel  W: per input channel   x: per input feature (column)
+blockwise      x: 1x128 tiles,        dY: 1x128 tiles,       dY: 128x1 tiles, x: 128x1 tiles
+               W: 128x128 blocks      W: 128x128 blocks
+=============  =====================  =====================  ======================================
+
+``tensorwise`` is FP8-LM's recipe: delayed scaling of activations (E4M3) and output gradients (E5M2),
+each from its own amax history. ``rowwise`` and ``blockwise`` scale every block from its own current amax
+and use E4M3 everywhere (fine scales leave E5M2's range unneeded: twice the precision). Operands whose
+GEMM needs another layout than the one they are held in are re-quantized from their exact dequantized
+values (the rowwise weight for the input gradient, the saved activation and the output gradient for the
+weight gradient): with power-of-two scales that is exact except for values that fall below the normal
+range of their new block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .blocks import BLOCK, COLWISE, ROWWISE, TENSORWISE, TILE, TILE_T, Block
+
+__all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE"]
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+"""Names of the scaling recipes (``fp8.initialize(recipe=...)``, ``Float8LinearConfig(recipe=...)``)."""
+
+BLOCKWISE_TILE = 128
+"""Tile and block edge of the ``blockwise`` recipe: layers whose dimensions are not multiples of it run
+``tensorwise`` (logged)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Blocks of every operand of an FP8 linear's three GEMMs (2-D views: x ``(tokens, in)``, W ``(out, in)``,
+    dY ``(tokens, out)``), and the format of output gradients."""
+
+    name: str
+    input: Block             # x, forward
+    weight: Block            # W at rest, forward (and input gradient where ``dgrad_weight`` is the same)
+    grad_output: Block       # dY, input gradient
+    dgrad_weight: Block      # W, input gradient
+    wgrad_grad_output: Block  # dY, weight gradient (taken transposed)
+    wgrad_input: Block       # x, weight gradient
+    grad_fmt: str            # dY's format in the rowwise/blockwise recipes (tensorwise: the config's)
+
+    @property
+    def tensorwise(self) -> bool:
+        return self.name == "tensorwise"
+
+
+_RECIPES = {
+    "tensorwise": Recipe("tensorwise", TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE,
+                         "e5m2"),
+    "rowwise": Recipe("rowwise", ROWWISE, ROWWISE, ROWWISE, COLWISE, COLWISE, COLWISE, "e4m3"),
+    "blockwise": Recipe("blockwise", TILE, BLOCK, TILE, BLOCK, TILE_T, TILE_T, "e4m3"),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The :class:`Recipe` called ``name``; a ``ValueError`` names the choices."""
+    if name not in _RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {name!r}")
+    return _RECIPES[name]
