@@ -49,4 +49,5 @@ gpu-check:
 	@$(PYTHON) -c "import transformer_engine.pytorch" 2>/dev/null || $(PIP) --no-build-isolation "transformer_engine[pytorch]" \
 		|| echo "gpu-check: Transformer Engine not installable: its rows are skipped"
 	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
+	TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -m gpu tests/test_block_gemm.py
 	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_step.py --budget-s $(GPU_STEP_BUDGET_S) --json benchmarks/results/gpu_check.json
