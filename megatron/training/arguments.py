@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fp8-grad-accumulation", choices=("fp32", "fp8"), default="fp32",
                    help="FP8 weight gradients over micro-batches: summed in fp32 and quantized once for the "
                         "data-parallel reduction, or held as E4M3 (Float8LinearConfig.grad_accumulation)")
+    f.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
+                   help="granularity of the FP8 scales (fp8.recipes): one per tensor (delayed, E4M3/E5M2), per row "
+                        "(tokens and output channels) or DeepSeek-style blocks (1x128 activation and gradient tiles, "
+                        "128x128 weight blocks), E4M3 everywhere for the last two")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")

@@ -74,7 +74,7 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
                "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
                "use_distributed_optimizer", "make_vocab_size_divisible_by", "fp8_amax_history_len", "fp8_margin",
-               "fp8_grad_accumulation")
+               "fp8_grad_accumulation", "fp8_recipe")
 # Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
 # resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
