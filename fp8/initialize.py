@@ -9,6 +9,7 @@ import logging
 import torch
 from torch import nn
 
+from .activations import compress_activations
 from .convert import ModuleFilter, convert_to_float8_linear
 from .gemm import scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
@@ -117,6 +118,12 @@ def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
         logger.warning("fp8: %s; FP8 GEMMs will be emulated (correct numerics, no speed-up)", message)
 
 
+def _with_activations(model: nn.Module, fp8_activations: bool) -> nn.Module:
+    if fp8_activations:
+        model.fp8_activation_compressor = compress_activations(model)
+    return model
+
+
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -129,6 +136,7 @@ def initialize(
     min_fp8_dim: int | None = None,
     require_fp8: bool = False,
     recipe: str | None = None,
+    fp8_activations: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -166,6 +174,11 @@ def initialize(
     granularity of the FP8 scales (``config.recipe``); layers that cannot tile ``blockwise`` (dimensions not
     multiples of 128) run ``tensorwise``, logged.
 
+    ``fp8_activations=True`` stores the tensors the model's non-linear ops save for backward (norms, activation
+    functions, gated products, attention inputs, residual branches) as E4M3 in 1x128 tiles
+    (:func:`fp8.activations.compress_activations`, at every level, ``"none"`` included); the compressor, with
+    its byte ledger (``.stats``), is ``model.fp8_activation_compressor``.
+
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
@@ -188,7 +201,7 @@ def initialize(
 
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
     if opt_level == "none":
-        return model, optimizer
+        return _with_activations(model, fp8_activations), optimizer
     _check_materialized(model)
     if opt_level == "O1" and optimizer is not None:
         _check_no_closure_required(optimizer)
@@ -201,6 +214,7 @@ def initialize(
     if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
     model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8)
+    model = _with_activations(model, fp8_activations)
     if optimizer is None:
         return model, None
     if opt_level in ("O2", "O3"):

@@ -155,7 +155,7 @@ FLAG_RUNS = {
     "sgd_bf16_compare": [
         *SMALL, "--optimizer", "sgd", "--lr-decay-style", "constant", "--bf16", "--fp8-opt-level", "O1",
         "--compare", "none", "--fp8-pipeline", "off", "--train-iters", "3", "--exit-duration-in-mins", "60",
-        "--exit-signal-handler"],
+        "--exit-signal-handler", "--fp8-recipe", "rowwise", "--fp8-activations"],
     "data_and_checkpoints": [  # --data-path, --tokenizer-model, --save, --save-interval added by the test
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--split", "90,10,0", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"],

@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="granularity of the FP8 scales (fp8.recipes): one per tensor (delayed, E4M3/E5M2), per row "
                         "(tokens and output channels) or DeepSeek-style blocks (1x128 activation and gradient tiles, "
                         "128x128 weight blocks), E4M3 everywhere for the last two")
+    f.add_argument("--fp8-activations", action="store_true",
+                   help="store the tensors non-linear ops save for backward (norms, activations, gated products, "
+                        "attention inputs) as E4M3 in 1x128 tiles (fp8.activations), at every opt level")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")

@@ -7,6 +7,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from fp8.activations import compress_activations
 from fp8.linear import Float8LinearConfig
 from fp8.scaling import ScalingConfig
 from megatron.core import parallel_state
@@ -155,6 +156,8 @@ def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_siz
             vp_stage=vp_stage if vp_size > 1 else None,
         )
         _initialize_megatron_weights(model, args, config)
+        if getattr(args, "fp8_activations", False):
+            model.fp8_activation_compressor = compress_activations(model)
         chunks.append(model)
     return chunks
 

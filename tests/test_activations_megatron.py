@@ -1,0 +1,104 @@
+"""FP8 activation compression and the scaling recipes on the megatron-core GPT that pretrain_gpt.py trains
+(``--fp8-activations``, ``--fp8-recipe``): one training step's gradients with compression against the same step
+without it, and what the compressor stored."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.spawn import CachedLaunch
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
+         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+         "--global-batch-size", "2", "--vocab-size", "512", "--mock-data", "--fp32", "--train-iters", "1",
+         "--eval-interval", "0", "--eval-iters", "0", "--no-progress", "--lr", "1e-3", "--lr-warmup-iters", "0"]
+CASES = {
+    "O2 blockwise": ["--fp8-opt-level", "O2", "--fp8-recipe", "blockwise"],
+    "O2 blockwise + activations": ["--fp8-opt-level", "O2", "--fp8-recipe", "blockwise", "--fp8-activations"],
+    "none": ["--fp8-opt-level", "none"],
+    "none + activations": ["--fp8-opt-level", "none", "--fp8-activations"],
+}
+
+
+def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from fp8 import Float8Tensor
+    from megatron.core import parallel_state
+    from megatron.training import training
+    from megatron.training.arguments import parse_args, validate_args
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, extra in CASES.items():
+            args = validate_args(parse_args(FLAGS + extra + ["--seed", str(seed)]), world_size=world)
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            training.initialize_distributed(args)
+            datasets = training._Datasets(args)
+            run = training._Run(args, datasets)
+            data = run.data_iterators(datasets.train)
+            seen: dict = {}
+            real_step = run.optimizer.step
+
+            def step(*a, _seen=seen, _run=run, **kw):  # the gradients the optimizer step sees
+                grads = []
+                for p in (p for c in _run.bare_chunks for p in c.parameters()):
+                    g = getattr(p, "main_grad", None)
+                    g = p.grad if g is None else g
+                    if g is not None:
+                        g = g.dequantize(torch.float32) if isinstance(g, Float8Tensor) else g.float()
+                        grads.append(g.reshape(-1))
+                _seen["grads"] = torch.cat(grads).clone()
+                return real_step(*a, **kw)
+
+            run.optimizer.step = step
+            loss = float(run.train_step(data, 0)["loss"])
+            chunk = run.bare_chunks[0]
+            compressor = getattr(chunk, "fp8_activation_compressor", None)
+            linear = next(m for m in chunk.modules() if type(m).__name__.startswith("FP8ColumnParallel")) \
+                if args.fp8_opt_level != "none" else None
+            results[name] = {
+                "loss": loss, "grads": seen["grads"],
+                "stats": None if compressor is None else compressor.stats.as_dict(),
+                "weight_block": None if linear is None else linear.weight.block,
+            }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_launch = CachedLaunch(_worker, "activations_megatron")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(1, 2024, tmp_path_factory)[1][0]
+
+
+def test_blockwise_recipe_reaches_the_megatron_layers(results):
+    assert results["O2 blockwise"]["weight_block"] == (128, 128)
+
+
+@pytest.mark.parametrize("base", ["O2 blockwise", "none"])
+def test_compressed_step_matches_the_uncompressed_one(results, base):
+    plain, compressed = results[base], results[f"{base} + activations"]
+    assert plain["stats"] is None
+    stats = compressed["stats"]
+    # What was compressed shrinks to E4M3 + one fp32 scale per 128 values (1.03 / hp bytes); measured 0.258.
+    assert stats["tensors"] > 0 and stats["stored_bytes"] <= 0.3 * stats["saved_bytes"], stats
+    assert stats["held_bytes"] == 0  # all freed after the backward
+    # Same data and initialisation: the loss is the same forward up to the first layer's compressed tensors
+    # (none: exactly, compression acts on what is saved, not on the forward), gradients within E4M3 rounding.
+    assert compressed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    rel = ((compressed["grads"] - plain["grads"]).norm() / plain["grads"].norm()).item()
+    assert rel < 0.05, rel
