@@ -175,16 +175,25 @@ class SavedBytesTracker:
     context manager (``torch.autograd.graph.saved_tensors_hooks``) to put around forward and backward;
     with activation recomputation the tensors saved while recomputing in backward count too."""
 
-    def __init__(self, excluded: set) -> None:
+    def __init__(self, excluded: set, compressor=None) -> None:
         self.excluded = excluded
         self.refs: dict[tuple[int, int], int] = {}
         self.live = 0
         self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda held: held.tensor)
+        self.compressor = compressor
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def unpack(self, held: _Held) -> torch.Tensor:
+        return held.tensor if self.compressor is None else self.compressor.unpack(held.tensor)
 
     def pack(self, t: torch.Tensor) -> _Held:
+        """Count what is held: ``t``, or with a ``compressor`` (``fp8.activations.ActivationCompressor``, taken
+        off the model) what it stores for ``t`` (an FP8 payload and its scales, or ``t`` left alone)."""
         keys = []
-        for x in _tensors(t):
+        if self.compressor is not None:
+            t = self.compressor.pack(t)
+        stored = [t.payload, t.scales] if hasattr(t, "scales") else _tensors(t)
+        for x in stored:
             key = _storage_key(x)
             if key[0] == 0 or key in self.excluded:
                 continue

@@ -123,6 +123,9 @@ _NORMS = ("LayerNorm", "RMSNorm")
 _POSITIONS = ("learned_absolute", "rope")
 _RECOMPUTE = ("none", "selective", "full")
 _GRAD_ACCUMULATION = ("fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
+_RECIPES = ("tensorwise", "rowwise", "blockwise")  # fp8.recipes.RECIPES
+_TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
+_MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
 _MiB = 2**20
 GiB = 2**30
 
@@ -175,6 +178,8 @@ class PlannerConfig:
     grad_accumulation: str = "fp32"
     pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
     min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
+    fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise
+    fp8_activations: bool = False  # tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -189,6 +194,8 @@ class PlannerConfig:
                      "data_parallel_size", "dp_bucket_bytes", "num_query_groups", "fp8_amax_history_len"):
             _positive(name, getattr(self, name))
         object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
+        if self.fp8_recipe not in _RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {'|'.join(_RECIPES)}, got {self.fp8_recipe!r}")
         if self.grad_accumulation not in _GRAD_ACCUMULATION:
             raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(_GRAD_ACCUMULATION)}, "
                              f"got {self.grad_accumulation!r}")
@@ -314,6 +321,7 @@ class PlannerConfig:
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
             grad_accumulation=get("fp8_grad_accumulation", "fp32"),
+            fp8_recipe=get("fp8_recipe", "tensorwise"), fp8_activations=bool(get("fp8_activations", False)),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -328,6 +336,8 @@ class _Tensor:
     name: str
     numel: int
     fp8: bool  # an FP8 weight (one Float8Linear each)
+    rows: int = 0  # an FP8 weight's (out, in) on this rank: its scale grid follows the recipe
+    cols: int = 0
 
 
 def _default_min_fp8_dim() -> int:
@@ -350,7 +360,8 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
             tensors.append(_Tensor(f"{prefix}.bias", h, False))
 
     def linear(prefix: str, n_out: int, n_in: int, bias_numel: int) -> None:
-        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim))
+        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim,
+                               n_out, n_in))
         if bias:
             tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False))
 
@@ -385,6 +396,23 @@ def _total_params(cfg: PlannerConfig) -> int:
 
 
 # -- model state --------------------------------------------------------------------------------------
+def _recipe(cfg: PlannerConfig, n_out: int, n_in: int) -> str:
+    """The recipe a linear of this rank's shape runs: blockwise falls back to tensorwise where it cannot tile."""
+    if cfg.fp8_recipe == "blockwise" and (n_out % _TILE or n_in % _TILE):
+        return "tensorwise"
+    return cfg.fp8_recipe
+
+
+def _weight_scale_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
+    """Bytes of an FP8 weight's scale(s): one per tensor, per output channel or per 128 x 128 block."""
+    recipe = _recipe(cfg, t.rows, t.cols)
+    if recipe == "rowwise":
+        return 4 * t.rows
+    if recipe == "blockwise":
+        return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
+    return 4
+
+
 def whole_tensor_partition(sizes: list[int], world_size: int) -> tuple[list[int], list[int]]:
     """(owner of each tensor, elements per rank) under O3's rule, as ``fp8.optim.partition_by_size``
     (largest first to the least-loaded rank, ties to the lower rank, then tensor order); kept here so
@@ -423,14 +451,16 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
         n, mine = t.numel, owned[owner]
         if t.fp8:
             out["weights"] += n
-            out["fp8_scaling_metadata"] += 4 + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scale, states
+            scales = _weight_scale_bytes(cfg, t)
+            out["fp8_scaling_metadata"] += scales + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scales, states
             if sp_scatter and not t.name.endswith("output_layer.weight"):
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
             if cfg.grad_accumulation == "fp32" and dp == 1:
                 out["gradients"] += 4 * n  # the fp32 sum over micro-batches is the step's gradient
             elif level == "O1":
                 out["gradients"] += n
-                out["fp8_scaling_metadata"] += 4  # gradient scale
+                # gradient scale(s): the recipe's grid when held in E4M3 over micro-batches, else the DP reduction's
+                out["fp8_scaling_metadata"] += scales if dp == 1 else 4
             else:  # E4M3 gradient after the reduction: with the owner (O3)
                 mine["gradients"] += n
                 mine["fp8_scaling_metadata"] += 4
@@ -485,23 +515,59 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
 
 
 # -- activations ----------------------------------------------------------------------------------------
+def _stored(cfg: PlannerConfig, width: float, elem: int, tokens: float) -> float:
+    """Bytes per token of one tensor saved for backward, ``width`` values of ``elem`` bytes per token, over ``tokens``
+    tokens: as is, or with ``fp8_activations`` (tensors of ``elem`` >= 2 bytes and at least 4,096 values) as E4M3 plus
+    an fp32 scale per 1 x 128 tile of its last dimension (tiles of 128 consecutive values when it is shorter)."""
+    if not cfg.fp8_activations or elem < 2 or width * tokens < _MIN_COMPRESSED:
+        return elem * width
+    scales = math.ceil(width / _TILE) if width >= _TILE else width / _TILE
+    return width + 4 * scales
+
+
+def _fp8_input(cfg: PlannerConfig, width: int, n_out: int) -> float:
+    """Bytes per token of an FP8 linear's saved input of ``width`` features: E4M3 plus the recipe's scales (a
+    per-token scale rowwise, one per 1 x 128 tile blockwise; tensorwise: one per tensor, not per token)."""
+    recipe = _recipe(cfg, n_out, width)
+    if recipe == "rowwise":
+        return width + 4
+    if recipe == "blockwise":
+        return width + 4 * math.ceil(width / _TILE)
+    return width
+
+
 def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
     """Bytes one transformer layer keeps for backward per token of one micro-batch (no recompute)."""
     h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     tp = cfg.tensor_model_parallel_size
     sp = tp if cfg.sequence_parallel else 1
     hp = cfg.hp_bytes
-    lin = 1 if cfg.fp8 else hp
+    tokens = cfg.seq_length * cfg.micro_batch_size
     stats = 8 if cfg.normalization == "LayerNorm" else 4
     mask = 1 if cfg.hidden_dropout > 0 else 0
+    head_dim = h // a
+    fc1_out = 2 * f if cfg.swiglu else f
     act_in = 2 * f if cfg.swiglu else f
-    seq_shard = 2 * (hp * h + stats) + 2 * mask * h  # norm inputs and statistics, dropout masks: /TP with SP
-    gathered = 2 * lin * h  # QKV and fc1 inputs: fp8lm's column-parallel linears save the all-gathered input
-    # q, k, v; attention output; fp32 logsumexp; proj input (the attention output itself in high precision,
-    # a separate E4M3 copy in FP8); activation-function input; fc2 input
-    proj_in = h if cfg.fp8 else 0
-    sharded = hp * cfg.qkv_size + hp * h + 4 * a + proj_in + hp * act_in + lin * f
-    return seq_shard / sp + gathered + sharded / tp
+    # norm inputs and statistics, dropout masks: /TP with SP
+    seq_shard = 2 * (_stored(cfg, h, hp, tokens / sp) + stats) + 2 * mask * h
+    # QKV and fc1 inputs: fp8lm's column-parallel linears save the all-gathered input (E4M3 + the recipe's scales;
+    # the high-precision baseline's, inside its autograd function, as is: fp8.activations leaves such leaves alone)
+    if cfg.fp8:
+        gathered = _fp8_input(cfg, h, cfg.qkv_size // tp) + _fp8_input(cfg, h, fc1_out // tp)
+    else:
+        gathered = 2 * hp * h
+    # q, k, v (per head: last dimension head_dim); attention output; fp32 logsumexp; proj input (the attention
+    # output itself in high precision, a separate E4M3 copy in FP8); activation-function input; fc2 input
+    qkv = _stored(cfg, cfg.qkv_size // tp, hp, tokens) if not cfg.fp8_activations else \
+        (cfg.qkv_size // tp) / head_dim * _stored(cfg, head_dim, hp, tokens * head_dim)
+    attn_out = _stored(cfg, h // tp, hp, tokens) if not cfg.fp8_activations else \
+        (h // tp) / head_dim * _stored(cfg, head_dim, hp, tokens * head_dim)
+    # (high precision: the attention output's own storage, unless fp8_activations stores a compressed copy of it)
+    proj_in = _fp8_input(cfg, h // tp, h) if cfg.fp8 else (hp * h // tp if cfg.fp8_activations else 0)
+    act = _stored(cfg, act_in // tp, hp, tokens)
+    fc2_in = _fp8_input(cfg, f // tp, h) if cfg.fp8 else hp * f // tp
+    sharded = qkv + attn_out + 4 * a / tp + proj_in + act + fc2_in
+    return seq_shard / sp + gathered + sharded
 
 
 def _activations(cfg: PlannerConfig, stage: int) -> int:
@@ -526,17 +592,19 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
     full = _layer_activation_bytes_per_token(cfg)
     head = 0.0  # the last stage's final norm, output layer and loss (one micro-batch: freed first in backward)
     if stage == pp - 1:
-        out_in = 1 if (cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights) else hp
+        h, local = cfg.hidden_size, tokens / sp
+        fp8_out = cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights
+        out_in = h if fp8_out else _stored(cfg, h, hp, local)
         stats = 8 if cfg.normalization == "LayerNorm" else 4
-        head += (hp * cfg.hidden_size + stats + out_in * cfg.hidden_size) / sp
+        head += (_stored(cfg, h, hp, local) + stats + out_in) / sp
         # fp32 logits for the loss (4 V / TP); labels (int64), the vocab-parallel loss's target mask (bool) and
         # the training loop's fp32 loss mask
-        head += 4 * cfg.padded_vocab_size / tp + 8 + 1 + 4
+        head += _stored(cfg, cfg.padded_vocab_size / tp, 4, tokens) + 8 + 1 + 4
     if cfg.recompute_granularity == "full":
         # Every layer's input (one checkpoint each) stays; in backward one layer at a time is recomputed (its
         # own input is the checkpointed one), after the head's tensors are freed: the peak is the larger of
         # the two.
-        layer_in = hp * cfg.hidden_size / sp
+        layer_in = _stored(cfg, cfg.hidden_size, hp, tokens / sp) / sp
         per_token = layer_mbs * layer_in + max(full - layer_in, head)
     else:
         per_token = layer_mbs * full + head
