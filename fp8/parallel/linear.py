@@ -12,20 +12,25 @@ the tensor-parallel group, as for sequence-parallel norms).
 ``fp8=Float8LinearConfig(...)`` (the default of the ``FP8*`` classes) runs :class:`fp8.Float8Linear`'s
 autograd function (:class:`fp8.linear.Float8LinearFunction`), the collectives below passed in as
 :class:`fp8.linear.LinearHooks`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
-gradient, FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
+gradient (E4M3 under the ``rowwise``/``blockwise`` recipes, :mod:`fp8.recipes`), FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
 (fp32 by default, summed exactly over micro-batches; see :mod:`fp8.linear`). Communication:
 
 ===========================  =========================================  ==========================================
 layer / pass                 sequence parallel                          tensor parallel only
 ===========================  =========================================  ==========================================
 column, forward              all-gather of the E4M3 input (1 B/value)   none (input replicated)
-column, backward             FP8 reduce-scatter of dX (E5M2, fp32 sum)  all-reduce of dX (high precision)
+column, backward             FP8 reduce-scatter of dX (dY's format)     all-reduce of dX (high precision)
 row, forward                 FP8 reduce-scatter of Y (E4M3, fp32 sum)   all-reduce of Y (high precision)
-row, backward                all-gather of the E5M2 dY (1 B/value)      none (dY replicated)
+row, backward                all-gather of the FP8 dY (1 B/value)       none (dY replicated)
 ===========================  =========================================  ==========================================
 
-Every scale of a tensor that crosses the group or is sharded across it is agreed over the group (amax
-all-reduced with MAX), so all ranks cast with the scale the single-process layer would use.
+Tensor-wise scales of a tensor that crosses the group are agreed over the group (amax all-reduced with MAX), so
+all ranks cast with the scale the single-process layer would use. Per-row and per-tile scales (the
+``rowwise``/``blockwise`` recipes) are each rank's own: they travel with the rows they scale (``"sp all-gather
+scales"``), and blocks never straddle two ranks where the shard dimensions are multiples of the block (a row
+or a 128-wide tile), so the layers equal the single-process ones bit for bit there. Weight shards are quantized
+on their own rank (tensor-wise: their own scale; equal to the single-process weight except for values below
+E4M3's normal range).
 ``fp8=None`` is the high-precision baseline: the same layers, the same collectives in high precision,
 counted the same way (its own two small autograd functions).
 
@@ -256,7 +261,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             self.bias.partition_dim = 0
             self.bias.partition_stride = stride
         if fp8 is not None and self.sequence_parallel:
-            self.grad_input_scatter_scaling = self._scatter_scaling(fp8.grad_output.fmt)
+            self.grad_input_scatter_scaling = self._scatter_scaling(fp8.grad_output.fmt if fp8.recipe == "tensorwise" else fp8.recipe_spec.grad_fmt)
 
     def _fp8_hooks(self) -> LinearHooks:
         """The FP8 recipe's collectives: all-gather of the E4M3 input and FP8 reduce-scatter of dX with

@@ -605,7 +605,10 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
         # own input is the checkpointed one), after the head's tensors are freed: the peak is the larger of
         # the two.
         layer_in = _stored(cfg, cfg.hidden_size, hp, tokens / sp) / sp
-        per_token = layer_mbs * layer_in + max(full - layer_in, head)
+        # With fp8_activations the checkpoint is a compressed copy: the layer recomputes from a restored one (a
+        # leaf, kept as is by the recomputed layer), held beside it.
+        restored = hp * cfg.hidden_size / sp if layer_in != hp * cfg.hidden_size / sp else 0
+        per_token = layer_mbs * layer_in + max(full - layer_in + restored, head)
     else:
         per_token = layer_mbs * full + head
     if stage == 0:
