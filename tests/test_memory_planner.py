@@ -212,6 +212,22 @@ def test_figure1_fp8_fits_larger_models(tmp_path):
     assert (tmp_path / "fig.png").stat().st_size > 0 and json.loads((tmp_path / "fig.json").read_text())
 
 
+def test_recipes_and_activation_compression_match_the_planner():
+    """One process, hidden 128 (blockwise tiles every linear): the scale grids of each recipe (weights: model
+    state; saved FP8 inputs: activations) and what --fp8-activations stores, planned as measured (the tracker
+    packs with the model's compressor), with and without recomputation."""
+    model = ["--hidden-size", "128", "--ffn-hidden-size", "512"]
+    cases = [{"name": recipe, "flags": [*model, "--fp8-recipe", recipe], "levels": ["O2"], "recompute": [False]}
+             for recipe in ("rowwise", "blockwise")]
+    cases += [{"name": f"{level} act", "flags": [*model, "--fp8-recipe", "blockwise", "--fp8-activations"],
+               "levels": [level], "recompute": [False, True]} for level in ("none", "O2")]
+    rows = pv.validate_megatron(1, cases, timeout=300)
+    assert {r["what"] for r in rows} >= {"model state", "activations (recompute none)", "activations (recompute full)"}
+    for row in rows:
+        # Measured: exact but for a few scalars (<= 68 bytes)
+        assert row["planned"] == pytest.approx(row["measured"], rel=1e-4, abs=128), row
+
+
 def test_megatron_gpt_tp2_sp_matches_planner_on_every_rank():
     """megatron-core GPTModel built by fp8lm at TP=2 + SP on two gloo ranks (one launch): the planner's model
     state per category matches fp8.memory_report exactly (rel 1e-4), activations (peak of saved bytes over
@@ -221,6 +237,9 @@ def test_megatron_gpt_tp2_sp_matches_planner_on_every_rank():
          "levels": ["O2"], "recompute": [False, True]},
         {"name": "tp2sp", "layout": "TP=2+SP", "flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
          "levels": ["none"], "recompute": [False]},
+        {"name": "tp2sp blockwise+act", "layout": "TP=2+SP", "levels": ["O2"], "recompute": [False, True],
+         "flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hidden-size", "256",
+                   "--ffn-hidden-size", "512", "--fp8-recipe", "blockwise", "--fp8-activations"]},
     ], timeout=300)
     assert {r["rank"] for r in rows} == {0, 1}
     assert {r["what"] for r in rows} >= {*pv.STATE_KEYS, "model state", "activations (recompute none)",
