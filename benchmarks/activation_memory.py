@@ -1,20 +1,18 @@
-"""Bytes held for backward after the forward pass of a Hugging Face Llama, with and without FP8 activation
-compression (``fp8.activations``): pure BF16, pure BF16 + compression, FP32, FP32 + compression.
+"""Bytes held for backward after the forward pass of a Hugging Face Llama: pure BF16, BF16 at O2 (FP8 linears,
+tensorwise and blockwise recipes), each with and without FP8 activation compression (``fp8.activations``), and
+FP32; beside each, the memory planner's figure for the same model (megatron/training/memory_plan.py).
 
     python benchmarks/activation_memory.py [--json benchmarks/results/activation_memory.json]
         [--hidden 512] [--layers 2] [--batch 2] [--seq 1024] [--vocab 1000]
 
-Method (CPU, exact, no allocator needed): every tensor the forward saves for backward goes through a
-saved-tensor pack hook. The hook here is an :class:`fp8.activations.ActivationCompressor` whose ``pack``
-also records the storage of each tensor it returns as is (unique storages, by pointer: the graph keeps
-them alive, so a pointer cannot be reused during the forward); parameters are counted apart (the model
-holds them anyway). Bytes held for backward = those storages' bytes + the compressor's ``stored_bytes``
-(FP8 payloads and tile scales, each tensor once). The uncompressed runs use the same hook with compression
-off (``dtypes=()``: everything is left alone), so both sides are counted the same way. The hook is entered
-around the forward only, exactly what :func:`fp8.activations.compress_activations` does with its forward
-pre-hook and forward hook. The loss (``labels=``) is computed in the forward, as in training; a
-backward pass then checks the graph is usable and every compressed payload is freed.
-Prints a table and writes JSON.
+Method (CPU, exact: the engine's ledger): every tensor the forward saves for backward goes through the pack hook
+of an :class:`fp8.activations.ActivationCompressor` entered around the forward (what
+``fp8.initialize(..., fp8_activations=True)`` installs with its forward hooks); for the uncompressed variants a
+compressor that compresses nothing (``dtypes=()``) only counts. Right after the forward,
+:meth:`~fp8.activations.ActivationCompressor.held_bytes` is the bytes held for backward: the FP8 copies plus
+the storages of the tensors saved as is, each once, parameters excluded (``fp8.memory_report`` reports the same
+figure as ``"activations"``). The loss (``labels=``) is computed in the forward, as in training; a backward pass
+then checks every compressed payload is freed. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -30,28 +28,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import fp8  # noqa: E402
 from fp8.activations import ActivationCompressor  # noqa: E402
+from fp8.memory import memory_report  # noqa: E402
+from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
-VARIANTS = (("BF16", torch.bfloat16, True), ("BF16 + FP8 activations", torch.bfloat16, False),
-            ("FP32", torch.float32, True), ("FP32 + FP8 activations", torch.float32, False))
-"""(name, model dtype, uncompressed)."""
-
-
-class CountingCompressor(ActivationCompressor):
-    """The compressor, also recording the unique storages of the tensors it leaves alone."""
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.kept: dict[int, int] = {}
-        self.param_bytes: dict[int, int] = {}
-
-    def pack(self, t):
-        out = super().pack(t)
-        if isinstance(out, torch.Tensor):
-            storage = t.untyped_storage()
-            target = self.param_bytes if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad) else self.kept
-            target[storage.data_ptr()] = storage.nbytes()
-        return out
+VARIANTS = (
+    ("BF16", torch.bfloat16, "none", "tensorwise", False),
+    ("BF16 + FP8 activations", torch.bfloat16, "none", "tensorwise", True),
+    ("O2 tensorwise", torch.bfloat16, "O2", "tensorwise", False),
+    ("O2 tensorwise + FP8 activations", torch.bfloat16, "O2", "tensorwise", True),
+    ("O2 blockwise", torch.bfloat16, "O2", "blockwise", False),
+    ("O2 blockwise + FP8 activations", torch.bfloat16, "O2", "blockwise", True),
+    ("FP32", torch.float32, "none", "tensorwise", False),
+    ("FP32 + FP8 activations", torch.float32, "none", "tensorwise", True),
+)
+"""(name, model dtype, opt level, recipe, FP8 activations)."""
 
 
 def build(args, dtype: torch.dtype):
@@ -64,22 +56,37 @@ def build(args, dtype: torch.dtype):
     return LlamaForCausalLM(config).to(dtype)
 
 
-def measure(args, name: str, dtype: torch.dtype, uncompressed: bool) -> dict:
+def planned(args, dtype: torch.dtype, level: str, recipe: str, compressed: bool) -> int:
+    """The planner's activations for this Llama as a megatron-core GPT (RMSNorm, SwiGLU, RoPE, no biases, untied)."""
+    cfg = PlannerConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.intermediate,
+                        num_attention_heads=args.heads, seq_length=args.seq, vocab_size=args.vocab,
+                        make_vocab_size_divisible_by=1, swiglu=True, normalization="RMSNorm",
+                        position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                        add_bias_linear=False, micro_batch_size=args.batch, global_batch_size=args.batch,
+                        bf16=dtype == torch.bfloat16, fp8_opt_level=level, fp8_recipe=recipe,
+                        fp8_activations=compressed)
+    return plan_memory(cfg)["stages"][0]["bytes"]["activations"]
+
+
+def measure(args, name: str, dtype: torch.dtype, level: str, recipe: str, compressed: bool) -> dict:
     model = build(args, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = fp8.initialize(model, optimizer, level, recipe=recipe)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-    counter = CountingCompressor(dtypes=()) if uncompressed else CountingCompressor()
+    ledger = ActivationCompressor() if compressed else ActivationCompressor(dtypes=())
     start = time.perf_counter()
-    with counter:
+    with ledger:
         loss = model(input_ids=ids, labels=ids).loss
     forward_s = time.perf_counter() - start
-    kept = sum(counter.kept.values())
-    held = kept + counter.stats.stored_bytes
+    held = memory_report(model, optimizer, activations=ledger)["activations"]
     loss.backward()
-    assert counter.stats.held_bytes == 0, "compressed payloads outlived the backward"
-    return {"variant": name, "dtype": str(dtype).replace("torch.", ""), "held_bytes": held,
-            "held_MiB": held / 2**20, "kept_bytes": kept, "fp8_stored_bytes": counter.stats.stored_bytes,
-            "param_bytes_referenced": sum(counter.param_bytes.values()), "compressor": counter.stats.as_dict(),
-            "forward_s": forward_s, "loss": loss.item()}
+    assert ledger.stats.held_bytes == 0, "compressed payloads outlived the backward"
+    plan = planned(args, dtype, level, recipe, compressed)
+    return {"variant": name, "dtype": str(dtype).replace("torch.", ""), "level": level, "recipe": recipe,
+            "fp8_activations": compressed, "held_bytes": held, "held_MiB": held / 2**20,
+            "fp8_stored_bytes": ledger.stats.stored_bytes, "compressor": ledger.stats.as_dict(),
+            "planned_bytes": plan, "planned_vs_measured": plan / held - 1, "forward_s": forward_s,
+            "loss": loss.item()}
 
 
 def main() -> None:
@@ -97,19 +104,16 @@ def main() -> None:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
     rows = [measure(args, *variant) for variant in VARIANTS]
-    base = {row["dtype"]: row["held_bytes"] for row in rows if row["compressor"]["tensors"] == 0}
-    bf16 = base["bfloat16"]
+    bf16 = rows[0]["held_bytes"]
     print(f"bytes held for backward after the forward: Llama hidden {args.hidden}, {args.layers} layers, "
           f"{args.batch} x {args.seq} tokens, vocab {args.vocab}, {args.attn} attention (parameters not counted)")
-    print(f"{'variant':<24}{'held MiB':>10}{'vs BF16':>9}{'vs own dtype':>13}{'FP8 MiB':>9}{'kept MiB':>10}"
-          f"{'compressed':>11}{'stored/saved':>13}")
+    print(f"{'variant':<34}{'held MiB':>10}{'vs BF16':>9}{'FP8 MiB':>9}{'stored/saved':>13}{'planned MiB':>13}"
+          f"{'planned err':>12}")
     for row in rows:
         row["vs_bf16"] = row["held_bytes"] / bf16
-        row["vs_uncompressed"] = row["held_bytes"] / base[row["dtype"]]
         c = row["compressor"]
-        print(f"{row['variant']:<24}{row['held_MiB']:>10.1f}{row['vs_bf16']:>9.3f}{row['vs_uncompressed']:>13.3f}"
-              f"{row['fp8_stored_bytes'] / 2**20:>9.1f}{row['kept_bytes'] / 2**20:>10.1f}{c['tensors']:>11}"
-              f"{c['ratio']:>13.3f}")
+        print(f"{row['variant']:<34}{row['held_MiB']:>10.1f}{row['vs_bf16']:>9.3f}{row['fp8_stored_bytes'] / 2**20:>9.1f}"
+              f"{c['ratio']:>13.3f}{row['planned_bytes'] / 2**20:>13.1f}{row['planned_vs_measured']:>+12.1%}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"config": vars(args), "rows": rows}, f, indent=1)

@@ -12,6 +12,13 @@ With gradient accumulation (64 micro-batches of one sequence per rank per step, 
 summed over 64 backward passes before the FP8 all-reduce; results in ``loss_parity_accum.json``)::
 
     python benchmarks/loss_parity.py --accumulate 64 --iters 80
+
+Scaling recipes (``--recipes``): O2 with each recipe (tensorwise, rowwise, blockwise), each with and without
+``--fp8-activations``, against the baseline (``none``), one single-process run each on the same data and
+seed; final train loss (mean of the last 10 logged iterations) and final validation loss, their relative
+difference to the baseline; results in ``loss_parity_recipes.json``::
+
+    python benchmarks/loss_parity.py --recipes --iters 300
 """
 
 from __future__ import annotations
@@ -36,7 +43,11 @@ def main() -> None:
                    help="micro-batches of one sequence per rank per step (global batch = this x nproc); "
                         "0: the demo's batch of 16 split over the ranks in one micro-batch each")
     p.add_argument("--out", default=None, help="path stem (default: benchmarks/results/loss_parity[_accum])")
+    p.add_argument("--recipes", action="store_true", help="O2 per scaling recipe, with and without --fp8-activations")
     a = p.parse_args()
+    if a.recipes:
+        recipes(a)
+        return
     default = "loss_parity_accum" if a.accumulate else "loss_parity"
     out = Path(a.out or ROOT / "benchmarks" / "results" / default)
     micro, global_batch = (1, a.accumulate * a.nproc) if a.accumulate else (16 // a.nproc, 16)
@@ -77,6 +88,42 @@ def main() -> None:
               "summaries": summaries, "curves": curves}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+RECIPE_VARIANTS = [("none", "tensorwise", False)] + [
+    ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise") for act in (False, True)]
+
+
+def recipes(a) -> None:
+    """One run per (level, recipe, --fp8-activations) of :data:`RECIPE_VARIANTS` on the demo GPT; a table and JSON."""
+    out = Path(a.out or ROOT / "benchmarks" / "results" / "loss_parity_recipes")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for level, recipe, act in RECIPE_VARIANTS:
+        log = out.parent / f"{out.name}_{level}_{recipe}{'_act' if act else ''}.jsonl"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
+               "4", "--seq-length", "128", "--micro-batch-size", "16", "--global-batch-size", "16",
+               "--train-iters", str(a.iters), "--lr", "1e-3", "--min-lr", "1e-4",
+               "--lr-warmup-iters", str(max(1, a.iters // 10)), "--eval-interval", str(a.iters), "--eval-iters", "8",
+               "--fp8-opt-level", level, "--fp8-recipe", recipe, "--no-progress", "--log-interval", "10",
+               "--log-json", str(log)] + (["--fp8-activations"] if act else [])
+        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        summary = next(json.loads(line)["summary"][0] for line in log.read_text().splitlines() if "summary" in line)
+        rows.append({"level": level, "recipe": recipe, "fp8_activations": act,
+                     "final_train_loss": summary["final_train_loss"], "final_val_loss": summary["final_val_loss"],
+                     "tokens_per_s": summary["tokens_per_s"]})
+    base = rows[0]
+    print(f"demo GPT (4 layers, hidden 128, 16 x 128 tokens per iteration), {a.iters} iterations, one process")
+    print(f"{'level':<6}{'recipe':<12}{'FP8 act':>8}{'train loss':>12}{'vs none':>9}{'val loss':>10}{'vs none':>9}")
+    for r in rows:
+        r["train_vs_none"] = r["final_train_loss"] / base["final_train_loss"] - 1
+        r["val_vs_none"] = r["final_val_loss"] / base["final_val_loss"] - 1
+        print(f"{r['level']:<6}{r['recipe']:<12}{'yes' if r['fp8_activations'] else 'no':>8}"
+              f"{r['final_train_loss']:>12.4f}{r['train_vs_none']:>+9.2%}{r['final_val_loss']:>10.4f}"
+              f"{r['val_vs_none']:>+9.2%}")
+    out.with_suffix(".json").write_text(json.dumps({"iters": a.iters, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ class ActivationCompressor:
         self._contexts: list = []
         self._seen: dict = {}
         self._handles: list = []
+        self._kept: dict[int, tuple] = {}  # storages saved as is: data_ptr -> (weak ref, bytes)
 
     def __repr__(self) -> str:
         return (f"ActivationCompressor(min_numel={self.min_numel}, fmt={self.fmt.name!r}, group={self.group}, "
@@ -214,6 +215,10 @@ class ActivationCompressor:
     def _pass(self, t: torch.Tensor):
         self.stats.passed += 1
         self.stats.passed_bytes += t.numel() * t.element_size()
+        if not isinstance(t, torch.nn.Parameter) and not (t.grad_fn is None and t.requires_grad):
+            storage = t.untyped_storage()
+            if storage.data_ptr():
+                self._kept[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
         # an op's own output returned as is would make a reference cycle (tensor -> grad_fn -> saved slot
         # -> tensor) that never frees; a detached alias shares the storage without the cycle.
         return t if t.grad_fn is None else t.detach()
@@ -247,6 +252,19 @@ class ActivationCompressor:
         self.stats.stored_bytes += packed.nbytes
         self._seen[key] = (weakref.ref(storage), weakref.ref(packed))
         return packed
+
+    def held_bytes(self) -> int:
+        """Bytes held for backward now through this compressor: its FP8 copies alive (``stats.held_bytes``) plus
+        the storages of the tensors it saved as is that are still alive (each once; parameters not counted). Read
+        between a forward and its backward, the activation memory of that forward (the engine's ledger:
+        :func:`fp8.memory_report` reports it). ``ActivationCompressor(dtypes=())`` compresses nothing and only counts."""
+        alive = 0
+        for ptr, (ref, nbytes) in list(self._kept.items()):
+            if ref() is None:
+                del self._kept[ptr]
+            else:
+                alive += nbytes
+        return self.stats.held_bytes + alive
 
     def unpack(self, packed) -> torch.Tensor:
         """Saved-tensor unpack hook: the restored tensor (or the tensor saved as is)."""

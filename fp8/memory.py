@@ -11,7 +11,7 @@ from .tensor import Float8Tensor
 __all__ = ["memory_report", "MEMORY_CATEGORIES"]
 
 MEMORY_CATEGORIES = ("weights", "master weights", "weight gradients", "optimizer states", "FP8 scaling metadata")
-"""Keys of :func:`memory_report` (plus ``"total"``)."""
+"""Keys of :func:`memory_report` (plus ``"total"``, and ``"activations"`` when activations are measured)."""
 
 
 class _Ledger:
@@ -46,12 +46,20 @@ def _state_category(key: str) -> str:
     return "optimizer states"
 
 
-def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                  activations=None) -> dict[str, int]:
     """Bytes held by ``model``'s parameters, gradients and FP8 scaling state and by ``optimizer``'s
     state, per category of :data:`MEMORY_CATEGORIES`, plus ``"total"``.
 
-    FP8 weights count 1 byte per element (their scales go to ``"FP8 scaling metadata"``); master
-    weights are the high-precision copies an FP8 optimizer keeps; each storage is counted once.
+    FP8 weights count 1 byte per element (block-scaled ones: their scale grids go to ``"FP8 scaling
+    metadata"``, like tensor-wise scales); master weights are the high-precision copies an FP8 optimizer keeps;
+    each storage is counted once.
+
+    ``"activations"``: the bytes held for backward now, from an :class:`fp8.activations.ActivationCompressor`'s
+    ledger (:meth:`~fp8.activations.ActivationCompressor.held_bytes`: FP8 copies plus tensors saved as is):
+    ``activations`` if given (e.g. ``ActivationCompressor(dtypes=())`` around an uncompressed forward, which
+    only counts), else the compressor ``fp8.initialize(..., fp8_activations=True)`` put on the model
+    (``model.fp8_activation_compressor``). Read between a forward and its backward; added to ``"total"``.
     """
     ledger = _Ledger()
     for param in model.parameters():
@@ -81,4 +89,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 ledger.add("FP8 scaling metadata", buffer)
     report = dict(ledger.bytes)
     report["total"] = sum(ledger.bytes.values())
+    compressor = activations if activations is not None else getattr(model, "fp8_activation_compressor", None)
+    if compressor is not None:
+        report["activations"] = compressor.held_bytes()
+        report["total"] += report["activations"]
     return report

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-opt-level", type=opt_level_arg, default="none", metavar="{none,O1,O2,O3}",
                    help="none (alias O0): the high-precision baseline")
     p.add_argument("--fp8-grad-accumulation", choices=_GRAD_ACCUMULATION, default="fp32")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
+                   help="scale granularity: the weights' and saved inputs' scale grids")
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="BF16 baseline: Megatron's ZeRO-1")
