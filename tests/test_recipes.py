@@ -216,3 +216,15 @@ def test_recipe_arguments_are_validated():
         fp8.initialize(model, None, "O1", recipe="blockwise", config=Float8LinearConfig(recipe="rowwise"))
     with pytest.raises(ValueError, match="recipe must be one of.*'blockwise': 1x128"):
         Float8LinearConfig(recipe="block")
+
+
+@pytest.mark.parametrize("block", [ROWWISE, BLOCK])
+def test_checkpointed_block_scaled_weights_read_back_exactly(block, gen):
+    """pretrain_gpt's checkpoints store a weight's payload and its scale grid; the value read back (resharding,
+    export) follows the block from the grid's shape."""
+    from megatron.training.checkpointing import fp8_value
+
+    w = fp8.to_float8(torch.randn(256, 384, generator=gen), block=block)
+    assert torch.equal(fp8_value(w.payload, w.scale), w.dequantize(torch.float32))
+    t = fp8.to_float8(torch.randn(64, 32, generator=gen))
+    assert torch.equal(fp8_value(t.payload, t.scale), t.dequantize(torch.float32))

@@ -158,7 +158,8 @@ FLAG_RUNS = {
         "--exit-signal-handler", "--fp8-recipe", "rowwise", "--fp8-activations"],
     "data_and_checkpoints": [  # --data-path, --tokenizer-model, --save, --save-interval added by the test
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--split", "90,10,0", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"],
+        "--micro-batch-size", "2", "--split", "90,10,0", "--eval-interval", "3", "--eval-iters", "1", "--no-progress",
+        "--fp8-recipe", "rowwise"],
 }
 
 

@@ -55,6 +55,7 @@ from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.precision import STORAGE_FORMATS, decode, encode
 from fp8.scaling import ScalingState
+from fp8.blocks import dequantize_blocks
 from fp8.tensor import Float8Tensor, to_float8
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
@@ -537,7 +538,7 @@ def _gather(obj, world) -> list:
 def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:
     p = e.param
     if isinstance(p, Float8Tensor):
-        values = [payload.to(torch.float32) / scale for payload, scale in bufs]
+        values = [fp8_value(payload, scale) for payload, scale in bufs]
     else:
         values = [b for b, _ in bufs]
     full = _fit_vocab(e, _merge(values, e.dim, e.stride), ranks)
@@ -546,11 +547,20 @@ def _reshard_model(e: _Entry, bufs: list, ranks: dict) -> None:
         raise CheckpointMismatchError(f"{e.name}: the checkpoint's tensor {tuple(full.shape)} does not split into this "
                                       f"rank's {tuple(p.shape)}")
     if isinstance(p, Float8Tensor):
-        q = to_float8(mine.to(p.device), p.format)
+        q = to_float8(mine.to(p.device), p.format, block=p.block)
         p.payload.copy_(q.payload)
         p.scale.copy_(q.scale)
     else:
         p.data.copy_(mine)
+
+
+def fp8_value(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of a saved FP8 weight: its payload over its tensor-wise scale, or over the scale of its block
+    (a grid of scales: the rowwise and blockwise recipes; the block follows from the grid's shape)."""
+    if scale.dim() < 2:
+        return payload.to(torch.float32) / scale
+    (rows, cols), (grid_rows, grid_cols) = payload.shape, scale.shape
+    return dequantize_blocks(payload, scale, (-(-rows // grid_rows), -(-cols // grid_cols)))
 
 
 def _fit_vocab(e: _Entry, full: torch.Tensor, ranks: dict) -> torch.Tensor:
@@ -674,8 +684,7 @@ def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
                 values = [v / request[f"optim/{k}/master_scale"] for v, k in zip(values, keys)]
         elif info["fp8"]:
             fp8 = getattr(torch, info["fp8"])
-            values = [request[f"model/{k}/payload"].view(fp8).to(torch.float32) / request[f"model/{k}/scale"]
-                      for k in keys]
+            values = [fp8_value(request[f"model/{k}/payload"].view(fp8), request[f"model/{k}/scale"]) for k in keys]
         else:
             values = [request[f"model/{k}"].to(torch.float32) for k in keys]
         state[name] = _merge(values, info["dim"], info["stride"]) if info["sharded"] else values[0]
