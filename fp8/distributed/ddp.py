@@ -162,7 +162,7 @@ class DistributedDataParallel(nn.Module):
         if not fp8_params:
             return
         mine = [p.payload.reshape(-1).view(torch.uint8) for p in fp8_params] + [
-            torch.stack([p.scale for p in fp8_params]).reshape(-1).view(torch.uint8)
+            torch.cat([p.scale.reshape(-1) for p in fp8_params]).view(torch.uint8)  # 0-d scales or block grids
         ]
         local = torch.cat(mine)
         reference = local.clone()
