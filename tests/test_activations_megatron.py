@@ -101,3 +101,26 @@ def test_compressed_step_matches_the_uncompressed_one(results, base):
     assert compressed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     rel = ((compressed["grads"] - plain["grads"]).norm() / plain["grads"].norm()).item()
     assert rel < 0.05, rel
+
+
+def test_pipeline_stages_exchange_per_tile_scales(tmp_path):
+    """2 pipeline stages (torchrun, gloo) at O2 blockwise + --fp8-activations: activations cross the stage boundary
+    as E4M3 with one fp32 scale per 1 x 128 tile (counted: payload + grid bytes per micro-batch), gradients too."""
+    import json
+    from pathlib import Path
+
+    from tests.spawn import run_worker
+
+    log = tmp_path / "log.jsonl"
+    flags = FLAGS + ["--train-iters", "2", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+              "--fp8-opt-level", "O2", "--fp8-recipe", "blockwise", "--fp8-activations", "--log-interval", "1",
+              "--log-json", str(log)]
+    run_worker(Path(__file__).resolve().parents[1] / "pretrain_gpt.py", 2, flags, seed=0)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in records if r.get("loss") is not None]
+    assert train and all(r["loss"] == r["loss"] for r in train)
+    tokens, hidden, micro_batches = 128 * 2, 128, 2
+    per_message = tokens * hidden + 4 * tokens * (hidden // 128)
+    sent = train[-1]["comm_bytes_all_ranks"]
+    assert sent["pp activations"] == micro_batches * per_message, sent
+    assert sent["pp gradients"] == micro_batches * per_message, sent

@@ -117,3 +117,21 @@ def test_pipeline_codec_round_trip(fmt, gen):
     assert torch.isnan(codec.decode(codec.encode(bad), x.shape)).any()
     plain = PipelineCodec(None, torch.float32)
     assert torch.equal(plain.decode(plain.encode(x.float()), x.shape), x.float())
+
+
+@pytest.mark.parametrize("block", [(1, 0), (1, 128)])
+def test_pipeline_codec_with_block_scales(block, gen):
+    """Per-token / per-tile scales travel after the payload; values within E4M3 rounding of their block; a
+    non-finite value reaches the receiver."""
+    from fp8.blocks import block_amax, expand_scales
+
+    x = torch.randn(8, 2, 256, generator=gen) * torch.logspace(-4, 4, 8).reshape(8, 1, 1)
+    codec = PipelineCodec("e4m3", torch.float32, block)
+    wire = codec.encode(x)
+    rows = 16 * (1 if block == (1, 0) else 2)
+    assert wire.dtype == torch.uint8 and wire.numel() == codec.wire_numel(x.shape) == x.numel() + 4 * rows
+    back = codec.decode(wire, x.shape)
+    amax = expand_scales(block_amax(x.reshape(16, 256), block), block, (16, 256)).reshape(x.shape)
+    assert torch.all((back - x).abs() <= 2.0**-4 * x.abs() + amax * 2.0**-10 / 224)
+    x[3, 1, 5] = float("inf")
+    assert not torch.isfinite(codec.decode(codec.encode(x), x.shape)[3, 1]).all()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fp8.comm import Collectives, CommBytesCounter
 from fp8.parallel import PipelineCodec
+from fp8.recipes import get_recipe
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 __all__ = ["FP8P2PCommunicator"]
@@ -29,17 +30,19 @@ class FP8P2PCommunicator(P2PCommunicator):
     """megatron-core's pipeline communicator with FP8 (or high-precision) messages, bytes counted.
 
     ``pp_group``/``config``: as megatron-core's; ``config.pipeline_dtype`` is the dtype of received
-    tensors. ``fp8``: encode activations as E4M3 and gradients as E5M2. ``device``: where receive
+    tensors. ``fp8``: encode activations as E4M3 and gradients as E5M2 (``recipe``: per-token or per-tile scales and
+    E4M3 gradients for ``"rowwise"``/``"blockwise"``, :mod:`fp8.recipes`). ``device``: where receive
     buffers go. ``counter``: counts every message sent (tag ``"pp activations"`` / ``"pp gradients"``).
     """
 
     def __init__(self, pp_group: dist.ProcessGroup, config, *, fp8: bool = True, device: torch.device | str = "cpu",
-                 counter: CommBytesCounter | None = None) -> None:
+                 counter: CommBytesCounter | None = None, recipe: str = "tensorwise") -> None:
         super().__init__(pp_group, config)
         if config.pipeline_dtype is None:
             raise ValueError("config.pipeline_dtype must be set for pipeline parallelism (e.g. torch.float32)")
-        self.forward_codec = PipelineCodec("e4m3" if fp8 else None, config.pipeline_dtype)
-        self.backward_codec = PipelineCodec("e5m2" if fp8 else None, config.pipeline_dtype)
+        spec = get_recipe(recipe)  # rowwise/blockwise: per-token / per-tile scales, E4M3 gradients
+        self.forward_codec = PipelineCodec("e4m3" if fp8 else None, config.pipeline_dtype, spec.input)
+        self.backward_codec = PipelineCodec(spec.grad_fmt if fp8 else None, config.pipeline_dtype, spec.grad_output)
         self.device = torch.device(device)
         self.comm = Collectives(pp_group, counter)
         self._prev_peer = dist.get_group_rank(pp_group, self.prev_rank)

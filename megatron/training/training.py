@@ -242,7 +242,8 @@ class _Run:
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
-            p2p = FP8P2PCommunicator(self.pp_group, self.config, fp8=fp8_pipeline, device=device, counter=self.counter)
+            p2p = FP8P2PCommunicator(self.pp_group, self.config, fp8=fp8_pipeline, device=device, counter=self.counter,
+                                     recipe=args.fp8_recipe if args.fp8_opt_level != "none" else "tensorwise")
             pgs = ProcessGroupCollection()
             pgs.tp, pgs.cp, pgs.pp = self.tp_group, parallel_state.get_context_parallel_group(), self.pp_group
             pgs.embd = self.embd_group
