@@ -71,10 +71,14 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                     x, y = _batch(seed, step, rank)
                     loss = (ddp(x) - y).pow(2).mean()
                     loss.backward()
+                    if step == 0:
+                        grad_blocks = [None if p.grad is None else (type(p.grad).__name__, p.grad.block,
+                                                                   tuple(p.grad.scale.shape))
+                                       for p in model.parameters() if isinstance(p, fp8.Float8Tensor)]
                     optimizer.step()
                     optimizer.zero_grad()
                     steps.append(_weights(model))
-                results[(recipe, level)] = {"steps": steps, "masters": _masters(optimizer, model) if level == "O2" else
+                results[(recipe, level)] = {"steps": steps, "grad_blocks": grad_blocks, "masters": _masters(optimizer, model) if level == "O2" else
                                             None, "bytes": dict(counter.by_tag)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -126,6 +130,22 @@ def test_data_parallel_matches_one_process_on_the_whole_batch(launched, recipe):
         # Measured 0.010-0.085 per tensor, the same for both recipes (one more E4M3 rounding of the reduced gradient,
         # amplified by Adam's normalization of near-zero gradients).
         assert (update - ref_update).norm() <= UPDATE_TOL * ref_update.norm()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reduced_gradients_carry_the_weights_block_scales(launched, recipe):
+    """The scaled all-reduce (O2) and the reduce-to-owner (O3) quantize each weight gradient with one shared scale
+    per block of its weight: the E4M3 gradients carry the grid."""
+    _, results = launched
+    block = {"rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
+    grids = [(512, 1), (256, 1)] if recipe == "rowwise" else [(4, 2), (2, 4)]
+    for level in ("O2", "O3"):
+        owned = [[g for g in results[r][(recipe, level)]["grad_blocks"]] for r in range(2)]
+        for i, grid in enumerate(grids):
+            got = [owned[r][i] for r in range(2) if owned[r][i] is not None]
+            assert got and all(g == ("Float8Tensor", block, grid) for g in got), (level, got)
+        if level == "O3":  # each gradient lives on its owner only
+            assert all(sum(owned[r][i] is not None for r in range(2)) == 1 for i in range(2))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

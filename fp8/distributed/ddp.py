@@ -4,7 +4,8 @@ Gradients come out averaged over the process group, as with ``torch.nn.parallel.
 Gradients of FP8 weights (``Float8Tensor`` parameters) are reduced with the scaled FP8 all-reduce: an fp32
 gradient (``grad_accumulation="fp32"``, summed over ``no_sync()`` micro-batches) is quantized once for the
 wire, an E4M3 ``Float8Tensor`` gradient (``"fp8"``) is sent as it is, and either becomes a ``Float8Tensor``
-(payload + scale, 1 byte per element); every other gradient is all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
+(payload + scale, 1 byte per element; a weight of the ``rowwise``/``blockwise`` recipes gets one shared scale per
+block of its own block, so its gradient carries the same grid); every other gradient is all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
 parameter marks it ready, full buckets are launched in a fixed order with asynchronous collectives,
 and a callback queued on the autograd engine finishes them all at the end of backward, then closes
 the step of the scaling factor mu.
@@ -244,13 +245,15 @@ class DistributedDataParallel(nn.Module):
             owners = [self._owners[id(p)] for p in bucket.params]
             if bucket.fp8:
                 grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
-                reduction = fp8_owner_reduction(grads, owners, self.grad_scaling, self._comm, average=True)
+                reduction = fp8_owner_reduction(grads, owners, self.grad_scaling, self._comm, average=True,
+                                                blocks=[p.block for p in bucket.params])
             else:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
                 reduction = plain_owner_reduction(grads, owners, self._comm, average=True)
         elif bucket.fp8:
             grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device) for p in bucket.params]
-            reduction = fp8_bucket_reduction(grads, self.grad_scaling, self._comm, average=True)
+            reduction = fp8_bucket_reduction(grads, self.grad_scaling, self._comm, average=True,
+                                             blocks=[p.block for p in bucket.params])
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
             reduction = plain_bucket_reduction(grads, self._comm, average=True)

@@ -24,8 +24,8 @@ from ..comm import Collectives
 from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
 from .pipeline import Reduction
-from .scaled_allreduce import _count_at_max, _finite_amax, _shared_scales, _values
-from ..cast import quantize
+from ..blocks import Block
+from .scaled_allreduce import _amaxes, _count_at_max, _scale_slices, _shared_scales, quantize_shared
 
 __all__ = ["fp8_owner_reduction", "plain_owner_reduction", "agree_overflow_statistic"]
 
@@ -55,21 +55,26 @@ def _owned_offsets(tensors: Sequence[torch.Tensor], owners: Sequence[int], rank:
 
 def fp8_owner_reduction(
     tensors: Sequence[torch.Tensor], owners: Sequence[int], state: AutoScaleState, comm: Collectives,
-    average: bool = True,
+    average: bool = True, blocks: Sequence[Block | None] | None = None,
 ) -> Reduction:
     """Staged reduce-to-owner of one FP8 bucket (module docstring): yields after its amax all-reduce
-    and its all-to-all; returns a :class:`~fp8.Float8Tensor` per tensor this rank owns, else ``None``."""
+    and its all-to-all; returns a :class:`~fp8.Float8Tensor` per tensor this rank owns, else ``None``.
+    ``blocks[i]``: shared scales per block of tensor ``i`` (as :func:`fp8.distributed.scaled_all_reduce`)."""
     fmt, world, rank = state.format, comm.world_size, comm.rank
+    blocks = list(blocks) if blocks is not None else [None] * len(tensors)
     device = tensors[0].device
     order, splits, offsets, total = _layout(tensors, owners, world)
 
-    amax = torch.stack([_finite_amax(t) for t in tensors])
+    amax = _amaxes(tensors, blocks)
     yield comm.all_reduce(amax, op=dist.ReduceOp.MAX, tag="fp8 amax")
 
     scales = _shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
+    slices = _scale_slices(tensors, blocks)
     send = torch.empty(total, dtype=fmt.dtype, device=device)
     for i in order:
-        send[offsets[i] : offsets[i] + tensors[i].numel()] = quantize(_values(tensors[i]).reshape(-1), scales[i], fmt)
+        start, end, shape = slices[i]
+        send[offsets[i] : offsets[i] + tensors[i].numel()] = quantize_shared(
+            tensors[i], scales[start:end].reshape(shape), blocks[i], fmt)
     mine = splits[rank]
     received = torch.empty(mine * world, dtype=fmt.dtype, device=device)
     yield comm.all_to_all_v(received, send, [mine] * world, splits, tag="fp8 grads")
@@ -82,7 +87,9 @@ def fp8_owner_reduction(
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for i, offset in _owned_offsets(tensors, owners, rank).items():
         t = tensors[i]
-        results[i] = Float8Tensor(reduced[offset : offset + t.numel()].view(t.shape), result_scales[i].clone(), t.dtype)
+        start, end, shape = slices[i]
+        results[i] = Float8Tensor(reduced[offset : offset + t.numel()].view(t.shape),
+                                  result_scales[start:end].reshape(shape).clone(), t.dtype, block=blocks[i])
     return results
 
 

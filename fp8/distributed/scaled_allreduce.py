@@ -14,7 +14,10 @@ For one bucket of tensors on ``N`` ranks (FP8-LM recipe, sums formed in fp32):
 4. **All-gather** (as ``uint8``) of the summed shards: every rank ends with identical bytes.
 
 The result is a :class:`~fp8.Float8Tensor` per input: payload ``sum`` with scale ``s * N`` (average) or
-``s`` (sum). The fraction of result values at the format maximum (saturated sums) feeds mu's rule;
+``s`` (sum). A tensor given a block (``blocks[i]``, the gradient of a weight of the ``rowwise``/``blockwise``
+recipes: :mod:`fp8.blocks`) gets one shared scale per block instead: its grid of block amaxes joins the same
+MAX all-reduce (4 bytes per block), every block is quantized with its own shared scale, and the result carries
+the grid (``block=``); the sums of step 3 need no scales (each element's scale is the same on every rank). The fraction of result values at the format maximum (saturated sums) feeds mu's rule;
 it is counted on the gathered payload, which every rank holds, so mu stays identical without a
 collective. Non-finite inputs: ``inf`` saturates at the format maximum (and counts as overflow), the
 scale comes from the finite values; ``NaN`` stays ``NaN``.
@@ -30,6 +33,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ..blocks import Block, block_amax, grid_shape, quantize_blocks
 from ..cast import quantize
 from ..comm import Collectives, CommBytesCounter
 from ..formats import FP8Format
@@ -66,6 +70,37 @@ def _finite_amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).abs().nan_to_num(nan=0.0, posinf=0.0).amax()
 
 
+def _amaxes(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> torch.Tensor:
+    """The finite amaxes of a bucket as one flat fp32 vector: one per tensor-wise tensor, a grid per block-scaled one
+    (in tensor order)."""
+    parts = []
+    for t, block in zip(tensors, blocks):
+        if block is None:
+            parts.append(_finite_amax(t).reshape(1))
+        else:
+            values = _values(t).reshape(t.shape[0], -1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            parts.append(block_amax(values, block).reshape(-1))
+    return torch.cat(parts)
+
+
+def _scale_slices(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> list[tuple[int, int, tuple]]:
+    """``(start, end, shape)`` of each tensor's scale(s) in the flat vector of :func:`_amaxes` (shape ``()`` or the grid)."""
+    out, position = [], 0
+    for t, block in zip(tensors, blocks):
+        shape = () if block is None else grid_shape(block, (t.shape[0], t.numel() // max(t.shape[0], 1)))
+        n = 1 if block is None else shape[0] * shape[1]
+        out.append((position, position + n, shape))
+        position += n
+    return out
+
+
+def quantize_shared(t: torch.Tensor, scale: torch.Tensor, block: Block | None, fmt: FP8Format) -> torch.Tensor:
+    """The flat FP8 payload of ``t`` with its shared scale (0-d) or shared block scales (a grid)."""
+    if block is None:
+        return quantize(_values(t).reshape(-1), scale, fmt)
+    return quantize_blocks(_values(t).reshape(t.shape[0], -1), scale, block, fmt).reshape(-1)
+
+
 def _shared_scales(amax: torch.Tensor, fmt: FP8Format, mu_scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """Per-tensor communication scales from the agreed amaxes: ``2**floor(log2(fmax/amax)) * mu``,
     kept inside the normal fp32 range even after the averaging factor ``world_size``."""
@@ -86,13 +121,16 @@ def _count_at_max(payload: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 
 
 def fp8_bucket_reduction(
-    tensors: Sequence[torch.Tensor], state: AutoScaleState, comm: Collectives, average: bool = True
+    tensors: Sequence[torch.Tensor], state: AutoScaleState, comm: Collectives, average: bool = True,
+    blocks: Sequence[Block | None] | None = None,
 ) -> Reduction:
     """Staged scaled FP8 all-reduce of one bucket (see the module docstring); yields after issuing each
     of its three collectives, returns one :class:`~fp8.Float8Tensor` per input (payloads are views of
-    one gathered buffer). Records the overflow statistic in ``state``; does not update mu."""
+    one gathered buffer). ``blocks[i]``: the block of tensor ``i``'s shared scales (None: one scale). Records
+    the overflow statistic in ``state``; does not update mu."""
     for t in tensors:
         _check_input(t)
+    blocks = list(blocks) if blocks is not None else [None] * len(tensors)
     fmt = state.format
     world = comm.world_size
     device = tensors[0].device
@@ -104,15 +142,17 @@ def fp8_bucket_reduction(
     shard = -(-total // world)
     padded = shard * world
 
-    # 1. One amax per tensor, agreed across ranks (MAX).
-    amax = torch.stack([_finite_amax(t) for t in tensors])
+    # 1. One amax per tensor (per block of a block-scaled one), agreed across ranks (MAX).
+    amax = _amaxes(tensors, blocks)
     yield comm.all_reduce(amax, op=dist.ReduceOp.MAX, tag="fp8 amax")
 
-    # 2. Quantize every tensor with the shared scale, exchange shards (1 byte per element).
+    # 2. Quantize every tensor with the shared scale(s), exchange shards (1 byte per element).
     scales = _shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
+    slices = _scale_slices(tensors, blocks)
     send = torch.zeros(padded, dtype=fmt.dtype, device=device)
     for i, t in enumerate(tensors):
-        send[offsets[i] : offsets[i + 1]] = quantize(_values(t).reshape(-1), scales[i], fmt)
+        start, end, shape = slices[i]
+        send[offsets[i] : offsets[i + 1]] = quantize_shared(t, scales[start:end].reshape(shape), blocks[i], fmt)
     received = torch.empty_like(send)
     yield comm.all_to_all(received, send, tag="fp8 grads")
     del send
@@ -128,7 +168,8 @@ def fp8_bucket_reduction(
     state.record(_count_at_max(gathered[:total], fmt), total)
     result_scales = scales * world if average else scales
     return [
-        Float8Tensor(gathered[offsets[i] : offsets[i + 1]].view(t.shape), result_scales[i].clone(), t.dtype)
+        Float8Tensor(gathered[offsets[i] : offsets[i + 1]].view(t.shape),
+                     result_scales[slices[i][0]:slices[i][1]].reshape(slices[i][2]).clone(), t.dtype, block=blocks[i])
         for i, t in enumerate(tensors)
     ]
 
@@ -160,6 +201,7 @@ def scaled_all_reduce(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     counter: CommBytesCounter | None = None,
     update_mu: bool = True,
+    blocks: Sequence[Block | None] | None = None,
 ) -> list[Float8Tensor]:
     """Average (or sum, ``average=False``) ``tensors`` over ``group`` with the scaled FP8 all-reduce.
 
@@ -168,14 +210,16 @@ def scaled_all_reduce(
     ``bucket_bytes`` (1 byte per element) whose collectives are pipelined. Returns one
     :class:`~fp8.Float8Tensor` per input (format ``state.format``, reporting the input's dtype),
     byte-identical on every rank; with ``update_mu`` the call closes a step of mu's rule. Bytes sent
-    are recorded in ``counter`` if given.
+    are recorded in ``counter`` if given. ``blocks[i]`` (2-D tensors): one shared scale per block of tensor ``i``
+    (module docstring); the result carries the grid.
     """
     if not tensors:
         return []
     comm = Collectives(group, counter)
     pipeline = ReductionPipeline()
     for indices in coalesce(tensors, bucket_bytes):
-        pipeline.launch(fp8_bucket_reduction([tensors[i] for i in indices], state, comm, average), eager=True)
+        pipeline.launch(fp8_bucket_reduction([tensors[i] for i in indices], state, comm, average,
+                                             None if blocks is None else [blocks[i] for i in indices]), eager=True)
     results = [result for bucket in pipeline.drain() for result in bucket]
     if update_mu:
         state.update()
