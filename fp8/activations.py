@@ -18,7 +18,9 @@ tile the relative error is at most ``2**-4`` (E4M3, ``FP8Format.max_relative_err
 
 What is left alone (saved as is):
 
-- leaves: parameters, inputs the caller holds anyway, constants, and the non-differentiable statistics
+- parameters, views of them (``F.linear`` saves ``weight.t()``) and their dtype copies (autocast's BF16 weight):
+  the backward reads the weight exactly;
+- leaves: inputs the caller holds anyway, constants, and the non-differentiable statistics
   fused kernels return (the log-sum-exp of fused attention, the mean/rstd of fused norms); compressing a
   tensor held elsewhere would add memory, and these statistics are amplified by the backward
   (``exp(lse)``). ``compress_leaves=True`` compresses leaves too, except parameters (``nn.Parameter`` or
@@ -45,9 +47,7 @@ its payload are freed; the map is cleared when the outermost context exits. ``st
 the bytes of the handles alive now (it returns to 0 after the backward).
 
 Limitations: double backward (``create_graph=True``) does not differentiate through restored tensors;
-activation checkpointing's own saved-tensor hooks take precedence inside checkpointed regions; under
-autocast the cast copy of a weight is an intermediate and is compressed (the input gradient then uses an
-E4M3 weight, as FP8 training does).
+activation checkpointing's own saved-tensor hooks take precedence inside checkpointed regions.
 """
 
 from __future__ import annotations
@@ -139,6 +139,23 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _parameter_like(t: torch.Tensor) -> bool:
+    """A parameter (a leaf requiring grad) or a view of one (``F.linear`` saves ``weight.t()``): held by the model."""
+    if isinstance(t, torch.nn.Parameter) or (t.grad_fn is None and t.requires_grad):
+        return True
+    base = t._base
+    return base is not None and base.grad_fn is None and base.requires_grad
+
+
+def _copy_of_parameter(t: torch.Tensor) -> bool:
+    """A dtype copy of a parameter (autocast's BF16 weight): kept exact, as the weight it stands for."""
+    fn = t.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    inputs = [f for f, _ in fn.next_functions if f is not None]
+    return bool(inputs) and all(f.name().endswith("AccumulateGrad") for f in inputs)
+
+
 class ActivationCompressor:
     """Pack/unpack hooks storing saved-for-backward tensors as FP8 in ``1 x group`` tiles.
 
@@ -194,7 +211,7 @@ class ActivationCompressor:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _leave_alone(self, t: torch.Tensor) -> bool:
-        if isinstance(t, torch.nn.Parameter) or payload_and_scale(t) is not None:
+        if _parameter_like(t) or _copy_of_parameter(t) or payload_and_scale(t) is not None:
             return True
         if type(t) is not torch.Tensor or t.dtype not in self.dtypes:
             return True  # subclasses (Float8Tensor, DTensor, ...), FP8 / integer / bool / float64
@@ -215,10 +232,16 @@ class ActivationCompressor:
     def _pass(self, t: torch.Tensor):
         self.stats.passed += 1
         self.stats.passed_bytes += t.numel() * t.element_size()
-        if not isinstance(t, torch.nn.Parameter) and not (t.grad_fn is None and t.requires_grad):
-            storage = t.untyped_storage()
-            if storage.data_ptr():
-                self._kept[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+        if not _parameter_like(t):
+            parts = payload_and_scale(t)
+            for x in parts if parts is not None else (t,):
+                try:
+                    storage = x.untyped_storage()
+                    ptr = storage.data_ptr()
+                except RuntimeError:  # a tensor subclass without storage of its own
+                    continue
+                if ptr:
+                    self._kept[ptr] = (weakref.ref(storage), storage.nbytes())
         # an op's own output returned as is would make a reference cycle (tensor -> grad_fn -> saved slot
         # -> tensor) that never frees; a detached alias shares the storage without the cycle.
         return t if t.grad_fn is None else t.detach()

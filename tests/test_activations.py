@@ -77,6 +77,8 @@ def test_left_alone(seed):
         "small intermediate": _intermediate(8, 128),
         "per-row statistic": _intermediate(8192, 1),
         "expanded": (torch.randn(1, 128, requires_grad=True) * 1).expand(64, 128),
+        "parameter view": torch.nn.Parameter(torch.randn(*big)).t(),
+        "parameter copy": torch.nn.Parameter(torch.randn(*big)).to(torch.bfloat16),
         "tanh output": torch.tanh(_intermediate(*big)),
         "log_softmax output": torch.log_softmax(_intermediate(*big), dim=-1),
     }
@@ -152,13 +154,13 @@ def _rel(a, b):
 
 
 def test_mlp_gradients_under_compression(seed):
-    # Measured (6 seeds, fp32, x 8x64x256): input gradient 0.0153-0.0158, worst weight gradient
-    # 0.0444-0.0459 (relative norm error vs the uncompressed run); bounds have >= 2x headroom.
+    # Measured (6 seeds, fp32, x 8x64x256): input gradient 0.0074, worst weight gradient 0.0331-0.0343
+    # (relative norm error vs the uncompressed run); bounds have >= 2x headroom.
     model, x = _GatedMLP(), torch.randn(8, 64, 256, requires_grad=True)
     reference = _grads(model, x)
     compressor = compress_activations(model)
     got = _grads(model, x)
-    assert compressor.stats.tensors >= 8 and compressor.stats.held_bytes == 0
+    assert compressor.stats.tensors >= 7 and compressor.stats.held_bytes == 0  # the weights' views are left alone
     assert _rel(got[0], reference[0]) < 0.04
     for g, r in zip(got[1:], reference[1:]):
         assert _rel(g, r) < 0.1
@@ -227,7 +229,7 @@ def _llama(seed: int):
 
 def test_llama_trains_under_compression(seed):
     # Measured (3 seeds, fp32, batch 2 x 128 tokens): relative norm error of the full gradient vector
-    # 0.054-0.056 (eager attention; 0.053-0.056 with SDPA); stored/saved bytes 0.258.
+    # 0.0276-0.0283 (eager attention; 0.0263-0.0269 with SDPA); stored/saved bytes 0.258.
     model = _llama(seed)
     ids = torch.randint(0, 1000, (2, 128))
 
