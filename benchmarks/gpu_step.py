@@ -7,7 +7,8 @@
 Model section: the 1.2B Llama-style model (hidden 4096, FFN 14336 SwiGLU, 32 heads, 4 layers, vocab 32000,
 batch 4 x 2048 tokens; AdamW): tokens/s and peak memory for pure BF16 (BF16 weights and AdamW states),
 BF16 AMP with FP32 masters (FP32 weights and AdamW states, BF16 autocast), fp8lm O1/O2/O3 (O3 on a
-one-rank group; ``fp8.initialize``'s default selection: linears under ``min_fp8_dim`` stay BF16), torchao
+one-rank group; ``fp8.initialize``'s default selection: linears under ``min_fp8_dim`` stay BF16), O2 with the
+``rowwise`` and ``blockwise`` recipes and O2 blockwise with ``fp8_activations`` (FP8 activation compression), torchao
 float8 training (tensorwise, rowwise) when torchao is installed, and Transformer Engine (``te.Linear`` under
 ``fp8_autocast``, delayed scaling, eager) when it is installed; the other models run under torch.compile.
 A variant that fails is recorded with its error and the others still run. Linear section: fwd+bwd time of
@@ -207,6 +208,15 @@ def build_variant(name: str, s: ModelShape, device, fp8_dtype, compile_model: bo
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, optimizer = fp8.initialize(model, optimizer, name)
         note = f"model dtype {str(fp8_dtype).replace('torch.', '')}"
+    elif name.startswith("O2_"):  # O2_rowwise, O2_blockwise, O2_blockwise_act
+        recipe = name.split("_")[1]
+        model = Llama(s).to(device, fp8_dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = fp8.initialize(model, optimizer, "O2", recipe=recipe, fp8_activations=name.endswith("_act"))
+        note = f"model dtype {str(fp8_dtype).replace('torch.', '')}, recipe {recipe}" + (
+            ", FP8 activations (eager: saved-tensor hooks)" if name.endswith("_act") else "")
+        if name.endswith("_act"):
+            compile_model = False  # saved-tensor hooks run in eager mode
     elif name.startswith("torchao_"):
         config_cls, convert = _torchao()
         model = Llama(s).to(device, torch.bfloat16)
@@ -327,6 +337,15 @@ def check_targets(model_rows, linear_rows) -> list[str]:
     if "torchao_tensorwise" in by and "O2" in by:
         ratio = by["O2"]["tok_per_s"] / by["torchao_tensorwise"]["tok_per_s"]
         lines.append(f"{'PASS' if ratio >= 1.0 else 'FAIL'} O2 tokens/s vs torchao tensorwise: {ratio:.2f}x (target >= 1.00x)")
+    if "bf16" in by and "O2_blockwise" in by:
+        ratio = by["O2_blockwise"]["tok_per_s"] / by["bf16"]["tok_per_s"]
+        lines.append(f"{'PASS' if ratio >= 1.3 else 'FAIL'} O2 blockwise tokens/s vs pure BF16: {ratio:.2f}x (target >= 1.30x)")
+    if "O2_blockwise" in by and "O2_blockwise_act" in by and by["O2_blockwise"]["peak_GiB"]:
+        memory = by["O2_blockwise_act"]["peak_GiB"] / by["O2_blockwise"]["peak_GiB"]
+        speed = by["O2_blockwise_act"]["tok_per_s"] / by["O2_blockwise"]["tok_per_s"]
+        ok = memory < 1.0 and speed >= 0.95
+        lines.append(f"{'PASS' if ok else 'FAIL'} fp8_activations (O2 blockwise): peak memory {memory:.2f}x, tokens/s "
+                     f"{speed:.2f}x (target: lower memory, tokens/s >= 0.95x)")
     if "bf16_mixed" in by and "O2" in by and by["O2"]["peak_GiB"]:
         ratio = by["O2"]["peak_GiB"] / by["bf16_mixed"]["peak_GiB"]
         lines.append(f"{'PASS' if ratio <= 0.6 else 'FAIL'} O2 peak memory vs BF16 AMP with FP32 masters: {ratio:.2f}x "
@@ -369,7 +388,7 @@ def main() -> None:
     warmup, iters = (1, args.iters or 3) if smoke else (3, args.iters or 10)
     compile_model = args.compile == "on" or (args.compile == "auto" and not smoke)
     deadline = time.perf_counter() + args.budget_s
-    variants = ["bf16", "bf16_mixed", "O1", "O2", "O3"]
+    variants = ["bf16", "bf16_mixed", "O1", "O2", "O3", "O2_rowwise", "O2_blockwise", "O2_blockwise_act"]
     notes = []
     if _torchao():
         variants += ["torchao_tensorwise", "torchao_rowwise"]

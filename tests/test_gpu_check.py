@@ -72,7 +72,8 @@ def test_gpu_step_smoke_mode_runs_every_path_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["mode"] == "smoke" and result["targets"] == ["targets are checked in full mode on a GPU only"]
-    assert [r["variant"] for r in result["model"]][:5] == ["bf16", "bf16_mixed", "O1", "O2", "O3"]
-    assert all("ms" in r for r in result["model"][:5]), result["model"]
+    names = ["bf16", "bf16_mixed", "O1", "O2", "O3", "O2_rowwise", "O2_blockwise", "O2_blockwise_act"]
+    assert [r["variant"] for r in result["model"]][:8] == names
+    assert all("ms" in r for r in result["model"][:8]), result["model"]
     fp8lm = [r for r in result["linear"] if r["variant"] == "fp8lm"]
     assert len(fp8lm) == 4 and all(r["fp8"] and "speedup_vs_bf16" in r for r in fp8lm)  # CPU: min_fp8_dim 0
