@@ -8,11 +8,38 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+
+def init_gloo_worker(rank: int, world: int, port: int) -> None:
+    """One spawned worker's environment (torchrun's variables, one thread, warnings off) and gloo default group."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def megatron_run(flags: list[str], world: int):
+    """``(args, run, datasets)``: pretrain_gpt.py's training set-up (``megatron.training.training._Run``) for
+    ``flags`` in this worker, megatron-core's parallel state (re-)initialised."""
+    from megatron.core import parallel_state
+    from megatron.training import training
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = validate_args(parse_args(flags), world_size=world)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    training.initialize_distributed(args)
+    datasets = training._Datasets(args)
+    return args, training._Run(args, datasets), datasets
 
 
 def free_port() -> int:

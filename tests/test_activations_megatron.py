@@ -5,12 +5,11 @@ without it, and what the compressor stored."""
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 
-from tests.spawn import CachedLaunch
+from tests.spawn import CachedLaunch, init_gloo_worker, megatron_run
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
@@ -25,27 +24,15 @@ CASES = {
 
 
 def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from fp8 import Float8Tensor
-    from megatron.core import parallel_state
-    from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo_worker(rank, world, port)
     results = {}
     try:
         for name, extra in CASES.items():
-            args = validate_args(parse_args(FLAGS + extra + ["--seed", str(seed)]), world_size=world)
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            training.initialize_distributed(args)
-            datasets = training._Datasets(args)
-            run = training._Run(args, datasets)
+            args, run, datasets = megatron_run(FLAGS + extra + ["--seed", str(seed)], world)
             data = run.data_iterators(datasets.train)
             seen: dict = {}
             real_step = run.optimizer.step

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 import types
-import warnings
 
 import pytest
 import torch
 
-from tests.spawn import CachedLaunch
+from tests.spawn import CachedLaunch, init_gloo_worker
 
 LEVELS = ("none", "O1", "O2", "O3")
 FLAGS = ["--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "32",
@@ -85,10 +84,6 @@ def _meta_checks(results: dict) -> None:
 
 
 def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from megatron.core import parallel_state
@@ -96,7 +91,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     from megatron.training.arguments import parse_args, validate_args
     from tests.test_no_host_sync import HostSyncDetector
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo_worker(rank, world, port)
     results: dict = {"levels": {}}
     state = {"poison": False, "sharded": False}
     training.finalize_model_grads = _poisoning(training.finalize_model_grads, state)
