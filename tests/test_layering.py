@@ -27,7 +27,7 @@ LAYERS = (
     ("fp8.kernels.backend", "fp8.kernels.triton_formats", "fp8.kernels.triton_cast", "fp8.kernels.triton_adam",
      "fp8.kernels.cast_transpose_amax", "fp8.kernels.triton_block_gemm"),
     ("fp8.scaling",),
-    ("fp8.blocks",),  # block scale grids (power-of-two scale per block), on payloads and plain tensors
+    ("fp8.blocks", "fp8.recipes"),  # block scale grids (power-of-two scale per block); which block each GEMM operand uses
     ("fp8.kernels", "fp8.gemm"),  # grad accumulation (+ its Triton launch), the package's re-exports; FP8 GEMM
     ("fp8.tensor",),
     ("fp8.serialization",),
