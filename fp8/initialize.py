@@ -177,7 +177,8 @@ def initialize(
     ``fp8_activations=True`` stores the tensors the model's non-linear ops save for backward (norms, activation
     functions, gated products, attention inputs, residual branches) as E4M3 in 1x128 tiles
     (:func:`fp8.activations.compress_activations`, at every level, ``"none"`` included); the compressor, with
-    its byte ledger (``.stats``), is ``model.fp8_activation_compressor``.
+    its byte ledger (``.stats``, ``.held_bytes()``; ``fp8.memory_report(model, optimizer,
+    activations=model.fp8_activation_compressor)``), is ``model.fp8_activation_compressor``.
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).

@@ -55,11 +55,12 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     metadata"``, like tensor-wise scales); master weights are the high-precision copies an FP8 optimizer keeps;
     each storage is counted once.
 
-    ``"activations"``: the bytes held for backward now, from an :class:`fp8.activations.ActivationCompressor`'s
-    ledger (:meth:`~fp8.activations.ActivationCompressor.held_bytes`: FP8 copies plus tensors saved as is):
-    ``activations`` if given (e.g. ``ActivationCompressor(dtypes=())`` around an uncompressed forward, which
-    only counts), else the compressor ``fp8.initialize(..., fp8_activations=True)`` put on the model
-    (``model.fp8_activation_compressor``). Read between a forward and its backward; added to ``"total"``.
+    ``activations`` (an :class:`fp8.activations.ActivationCompressor`: the one ``fp8.initialize(...,
+    fp8_activations=True)`` put on the model, ``model.fp8_activation_compressor``, or
+    ``ActivationCompressor(dtypes=())`` entered around an uncompressed forward, which only counts) adds
+    ``"activations"``, the bytes held for backward now (its ledger,
+    :meth:`~fp8.activations.ActivationCompressor.held_bytes`: FP8 copies plus the tensors saved as is), to the
+    report and its ``"total"``. Call it between a forward and its backward.
     """
     ledger = _Ledger()
     for param in model.parameters():
@@ -89,8 +90,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 ledger.add("FP8 scaling metadata", buffer)
     report = dict(ledger.bytes)
     report["total"] = sum(ledger.bytes.values())
-    compressor = activations if activations is not None else getattr(model, "fp8_activation_compressor", None)
-    if compressor is not None:
-        report["activations"] = compressor.held_bytes()
+    if activations is not None:
+        report["activations"] = activations.held_bytes()
         report["total"] += report["activations"]
     return report
