@@ -252,3 +252,22 @@ def test_llama_trains_under_compression(seed):
         optimizer.step()
         losses.append(loss)
     assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0]
+
+
+def test_memory_report_counts_the_activations_held_for_backward():
+    """The ledger between forward and backward: tensors saved as is (the caller's input, each storage once) plus the
+    FP8 copies; parameters and their views (linear weights) not counted."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    x = torch.randn(64, 256)
+    # x; fc1 output (GELU input); fc2 input; fc2 output (square's input); compressed: the last three as E4M3 + scales
+    for compress, expected in ((False, 64 * 256 * 4 + 2 * 64 * 512 * 4 + 64 * 256 * 4),
+                               (True, 64 * 256 * 4 + 2 * (64 * 512 + 4 * 64 * 4) + 64 * 256 + 4 * 64 * 2)):
+        ledger = ActivationCompressor() if compress else ActivationCompressor(dtypes=())
+        with ledger:
+            loss = model(x).square().mean()
+        state = fp8.memory_report(model)
+        report = fp8.memory_report(model, None, activations=ledger)
+        assert report["activations"] == expected and report["total"] == state["total"] + expected
+        assert "activations" not in state
+        loss.backward()
+        assert ledger.stats.held_bytes == 0
