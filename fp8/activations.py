@@ -276,16 +276,17 @@ class ActivationCompressor:
         self._seen[key] = (weakref.ref(storage), weakref.ref(packed))
         return packed
 
-    def held_bytes(self) -> int:
+    def held_bytes(self, exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """Bytes held for backward now through this compressor: its FP8 copies alive (``stats.held_bytes``) plus
         the storages of the tensors it saved as is that are still alive (each once; parameters not counted). Read
         between a forward and its backward, the activation memory of that forward (the engine's ledger:
-        :func:`fp8.memory_report` reports it). ``ActivationCompressor(dtypes=())`` compresses nothing and only counts."""
+        :func:`fp8.memory_report` reports it). ``ActivationCompressor(dtypes=())`` compresses nothing and only counts.
+        ``exclude``: storage pointers not to count (the model's own: an FP8 weight's payload is saved as a plain tensor)."""
         alive = 0
         for ptr, (ref, nbytes) in list(self._kept.items()):
             if ref() is None:
                 del self._kept[ptr]
-            else:
+            elif ptr not in exclude:
                 alive += nbytes
         return self.stats.held_bytes + alive
 

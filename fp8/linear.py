@@ -214,6 +214,8 @@ class Float8LinearFunction(torch.autograd.Function):
         if recipe.tensorwise:
             x_scale = input_state.scale_for(x2d, record=record)
             x_data = quantize(x2d, x_scale, input_state.format)
+        elif hooks.gather_input is None:
+            x_data, x_scale = _shared_block_cast(x, x2d, recipe)
         else:
             x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
         if hooks.gather_input is not None:
@@ -264,6 +266,23 @@ class Float8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _shared_block_cast(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rowwise/blockwise cast of input ``x`` (payload, scale grid), shared by every FP8 linear that reads the same
+    tensor unchanged (the q/k/v or gate/up projections of one hidden state): with current per-block scales the cast
+    is a function of the values, so it is computed and saved once. Memoized on ``x`` itself (its version counter
+    guards in-place changes); freed with it."""
+    key = (recipe.input, x2d.dtype, x._version)
+    memo = getattr(x, "_fp8_block_cast", None)
+    if memo is not None and memo[0] == key:
+        return memo[1], memo[2]
+    x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
+    try:
+        x._fp8_block_cast = (key, x_data, x_scale)
+    except (AttributeError, RuntimeError):  # a tensor that takes no attributes (e.g. while torch.compile traces)
+        pass
+    return x_data, x_scale
 
 
 def _t(scale: torch.Tensor) -> torch.Tensor:

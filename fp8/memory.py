@@ -59,8 +59,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     fp8_activations=True)`` put on the model, ``model.fp8_activation_compressor``, or
     ``ActivationCompressor(dtypes=())`` entered around an uncompressed forward, which only counts) adds
     ``"activations"``, the bytes held for backward now (its ledger,
-    :meth:`~fp8.activations.ActivationCompressor.held_bytes`: FP8 copies plus the tensors saved as is), to the
-    report and its ``"total"``. Call it between a forward and its backward.
+    :meth:`~fp8.activations.ActivationCompressor.held_bytes`: FP8 copies plus the tensors saved as is, the model's
+    own parameter storages excluded: FP8 weights' payloads are saved as plain tensors), to the report and its
+    ``"total"``. Call it between a forward and its backward.
     """
     ledger = _Ledger()
     for param in model.parameters():
@@ -91,6 +92,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     report = dict(ledger.bytes)
     report["total"] = sum(ledger.bytes.values())
     if activations is not None:
-        report["activations"] = activations.held_bytes()
+        own = set()
+        for param in model.parameters():
+            for t in (param.payload, param.scale) if isinstance(param, Float8Tensor) else (param,):
+                own.add(t.untyped_storage().data_ptr())
+        report["activations"] = activations.held_bytes(exclude=own)
         report["total"] += report["activations"]
     return report

@@ -257,3 +257,29 @@ def test_bf16_models_train_with_each_recipe(recipe):
     # Measured: 0.03% from the BF16 run for both (the same values: with power-of-two scales, rowwise and blockwise
     # differ only where a value is subnormal in one block and not in the other).
     assert abs(loss - baseline) <= 0.01 * baseline, (loss, baseline)
+
+
+def test_linears_reading_one_input_share_its_block_cast(gen):
+    """q/k/v-style projections of one hidden state under a per-block recipe cast it once (one saved E4M3 copy); an
+    in-place change of the input makes the next read cast again."""
+    layers = [Float8Linear.from_linear(torch.nn.Linear(256, 256), Float8LinearConfig(recipe="blockwise"))
+              for _ in range(3)]
+    x = torch.randn(64, 256, generator=gen, requires_grad=True)
+    h = x * 1  # an intermediate, as a norm's output
+    payloads = []
+
+    def keep(t):
+        if t.dtype == torch.float8_e4m3fn and t.shape == (64, 256):
+            payloads.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        outs = [layer(h) for layer in layers]
+    assert len(payloads) == 3 and len(set(payloads)) == 1
+    alone = [layer(x.detach() * 1) for layer in layers]
+    assert all(torch.equal(a, b) for a, b in zip(outs, alone))
+    memo = h._fp8_block_cast
+    with torch.no_grad():
+        h.mul_(2)
+    layers[0](h)
+    assert h._fp8_block_cast is not memo
