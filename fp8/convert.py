@@ -1,4 +1,9 @@
-"""Swap eligible ``nn.Linear`` modules of any model for :class:`Float8Linear`."""
+"""Swap eligible ``nn.Linear`` modules of any model for :class:`Float8Linear`.
+
+transformers' ``Conv1D`` (GPT-2 and relatives: a linear layer whose weight is stored transposed, shape
+``(in_features, out_features)``, ``y = x @ weight + bias``) converts too, detected by duck typing
+(:func:`is_conv1d`; transformers is not imported). Its FP8 weight is quantized from ``weight.t()``, and its
+master weight is a new ``(out_features, in_features)`` copy (:attr:`ConvertedLinear.transposed_from`)."""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from torch import nn
 
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
-__all__ = ["ConvertedLinear", "convert_to_float8_linear", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+__all__ = ["ConvertedLinear", "convert_to_float8_linear", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "announce_fp8_selection", "fp8_selection_message"]
 
 logger = logging.getLogger(__name__)
@@ -33,16 +39,63 @@ def default_min_fp8_dim(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ConvertedLinear:
-    """One swap: the module's qualified name, the original high-precision weight, the new module."""
+    """One swap: the module's qualified name, the original high-precision weight (the master, shaped
+    ``(out_features, in_features)`` like the FP8 weight), the new module.
+
+    ``transposed_from`` is None for an ``nn.Linear`` (its own weight is the master). For a transformers
+    ``Conv1D`` it is the module's own ``(in_features, out_features)`` weight, which the user's optimizer
+    holds: ``original_weight`` is then a new Parameter holding its transpose, and the optimizer must swap
+    ``transposed_from`` for it (O1) or for the FP8 weight (O2/O3).
+    """
 
     fqn: str
     original_weight: nn.Parameter
     module: Float8Linear
+    transposed_from: nn.Parameter | None = None
+
+    @property
+    def optimizer_param(self) -> nn.Parameter:
+        """The parameter the user's optimizer holds for this layer (before ``fp8.initialize``)."""
+        return self.original_weight if self.transposed_from is None else self.transposed_from
 
 
-def _skip_reason(fqn: str, linear: nn.Linear, filter_fn: ModuleFilter | None, use_count: Counter,
-                 min_fp8_dim: int = 0) -> str | None:
-    if filter_fn is not None and not filter_fn(linear, fqn):
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``Conv1D`` (weight stored ``(in_features, out_features)``,
+    ``nf`` = out features), by duck typing: transformers is an optional dependency, never imported here."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(weight, nn.Parameter)
+            and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def _linear_view(module: nn.Module) -> SimpleNamespace | nn.Linear:
+    """``module`` as ``Float8Linear.from_linear`` reads it (``in_features``, ``out_features``, ``weight``
+    of shape (out, in), ``bias``): an ``nn.Linear`` itself; for a ``Conv1D`` its dims and its own (in, out)
+    weight, not yet transposed (the eligibility checks read only the dims, dtype and tied-ness)."""
+    if isinstance(module, nn.Linear):
+        return module
+    in_features, out_features = module.weight.shape
+    return SimpleNamespace(in_features=in_features, out_features=out_features, weight=module.weight,
+                           bias=module.bias)
+
+
+def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None = None
+                              ) -> tuple[Float8Linear, nn.Parameter]:
+    """``(Float8Linear, master)`` for a transformers ``Conv1D``: in_features = ``weight.shape[0]``,
+    out_features = ``weight.shape[1]``, the FP8 weight quantized from ``weight.t()``, the bias the same
+    ``Parameter``. ``master`` is a new ``(out_features, in_features)`` Parameter holding ``weight.t()``
+    (the high-precision copy the optimizer steps at O1/O2)."""
+    if not is_conv1d(conv):
+        raise TypeError(f"float8_linear_from_conv1d: expected a transformers Conv1D, got {type(conv).__name__}")
+    weight = conv.weight
+    master = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
+    in_features, out_features = weight.shape
+    view = SimpleNamespace(in_features=in_features, out_features=out_features, weight=master, bias=conv.bias)
+    return Float8Linear.from_linear(view, config), master
+
+
+def _skip_reason(fqn: str, linear, filter_fn: ModuleFilter | None, use_count: Counter,
+                 min_fp8_dim: int = 0, module: nn.Module | None = None) -> str | None:
+    if filter_fn is not None and not filter_fn(module if module is not None else linear, fqn):
         return "excluded by module_filter_fn"
     if min(linear.in_features, linear.out_features) < min_fp8_dim:
         return (
@@ -64,7 +117,9 @@ def convert_to_float8_linear(
     *,
     require_fp8: bool = False,
 ) -> tuple[nn.Module, list[ConvertedLinear]]:
-    """Replace every eligible ``nn.Linear`` in ``model`` (in place) by a :class:`Float8Linear`.
+    """Replace every eligible ``nn.Linear`` and transformers ``Conv1D`` in ``model`` (in place) by a
+    :class:`Float8Linear` (a ``Conv1D``'s FP8 weight is quantized from its ``weight.t()``; see
+    :class:`ConvertedLinear` for its master).
 
     ``module_filter_fn(module, fqn)`` returning False keeps a layer in high precision. Layers whose
     dimensions are not multiples of 16, or whose weight is tied to another module, are kept too;
@@ -85,15 +140,20 @@ def convert_to_float8_linear(
     converted: list[ConvertedLinear] = []
     kept: list[tuple[str, str]] = []
     for fqn, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
+        conv1d = is_conv1d(module)
+        if type(module) is not nn.Linear and not conv1d:
             continue
-        reason = _skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim)
+        reason = _skip_reason(fqn, _linear_view(module), module_filter_fn, use_count, min_fp8_dim, module)
         if reason:
             logger.info("fp8: kept %s in high precision: %s", fqn or "<root>", reason)
             kept.append((fqn or "<root>", reason))
             continue
-        new = Float8Linear.from_linear(module, config)
-        converted.append(ConvertedLinear(fqn, module.weight, new))
+        if conv1d:
+            new, master = float8_linear_from_conv1d(module, config)
+            converted.append(ConvertedLinear(fqn, master, new, transposed_from=module.weight))
+        else:
+            new = Float8Linear.from_linear(module, config)
+            converted.append(ConvertedLinear(fqn, module.weight, new))
         if not fqn:
             model = new
             continue

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .activations import compress_activations
-from .convert import ModuleFilter, convert_to_float8_linear
+from .convert import ModuleFilter, convert_to_float8_linear, is_conv1d
 from .gemm import scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
@@ -104,6 +104,29 @@ def _check_no_closure_required(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _check_no_conv1d_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, at O1, an optimizer that already holds state for a transformers ``Conv1D`` weight: its master
+    becomes a new, transposed Parameter, and optimizer state cannot be carried over to it in general."""
+    stepped = [fqn or "<root>" for fqn, m in model.named_modules()
+               if is_conv1d(m) and optimizer.state.get(m.weight)]
+    if stepped:
+        raise ValueError(
+            f"the optimizer already holds state for {len(stepped)} transformers Conv1D weight(s) ({_names(stepped)}); "
+            f"their FP8 master weights are new (transposed) Parameters: call fp8.initialize before the first "
+            f"optimizer step"
+        )
+
+
+def _swap_conv1d_masters(optimizer: torch.optim.Optimizer, converted: list) -> None:
+    """O1: in ``optimizer``'s param groups, replace each converted ``Conv1D``'s own (in, out) weight by its
+    (out, in) master (``ConvertedLinear.original_weight``), which the wrapper steps and re-quantizes from."""
+    swap = {id(c.transposed_from): c.original_weight for c in converted if c.transposed_from is not None}
+    if not swap:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+
 def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
     devices = {p.device for p in model.parameters()}
     for device in devices:
@@ -141,7 +164,8 @@ def initialize(
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
     - ``"none"`` (alias ``"O0"``): returns both unchanged (the high-precision baseline).
-    - ``"O1"``: every eligible ``nn.Linear`` becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
+    - ``"O1"``: every eligible ``nn.Linear`` and transformers ``Conv1D`` (GPT-2's transposed linear; its
+      master weight is a transposed copy) becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
       with their scales, FP8 GEMMs; weight gradients summed over micro-batches in fp32, or
       in E4M3 with ``config.grad_accumulation="fp8"``); ``module_filter_fn(module, fqn)`` returning
       False keeps a layer in high precision, and layers with dimensions not multiple of 16 or tied
@@ -206,6 +230,7 @@ def initialize(
     _check_materialized(model)
     if opt_level == "O1" and optimizer is not None:
         _check_no_closure_required(optimizer)
+        _check_no_conv1d_state(model, optimizer)
     if recipe is not None:
         if config is not None and config.recipe not in ("tensorwise", recipe):
             raise ValueError(f"recipe={recipe!r} contradicts config.recipe={config.recipe!r}; pass one of them")
@@ -219,7 +244,7 @@ def initialize(
     if optimizer is None:
         return model, None
     if opt_level in ("O2", "O3"):
-        replace = {id(c.original_weight): c.module.weight for c in converted}
+        replace = {id(c.optimizer_param): c.module.weight for c in converted}
         masters = {c.module.weight: c.original_weight for c in converted}
         if opt_level == "O2":
             fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters, scaling_module=model)
@@ -228,5 +253,7 @@ def initialize(
                                                scaling_module=model)
         return model, fp8_optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    pairs = [(c.original_weight, c.module.weight) for c in converted if id(c.original_weight) in in_optimizer]
+    converted = [c for c in converted if id(c.optimizer_param) in in_optimizer]
+    _swap_conv1d_masters(optimizer, converted)
+    pairs = [(c.original_weight, c.module.weight) for c in converted]
     return model, MasterWeightOptimizer(optimizer, pairs, model)
