@@ -6,6 +6,11 @@ megatron-core ``GPTModel`` names, shards merged, read with
 
     python tools/convert_checkpoint.py CHECKPOINT_DIR OUT.safetensors [--dtype bf16|fp32] [--source master|fp8]
         [--iteration N]
+    python tools/convert_checkpoint.py --format hf SAVE_DIR OUTDIR [--dtype bfloat16|float32] [...]
+
+``--format hf`` (``pretrain_gpt.py`` checkpoints): a transformers directory (``config.json``,
+``model.safetensors``, the tokenizer when the run had one): ``LlamaForCausalLM`` or ``GPT2LMHeadModel``,
+mapped by ``megatron.training.hf_export`` (its docstring lists the mapping).
 
 Keys are the model's own parameter and buffer names (``fp8.initialize`` keeps them), so the file loads
 into the unconverted model with ``load_state_dict(safetensors.torch.load_file(...))``. Values:
@@ -40,7 +45,7 @@ from fp8.optim.precision import decode  # noqa: E402
 
 __all__ = ["load_flat", "export_state_dict", "main"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def load_flat(path: str | Path) -> dict[str, object]:
@@ -129,12 +134,16 @@ def _save(state: dict[str, torch.Tensor], output: Path, metadata: dict[str, str]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
-    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("output", help="the .safetensors file to write (--format hf: the directory to write)")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="hf: a transformers model directory (pretrain_gpt.py checkpoints)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--source", choices=("master", "fp8"), default="master")
     parser.add_argument("--iteration", type=int, default=None,
                         help="pretrain_gpt.py --save directories: this iteration instead of the latest")
     args = parser.parse_args(argv)
+    if args.format == "hf":
+        return _main_hf(parser, args)
     try:
         output = _check_output(args.output)
         _check_checkpoint(args.checkpoint)
@@ -164,6 +173,28 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     n = sum(t.numel() for t in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {n:,} elements, {args.dtype}")
+
+
+def _main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    try:
+        _check_checkpoint(args.checkpoint)
+        if Path(args.output).exists() and not Path(args.output).is_dir():
+            raise ValueError(f"output {args.output!r} is a file: --format hf writes a directory (config.json, "
+                             "model.safetensors, tokenizer): name a directory")
+        from megatron.training.checkpointing import is_megatron_checkpoint
+        from megatron.training.hf_export import export_hf
+
+        if not is_megatron_checkpoint(args.checkpoint):
+            raise ValueError(f"--format hf: {args.checkpoint!r} is not a pretrain_gpt.py checkpoint (no "
+                             "latest_checkpointed_iteration.txt, no megatron meta): pass a --save directory or one "
+                             "of its iter_XXXXXXX directories")
+        summary = export_hf(args.checkpoint, args.output, DTYPES[args.dtype], args.iteration, args.source)
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    tokenizer = (f"tokenizer {summary['tokenizer']}" if summary["tokenizer"] else
+                 "no tokenizer (the run had none: --mock-data/--vocab-size)")
+    print(f"wrote {args.output}: {summary['architecture']}, {summary['tensors']} tensors, "
+          f"{summary['elements']:,} elements, {args.dtype}, vocabulary {summary['vocab']}; {tokenizer}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""Export a ``pretrain_gpt.py`` checkpoint as a Hugging Face ``transformers`` model directory.
+
+:func:`export_hf` reads the checkpoint with :func:`megatron.training.checkpointing.read_checkpoint` (any
+opt level, any TP/PP/DP layout: shards merged, FP8 weights dequantized to fp32), maps megatron-core
+``GPTModel`` names onto a ``transformers`` architecture and writes ``config.json``, ``model.safetensors``
+(in ``dtype``) and, when the run had one, its sentencepiece tokenizer (loadable with ``AutoTokenizer``).
+
+Architectures (decided from the saved run's arguments):
+
+- ``--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear`` ->
+  ``LlamaForCausalLM`` (grouped-query attention included). megatron-core's fused ``linear_qkv`` rows are
+  interleaved per query group (``[q heads of group g; k of g; v of g]`` for each ``g``): split into
+  ``q_proj``/``k_proj``/``v_proj``. ``linear_fc1`` is ``[gate; up]``: split into ``gate_proj``/``up_proj``.
+  megatron-core's rotary embedding (``rotary_interleaved=False``) rotates halves as Llama's
+  ``rotate_half`` does, with base 10000 over the whole head dimension: no row permutation is needed.
+- ``--normalization LayerNorm``, GELU, ``--position-embedding-type learned_absolute`` (the defaults) ->
+  ``GPT2LMHeadModel`` (``activation_function="gelu"``: megatron uses ``F.gelu``, the exact erf GELU, not
+  GPT-2's tanh ``gelu_new``). ``c_attn`` is a Conv1D (weight ``(in, 3 * hidden)``, ``[q | k | v]``);
+  grouped-query attention is refused (GPT-2 has none); ``--disable-bias-linear`` runs get zero biases.
+
+Both: layer-norm epsilon 1e-5 (megatron-core's default), tied embeddings unless
+``--untie-embeddings-and-output-weights``, vocabulary padding rows cut to the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["HFExportError", "architecture_of", "hf_state_dict", "hf_config", "export_hf"]
+
+LAYERNORM_EPS = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon (the trainer does not change it)
+ROPE_THETA = 10000.0  # megatron-core GPTModel(rotary_base=10000), rotary_percent 1.0, not interleaved
+
+_LLAMA_FLAGS = "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear"
+_GPT2_FLAGS = ("--normalization LayerNorm, no --swiglu, --position-embedding-type learned_absolute "
+               "(pretrain_gpt.py's defaults; with or without --disable-bias-linear)")
+
+
+class HFExportError(ValueError):
+    """The checkpoint's model has no transformers counterpart; the message names the flags that would map."""
+
+
+def architecture_of(args: dict) -> str:
+    """``"llama"`` or ``"gpt2"`` for the saved run's arguments; :class:`HFExportError` otherwise."""
+    norm, swiglu = args.get("normalization", "LayerNorm"), bool(args.get("swiglu"))
+    pos, nobias = args.get("position_embedding_type", "learned_absolute"), bool(args.get("disable_bias_linear"))
+    if norm == "RMSNorm" and swiglu and pos == "rope" and nobias:
+        return "llama"
+    if norm == "LayerNorm" and not swiglu and pos == "learned_absolute":
+        heads, groups = args["num_attention_heads"], args.get("num_query_groups") or args["num_attention_heads"]
+        if groups != heads:
+            raise HFExportError(f"--num-query-groups {groups} (grouped-query attention, {heads} heads): GPT-2 has "
+                                f"no grouped-query attention; train with {_LLAMA_FLAGS} for LlamaForCausalLM, "
+                                "which has")
+        return "gpt2"
+    raise HFExportError(
+        f"no transformers architecture for --normalization {norm}, {'--swiglu' if swiglu else 'no --swiglu'}, "
+        f"--position-embedding-type {pos}, {'--disable-bias-linear' if nobias else 'with linear biases'}: "
+        f"LlamaForCausalLM needs {_LLAMA_FLAGS}; GPT2LMHeadModel needs {_GPT2_FLAGS}")
+
+
+def _dims(args: dict) -> tuple[int, int, int, int]:
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    groups = args.get("num_query_groups") or heads
+    return hidden, heads, groups, hidden // heads
+
+
+def _split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int):
+    """megatron-core's fused QKV (rows ``[q of g; k of g; v of g]`` per group ``g``; weight or bias) ->
+    ``(q, k, v)`` with heads in order."""
+    per = heads // groups
+    grouped = w.reshape(groups, (per + 2) * head_dim, *w.shape[1:])
+    q, k, v = torch.split(grouped, [per * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(heads * head_dim, *w.shape[1:]), k.reshape(groups * head_dim, *w.shape[1:]),
+            v.reshape(groups * head_dim, *w.shape[1:]))
+
+
+def real_vocab_size(args: dict) -> int:
+    """The unpadded vocabulary: the tokenizer's when the run had one, else ``--vocab-size``."""
+    if args.get("tokenizer_model"):
+        from .tokenizer import load_sentencepiece_model
+
+        return load_sentencepiece_model(args["tokenizer_model"]).GetPieceSize()
+    return int(args["vocab_size"])
+
+
+def hf_state_dict(args: dict, state: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """``state`` (``read_checkpoint``'s: megatron-core names, merged, fp32) in the transformers
+    architecture's names (:func:`architecture_of`)."""
+    arch = architecture_of(args)
+    hidden, heads, groups, head_dim = _dims(args)
+    tied = not args.get("untie_embeddings_and_output_weights")
+    out: dict[str, torch.Tensor] = {}
+    embed = state["embedding.word_embeddings.weight"][:vocab]
+    for i in range(args["num_layers"]):
+        m = f"decoder.layers.{i}."
+        q, k, v = _split_qkv(state[m + "self_attention.linear_qkv.weight"], heads, groups, head_dim)
+        if arch == "llama":
+            h = f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
+            out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
+            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
+            out[h + "self_attn.v_proj.weight"] = v
+            out[h + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+        else:
+            h = f"transformer.h.{i}."
+
+            def bias(name: str, size: int) -> torch.Tensor:
+                return state.get(m + name, torch.zeros(size))
+
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[h + theirs + ".weight"] = state[m + ours + ".weight"]
+                out[h + theirs + ".bias"] = state[m + ours + ".bias"]
+            out[h + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()  # Conv1D: (in, out)
+            out[h + "attn.c_attn.bias"] = torch.cat(_split_qkv(bias("self_attention.linear_qkv.bias", 3 * hidden),
+                                                               heads, groups, head_dim))
+            out[h + "attn.c_proj.weight"] = state[m + "self_attention.linear_proj.weight"].t()
+            out[h + "attn.c_proj.bias"] = bias("self_attention.linear_proj.bias", hidden)
+            fc1 = state[m + "mlp.linear_fc1.weight"]
+            out[h + "mlp.c_fc.weight"] = fc1.t()
+            out[h + "mlp.c_fc.bias"] = bias("mlp.linear_fc1.bias", fc1.shape[0])
+            out[h + "mlp.c_proj.weight"] = state[m + "mlp.linear_fc2.weight"].t()
+            out[h + "mlp.c_proj.bias"] = bias("mlp.linear_fc2.bias", hidden)
+    if arch == "llama":
+        out["model.embed_tokens.weight"] = embed
+        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        if not tied:
+            out["lm_head.weight"] = state["output_layer.weight"][:vocab]
+    else:
+        out["transformer.wte.weight"] = embed
+        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
+        out["transformer.ln_f.weight"] = state["decoder.final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = state["decoder.final_layernorm.bias"]
+        if not tied:
+            out["lm_head.weight"] = state["output_layer.weight"][:vocab]
+    return out
+
+
+def hf_config(args: dict, vocab: int, dtype: torch.dtype):
+    """The transformers ``PretrainedConfig`` of the saved run's model."""
+    hidden, heads, groups, head_dim = _dims(args)
+    ffn = args.get("ffn_hidden_size") or 4 * hidden
+    tied = not args.get("untie_embeddings_and_output_weights")
+    if architecture_of(args) == "llama":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                             num_hidden_layers=args["num_layers"], num_attention_heads=heads,
+                             num_key_value_heads=groups, head_dim=head_dim, hidden_act="silu",
+                             max_position_embeddings=args["max_position_embeddings"], rms_norm_eps=LAYERNORM_EPS,
+                             rope_theta=ROPE_THETA, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+                             tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        from transformers import GPT2Config
+
+        config = GPT2Config(vocab_size=vocab, n_positions=args["max_position_embeddings"], n_embd=hidden,
+                            n_layer=args["num_layers"], n_head=heads, n_inner=ffn, activation_function="gelu",
+                            layer_norm_epsilon=LAYERNORM_EPS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None)
+        config.architectures = ["GPT2LMHeadModel"]
+    config.dtype = dtype
+    return config
+
+
+def _write_tokenizer(model_path: str, outdir: Path) -> None:
+    """The run's sentencepiece model as a ``LlamaTokenizer`` (sentencepiece, no BOS/EOS added: the
+    trainer's tokenizer adds none)."""
+    from .tokenizer import load_sentencepiece_model
+
+    sp = load_sentencepiece_model(model_path)
+    shutil.copyfile(model_path, outdir / "tokenizer.model")
+
+    def piece(i: int) -> str | None:
+        return sp.IdToPiece(i) if 0 <= i < sp.GetPieceSize() else None
+
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+              "legacy": False, "bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()),
+              "unk_token": piece(sp.unk_id()), "pad_token": piece(sp.pad_id()),
+              "clean_up_tokenization_spaces": False}
+    (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+              iteration: int | None = None, source: str = "master") -> dict:
+    """Write the transformers directory ``outdir`` for the checkpoint; returns a summary (``architecture``,
+    ``tensors``, ``elements``, ``tokenizer``: the tokenizer file written or ``None``)."""
+    from safetensors.torch import save_file
+
+    from .checkpointing import read_checkpoint
+
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise ValueError(f"output {str(outdir)!r} is a file: --format hf writes a directory")
+    args, state = read_checkpoint(checkpoint, iteration, source=source)
+    arch = architecture_of(args)
+    vocab = real_vocab_size(args)
+    tensors = {k: v.to(dtype).contiguous() for k, v in hf_state_dict(args, state, vocab).items()}
+    config = hf_config(args, vocab, dtype)
+    outdir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(outdir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(outdir))
+    tokenizer = None
+    if args.get("tokenizer_model"):
+        _write_tokenizer(args["tokenizer_model"], outdir)
+        tokenizer = str(outdir / "tokenizer.model")
+    return {"architecture": config.architectures[0], "arch": arch, "tensors": len(tensors),
+            "elements": sum(t.numel() for t in tensors.values()), "vocab": vocab, "tokenizer": tokenizer}
