@@ -45,7 +45,10 @@ LR = 1e-2
 BUCKET_BYTES = 20_000
 UPDATE_TOL = 0.30  # per tensor; measured <= 0.20 over seeds (Adam normalizes near-zero gradients)
 UPDATE_TOL_ALL = 0.20  # all parameters together; measured <= 0.12
-O2_DDP_TOL = 0.02  # O3 vs O2 + DDP at 4 ranks, later steps: fp32 summation order, carried on (measured <= 2e-3)
+# O3 vs O2 + DDP at 4 ranks, later steps: fp32 summation order, carried on. Heavy-tailed: a 4-term gradient sum that
+# nearly cancels can differ in relative terms, and Adam normalizes it into a full-size update change. Measured over
+# 33 seeds: median 7e-5, worst 0.0138, 0.0102, 0.0094, 0.0061 (seeds 209, 204, 220, 202) and 0.022 once.
+O2_DDP_TOL = 0.1
 # FP8 weights at later steps: masters a hair apart can take power-of-two scales one octave apart, and the
 # two quantizations then differ by up to an E4M3 rounding per element (measured up to 0.034).
 FP8_REQUANT_TOL = 0.10
