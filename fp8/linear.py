@@ -273,6 +273,8 @@ def _shared_block_cast(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe) -> tu
     tensor unchanged (the q/k/v or gate/up projections of one hidden state): with current per-block scales the cast
     is a function of the values, so it is computed and saved once. Memoized on ``x`` itself (its version counter
     guards in-place changes); freed with it."""
+    if x.is_inference():  # no version counter to guard a memo: cast
+        return quantize_to_blocks(x2d, recipe.input, "e4m3")
     key = (recipe.input, x2d.dtype, x._version)
     memo = getattr(x, "_fp8_block_cast", None)
     if memo is not None and memo[0] == key:

@@ -283,3 +283,6 @@ def test_linears_reading_one_input_share_its_block_cast(gen):
         h.mul_(2)
     layers[0](h)
     assert h._fp8_block_cast is not memo
+    with torch.inference_mode():  # inference tensors have no version counter: cast without the memo
+        inference_input = x.detach() * 1
+        assert inference_input.is_inference() and torch.equal(layers[0](inference_input), alone[0].detach())
