@@ -161,3 +161,35 @@ def test_unmappable_checkpoint_is_a_one_line_error(exported, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no transformers architecture" in proc.stderr and "LlamaForCausalLM needs" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_sentencepiece_run_exports_a_fast_tokenizer_with_the_training_ids(tmp_path):
+    """A ``--tokenizer-model`` run: ``AutoTokenizer`` loads ``tokenizer.json`` (no ``protobuf``) and encodes like
+    the sentencepiece model the training used (no BOS/EOS added: documents end with ``</s>`` in the data)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from megatron.training.preprocess_data import preprocess
+
+    words = "the quick brown fox jumps over lazy dog while seven wizards quietly hex jolly boxing frogs".split()
+    text = "\n\n".join(" ".join(words[(i * j + j * j) % len(words)] + ("s" if (i + j) % 3 == 0 else "")
+                                for j in range(12)) + f" {i}." for i in range(400))
+    (tmp_path / "in.txt").write_text(text)
+    result = preprocess(tmp_path / "in.txt", tmp_path / "data", vocab_size=310, log=None)
+    model = str(result.tokenizer_model)
+    flags = [f for f in SMALL if f != "--mock-data"] + ["--data-path", str(result.data_prefixes["text"]),
+                                                        "--tokenizer-model", model, "--split", "90,10,0"]
+    _check(subprocess.run([sys.executable, "pretrain_gpt.py", *flags, "--save", str(tmp_path / "ckpt")], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600))
+    outdir = tmp_path / "hf"
+    proc = _check(_convert("--format", "hf", str(tmp_path / "ckpt"), str(outdir)))
+    assert "tokenizer.json" in proc.stdout and (outdir / "tokenizer.json").exists()
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    tokenizer = AutoTokenizer.from_pretrained(str(outdir))
+    assert tokenizer.eos_token_id == sp.eos_id() and tokenizer.bos_token_id == sp.bos_id()
+    lines = ["the quick brown foxes jump over 12 lazy dogs.", "  leading spaces and  double  ", "tabs\tand\nnewlines\n\n",
+             "héllo wörld — 日本語 ✓ 🙂 (byte fallback)", "12345 67890", "", " ", "ZZZ qqq xylophone", "</s> <s> literal"]
+    for line in lines:
+        ids = tokenizer.encode(line)
+        assert ids == sp.encode(line), line
+        assert tokenizer.decode(ids) == line

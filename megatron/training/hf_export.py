@@ -171,9 +171,103 @@ def hf_config(args: dict, vocab: int, dtype: torch.dtype):
     return config
 
 
-def _write_tokenizer(model_path: str, outdir: Path) -> None:
-    """The run's sentencepiece model as a ``LlamaTokenizer`` (sentencepiece, no BOS/EOS added: the
-    trainer's tokenizer adds none)."""
+def _varints(data: bytes):
+    """(field number, wire type, value) of a protobuf message's fields: values are ints (varint, fixed) or bytes."""
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        value = shift = 0
+        while True:
+            byte = data[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            yield field, wire, varint()
+        elif wire == 1:
+            yield field, wire, int.from_bytes(data[i:i + 8], "little")
+            i += 8
+        elif wire == 2:
+            size = varint()
+            yield field, wire, data[i:i + size]
+            i += size
+        elif wire == 5:
+            yield field, wire, int.from_bytes(data[i:i + 4], "little")
+            i += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+
+
+def _sentencepiece_specs(model_bytes: bytes) -> tuple[dict[int, object], dict[int, object]]:
+    """The model's TrainerSpec and NormalizerSpec as {field number: value} (read without ``protobuf``)."""
+    trainer: dict[int, object] = {}
+    normalizer: dict[int, object] = {}
+    for field, _, value in _varints(model_bytes):
+        if field in (2, 3):
+            (trainer if field == 2 else normalizer).update((f, v) for f, _, v in _varints(value))
+    return trainer, normalizer
+
+
+def _tokenizer_json(sp, model_bytes: bytes):
+    """A ``tokenizers.Tokenizer`` encoding exactly like the sentencepiece processor ``sp`` (no BOS/EOS added),
+    or a reason string when the model uses settings it cannot reproduce."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    trainer, normalizer = _sentencepiece_specs(model_bytes)
+    model_type = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(int(trainer.get(3, 1)), "?")
+    name = bytes(normalizer.get(1, b"nmt_nfkc")).decode()
+    add_dummy_prefix = bool(normalizer.get(3, 1))
+    remove_extra_ws = bool(normalizer.get(4, 1))
+    escape_ws = bool(normalizer.get(5, 1))
+    ws_suffix = bool(trainer.get(24, 0))
+    byte_fallback = bool(trainer.get(35, 0))
+    if model_type not in ("bpe", "unigram"):
+        return f"model type {model_type}"
+    if name != "identity" or remove_extra_ws or not escape_ws or ws_suffix:
+        return (f"normalization {name!r} (remove_extra_whitespaces={remove_extra_ws}, "
+                f"escape_whitespaces={escape_ws}, treat_whitespace_as_suffix={ws_suffix})")
+    n = sp.get_piece_size()
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+    special = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+    unk = sp.unk_id()
+    if model_type == "unigram":
+        floor = min(sp.get_score(i) for i in range(n)) - 1e4  # control pieces never match text in sentencepiece
+        model = models.Unigram([(pieces[i], floor if i in special else sp.get_score(i)) for i in range(n)],
+                               unk_id=unk, byte_fallback=byte_fallback)
+    else:  # BPE: sentencepiece merges the adjacent pair whose merged piece ranks first (id order)
+        skip = set(special) | {i for i in range(n) if sp.is_byte(i)}
+        vocab = {p: i for i, p in enumerate(pieces)}
+        merges = []
+        for i, merged in enumerate(pieces):
+            if i in skip or len(merged) < 2:
+                continue
+            splits = [(merged[:k], merged[k:]) for k in range(1, len(merged))
+                      if vocab.get(merged[:k], -1) not in (-1, *skip) and vocab.get(merged[k:], -1) not in (-1, *skip)]
+            merges.extend(sorted(splits, key=lambda lr: (vocab[lr[0]], vocab[lr[1]])))
+        model = models.BPE(vocab, merges, unk_token=pieces[unk] if unk >= 0 else None, byte_fallback=byte_fallback,
+                           fuse_unk=True)
+    tokenizer = Tokenizer(model)
+    steps = ([normalizers.Prepend("\u2581")] if add_dummy_prefix else []) + [normalizers.Replace(" ", "\u2581")]
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_dummy_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    tokenizer.encode_special_tokens = True  # sentencepiece never matches control pieces in text
+    return tokenizer
+
+
+def _write_tokenizer(model_path: str, outdir: Path) -> str | None:
+    """The run's sentencepiece model as ``tokenizer.json`` (a fast tokenizer: no ``protobuf`` needed) plus
+    ``tokenizer.model``, with a ``tokenizer_config.json`` adding no BOS/EOS (the trainer's tokenizer adds
+    none: documents end with ``</s>`` in the data). Returns why ``tokenizer.json`` was not written, or None."""
     from .tokenizer import load_sentencepiece_model
 
     sp = load_sentencepiece_model(model_path)
@@ -182,11 +276,18 @@ def _write_tokenizer(model_path: str, outdir: Path) -> None:
     def piece(i: int) -> str | None:
         return sp.IdToPiece(i) if 0 <= i < sp.GetPieceSize() else None
 
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-              "legacy": False, "bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()),
-              "unk_token": piece(sp.unk_id()), "pad_token": piece(sp.pad_id()),
-              "clean_up_tokenization_spaces": False}
+    fast = _tokenizer_json(sp, Path(model_path).read_bytes())
+    config = {"add_bos_token": False, "add_eos_token": False, "bos_token": piece(sp.bos_id()),
+              "eos_token": piece(sp.eos_id()), "unk_token": piece(sp.unk_id()), "pad_token": piece(sp.pad_id()),
+              "clean_up_tokenization_spaces": False,
+              "split_special_tokens": True}
+    if isinstance(fast, str):
+        config.update({"tokenizer_class": "LlamaTokenizer", "legacy": False})
+    else:
+        fast.save(str(outdir / "tokenizer.json"))
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
     (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return fast if isinstance(fast, str) else None
 
 
 def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
@@ -210,7 +311,7 @@ def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: t
     config.save_pretrained(str(outdir))
     tokenizer = None
     if args.get("tokenizer_model"):
-        _write_tokenizer(args["tokenizer_model"], outdir)
-        tokenizer = str(outdir / "tokenizer.model")
+        skipped = _write_tokenizer(args["tokenizer_model"], outdir)
+        tokenizer = str(outdir / ("tokenizer.model" if skipped else "tokenizer.json"))
     return {"architecture": config.architectures[0], "arch": arch, "tensors": len(tensors),
             "elements": sum(t.numel() for t in tensors.values()), "vocab": vocab, "tokenizer": tokenizer}
