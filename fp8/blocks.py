@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .cast import dequantize
 from .formats import FP8Format, get_format
 from .scaling import power_of_two_scale
 
@@ -109,9 +110,12 @@ def quantize_blocks(x: torch.Tensor, scales: torch.Tensor, block: Block, fmt: FP
     return scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
-def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, block: Block,
+def dequantize_blocks(data: torch.Tensor, scales: torch.Tensor, block: Block | None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Value ``payload / scale of its block`` in ``dtype`` (exact in fp32)."""
+    """Value ``payload / scale of its block`` in ``dtype`` (exact in fp32); a tensor-wise ``block`` (None or
+    ``(0, 0)``, a 0-d scale, any number of dimensions) is :func:`fp8.cast.dequantize`."""
+    if is_tensorwise(block):
+        return dequantize(data, scales, dtype)
     _check_2d(data)
     return (data.to(torch.float32) * expand_scales(scales, block, tuple(data.shape)).reciprocal()).to(dtype)
 

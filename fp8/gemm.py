@@ -71,20 +71,8 @@ def _col_major(t: torch.Tensor) -> bool:
 
 
 def _emulated_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-    lhs = a.to(torch.float32) * a_scale.reciprocal()
-    rhs = b.to(torch.float32) * b_scale.reciprocal()
-    return torch.mm(lhs, rhs).to(out_dtype)
-
-
-def _dequantized(data: torch.Tensor, scale: torch.Tensor, block: Block | None) -> torch.Tensor:
-    if is_tensorwise(block):
-        return data.to(torch.float32) * scale.reciprocal()
-    return dequantize_blocks(data, scale, block)
-
-
-def _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype):
-    return torch.mm(_dequantized(a, a_scale, a_block), _dequantized(b, b_scale, b_block)).to(out_dtype)
+                 out_dtype: torch.dtype, a_block: Block | None = None, b_block: Block | None = None) -> torch.Tensor:
+    return torch.mm(dequantize_blocks(a, a_scale, a_block), dequantize_blocks(b, b_scale, b_block)).to(out_dtype)
 
 
 def _outer_scales(a, a_scale, a_block, b, b_scale, b_block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +137,7 @@ def _block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, backen
     """GEMM of operands with block scale grids (module docstring): row-wise ``_scaled_mm``, the Triton block
     GEMM on CUDA, or the exact emulation."""
     if backend == "emulated" or (backend == "auto" and a.device.type == "cpu"):
-        return _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
+        return _emulated_mm(a, a_scale, b, b_scale, out_dtype, a_block, b_block)
     problem = None
     if scales_constant_along(a_block, tuple(a.shape), 1) and scales_constant_along(b_block, tuple(b.shape), 0):
         problem = scaled_mm_problem(a, b)
@@ -173,7 +161,7 @@ def _block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, backen
     if backend == "scaled_mm":
         raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}; use backend='auto' or 'emulated'")
     _log_fallback(problem)
-    return _emulated_block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
+    return _emulated_mm(a, a_scale, b, b_scale, out_dtype, a_block, b_block)
 
 
 def fp8_mm(

@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .blocks import Block, block_scales, dequantize_blocks, grid_shape, is_tensorwise, quantize_blocks, transpose_block
-from .cast import dequantize, quantize
+from .cast import quantize
 from .formats import E4M3, FP8_DTYPES, FP8Format, get_format
 from .gemm import fp8_mm_payload
 from .kernels import grad_accumulate
@@ -125,9 +125,7 @@ class Float8Tensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
         """The value ``payload / scale`` as an ordinary tensor in ``dtype`` (default: ``self.dtype``)."""
-        if self.block is not None:
-            return dequantize_blocks(self._data, self._scale, self.block, dtype or self.dtype)
-        return dequantize(self._data, self._scale, dtype or self.dtype)
+        return dequantize_blocks(self._data, self._scale, self.block, dtype or self.dtype)
 
     def __repr__(self) -> str:  # type: ignore[override]
         # Metadata only: no host read of the scale (a device sync on CUDA), and no format spec on values,
