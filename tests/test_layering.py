@@ -32,7 +32,7 @@ LAYERS = (
     ("fp8.tensor",),
     ("fp8.serialization",),
     ("fp8.linear",),
-    ("fp8.convert", "fp8.memory", "fp8.activations"),  # activations: saved-tensor hooks, FP8 in 1x128 tiles
+    ("fp8.convert", "fp8.memory", "fp8.activations", "fp8.frozen"),  # frozen: evaluation-only FP8 models; activations: saved-tensor hooks, FP8 in 1x128 tiles
     ("fp8.distributed",),
     ("fp8.parallel",),
     ("fp8.optim",),
