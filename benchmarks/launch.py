@@ -1,10 +1,11 @@
 """Spawning gloo worker processes for measurements and tests.
 
 :func:`spawn` runs ``worker(rank, *args)`` on ``nprocs`` processes like ``torch.multiprocessing.spawn``, and
-ends each process with ``os._exit`` once its worker returned (results written, process group destroyed):
-an exiting interpreter finalises objects still referencing gloo process groups in arbitrary order, which
-aborts a process now and then ("terminate called without an active exception", SIGABRT) after all its
-work is done. A worker that raises still fails the launch with its traceback.
+ends each process with ``os._exit`` once its worker returned (results written, process group destroyed), so
+interpreter finalisation, which destroys objects still referencing gloo process groups in arbitrary order, never
+runs. One CI run lost a rank that had finished its work to SIGABRT ("terminate called without an active
+exception"); 60 repeated launches here did not reproduce it. A worker that raises still fails the launch with its
+traceback.
 """
 
 from __future__ import annotations
