@@ -57,16 +57,19 @@ from ..tensor import Float8Tensor
 __all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of"]
 
 
-def fp8_optimizer_of(optimizer) -> FP8Optimizer | MasterWeightOptimizer | None:
-    """The FP8 optimizer inside ``optimizer`` (unwrapping ``.optimizer`` chains, e.g. accelerate's
-    ``AcceleratedOptimizer``), or None when it holds none."""
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, (FP8Optimizer, MasterWeightOptimizer)):
-            return optimizer
-        seen.add(id(optimizer))
+def _unwrapped(optimizer) -> list:
+    """``optimizer`` and the optimizers it wraps (``.optimizer`` chains, e.g. accelerate's ``AcceleratedOptimizer``)."""
+    chain = []
+    while optimizer is not None and all(optimizer is not o for o in chain):
+        chain.append(optimizer)
         optimizer = getattr(optimizer, "optimizer", None)
-    return None
+    return chain
+
+
+def fp8_optimizer_of(optimizer) -> FP8Optimizer | MasterWeightOptimizer | None:
+    """The FP8 optimizer inside ``optimizer`` (itself, or unwrapping ``.optimizer`` chains, e.g. accelerate's
+    ``AcceleratedOptimizer``), or None when it holds none."""
+    return next((o for o in _unwrapped(optimizer) if isinstance(o, (FP8Optimizer, MasterWeightOptimizer))), None)
 
 
 def _master_values(optimizer) -> dict[int, torch.Tensor]:
@@ -201,7 +204,8 @@ class FP8TrainerMixin:
         """``Trainer.create_optimizer``, then :func:`fp8.initialize` on the model and that optimizer (once):
         ``self.optimizer`` becomes the FP8 optimizer, the model's linears :class:`fp8.Float8Linear`."""
         optimizer = super().create_optimizer(model)
-        if optimizer is self._fp8_optimizer or (self.fp8_opt_level == "none" and not self.fp8_activations):
+        done = self._fp8_optimizer is not None and any(o is self._fp8_optimizer for o in _unwrapped(optimizer))
+        if done or (self.fp8_opt_level == "none" and not self.fp8_activations):  # a second train(): kept
             return optimizer
         target = self.model if model is None else model
         new_model, new_optimizer = initialize(
