@@ -169,6 +169,20 @@ def test_high_precision_state_dict_at_o1_and_in_bf16(tmp_path):
     assert not torch.equal(deq[q], reference[q])  # E4M3 rounding: not the masters
 
 
+def test_a_bf16_model_trains_and_saves_in_bf16(tmp_path):
+    trainer = FP8Trainer(model=tiny_llama().to(torch.bfloat16), args=training_args(tmp_path, max_steps=3),
+                         train_dataset=PermutationLanguage(), fp8_opt_level="O2")
+    trainer.train()
+    assert all(math.isfinite(x) for x in losses(trainer)) and len(losses(trainer)) == 3
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    optimizer = fp8_optimizer_of(trainer.optimizer)
+    q = trainer.model.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(loaded.model.layers[0].self_attn.q_proj.weight,
+                               optimizer.master_value(q).to(torch.bfloat16), rtol=0, atol=0)
+
+
 class _RecordingTrainer(FP8Trainer):
     """Records, at each clip, the gradients' norm in float64 before and after clipping."""
 
@@ -266,6 +280,11 @@ def test_bad_choices_are_refused_with_the_fix(tmp_path):
         opt = torch.optim.AdamW(model.parameters())
         FP8Trainer(model=model, args=args, optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)))
     FP8Trainer(model=tiny_llama(), args=args, fp8_opt_level="O0")  # Apex's name of the baseline
+    adafactor = FP8Trainer(model=tiny_llama(), args=training_args(tmp_path, optim="adafactor"),
+                           train_dataset=PermutationLanguage(), fp8_opt_level="O2")
+    with pytest.raises(TypeError, match=r"Adafactor.*optim='adamw_torch'.*fp8_opt_level='O1' keeps optim='adafactor'"):
+        adafactor.train()
+    assert not any(isinstance(m, fp8.Float8Linear) for m in adafactor.model.modules())  # refused before converting
 
 
 def test_import_fp8_does_not_import_transformers():

@@ -20,8 +20,8 @@ What the mixin changes in ``Trainer``, and nothing else:
   :class:`fp8.Float8Linear` in place and ``trainer.optimizer`` is the returned FP8 optimizer, on which
   ``Trainer`` then builds its learning-rate scheduler.
 - ``_clip_grad_norm`` / ``_get_grad_norm`` (``max_grad_norm``, the logged ``grad_norm``): through
-  :func:`fp8.clip_grad_norm_`, which reads and scales FP8 gradients too (torch's ``clip_grad_norm_`` does not
-  know them), instead of ``accelerator.clip_grad_norm_``.
+  :func:`fp8.clip_grad_norm_` instead of ``accelerator.clip_grad_norm_``: it scales an FP8 (E4M3) gradient through
+  its scale, exactly, where torch's ``clip_grad_norm_`` multiplies it in place and so rounds it to E4M3 again.
 - ``_save`` (``save_model`` and checkpoints): the weights are written as plain tensors in the model's dtype,
   each FP8 weight replaced by its master (the optimizer's high-precision copy) and the FP8 scaling state left
   out (:func:`high_precision_state_dict`), so ``from_pretrained`` loads the directory without ``fp8``.
@@ -49,6 +49,7 @@ from ..initialize import initialize, normalize_opt_level
 from ..linear import Float8LinearConfig
 from ..optim.base import FP8Optimizer
 from ..optim.clip import clip_grad_norm_
+from ..optim.convert import check_convertible
 from ..optim.master_weights import MasterWeightOptimizer
 from ..recipes import RECIPES, get_recipe
 from ..scaling import ScalingState
@@ -208,6 +209,13 @@ class FP8TrainerMixin:
         if done or (self.fp8_opt_level == "none" and not self.fp8_activations):  # a second train(): kept
             return optimizer
         target = self.model if model is None else model
+        if self.fp8_opt_level == "O2":
+            try:
+                check_convertible(optimizer)
+            except TypeError as e:
+                raise TypeError(f"{e}. With FP8Trainer: TrainingArguments(optim='adamw_torch') (or 'adamw_torch_fused', "
+                                f"'sgd') keeps fp8_opt_level='O2'; fp8_opt_level='O1' keeps optim="
+                                f"{getattr(self.args.optim, 'value', self.args.optim)!r}") from None
         new_model, new_optimizer = initialize(
             target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
             fp8_activations=self.fp8_activations, min_fp8_dim=self.fp8_min_dim,
