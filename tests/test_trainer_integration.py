@@ -28,6 +28,7 @@ N_LINEARS = LAYERS * 7  # q, k, v, o, gate, up, down per layer; lm_head too (unt
 # Measured (python tests/test_trainer_integration.py, seeds 0-4, 20 steps; see docs/trainer.md):
 LOSS_GAP_BOUND = 0.02  # |mean loss of the last 5 steps, O2 - none|: max measured 0.0065 (seeds 0-4)
 LOGIT_REL_BOUND = 0.1  # ||logits(FP8 model) - logits(reloaded)|| / ||logits(reloaded)||: max measured 0.0464
+GPT2_LOGIT_REL_BOUND = 0.06  # the same for a tiny GPT-2 after 5 steps: max measured 0.0281 (seeds 0-3, O1 and O2)
 RESUME_GAP_BOUND = 2e-3  # |loss, resumed at step 3 - uninterrupted|, steps 4-6: max measured 5.3e-4 (seeds 0-3)
 # First-step gradients, 2 micro-batches of 4 vs 1 batch of 8, largest relative difference over parameters:
 GA_REL_BOUND = {"fp32": 1e-5,  # max measured 4.4e-7 (seeds 0-2): fp32 rounding
@@ -89,8 +90,18 @@ def grad_norms(trainer) -> list[float]:
     return [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny model gains nothing from more, and on a shared 2-core machine more threads
+    only wait on each other (the figures in the bounds above were measured so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, one_thread):
     """The none and O2 runs of seed 0, shared by the tests that read them."""
     return {level: train(tmp_path_factory.mktemp(level), level) for level in ("none", "O2")}
 
@@ -181,6 +192,28 @@ def test_a_bf16_model_trains_and_saves_in_bf16(tmp_path):
     q = trainer.model.model.layers[0].self_attn.q_proj.weight
     torch.testing.assert_close(loaded.model.layers[0].self_attn.q_proj.weight,
                                optimizer.master_value(q).to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_gpt2_conv1d_weights_are_saved_back_transposed(tmp_path, level):
+    """GPT-2's Conv1D layers (weights stored (in, out)) become Float8Linear (out, in); the saved directory has them
+    (in, out) again. Its c_proj is square: a missing transpose would load silently, and the logits would show it."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=4,
+                                                                 vocab_size=VOCAB, n_positions=SEQ))
+    trainer = FP8Trainer(model=model, args=training_args(tmp_path, max_steps=5), train_dataset=PermutationLanguage(),
+                         fp8_opt_level=level)
+    trainer.train()
+    assert sum(isinstance(m, fp8.Float8Linear) for m in trainer.model.modules()) == 4 * LAYERS  # lm_head: tied
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = PermutationLanguage(n=8, seed=7).x
+    trainer.model.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model(ids).logits.double(), loaded(ids).logits.double()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    assert 0 < rel < GPT2_LOGIT_REL_BOUND, rel
 
 
 class _RecordingTrainer(FP8Trainer):
@@ -321,4 +354,5 @@ def _measure(seeds=range(5)) -> None:  # pragma: no cover - run by hand: python 
 
 
 if __name__ == "__main__":  # pragma: no cover
+    torch.set_num_threads(1)
     _measure()

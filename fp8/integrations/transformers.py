@@ -39,12 +39,13 @@ would keep stepping the replaced optimizer).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import transformers
 from torch import nn
 
+from ..convert import is_conv1d
 from ..initialize import initialize, normalize_opt_level
 from ..linear import Float8LinearConfig
 from ..optim.base import FP8Optimizer
@@ -55,7 +56,7 @@ from ..recipes import RECIPES, get_recipe
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor
 
-__all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of"]
+__all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of", "conv1d_names"]
 
 
 def _unwrapped(optimizer) -> list:
@@ -92,7 +93,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                              dtype: torch.dtype | None = None, conv1d: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as an unconverted model of the same architecture has it: plain tensors only.
 
     Each FP8 weight (a :class:`fp8.Float8Tensor`) is replaced by its master in ``optimizer`` (the returned
@@ -100,9 +101,13 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     or by its dequantized value where there is none; other parameters with a master (O2's 16-bit ones) take it
     too. The FP8 scaling state (:class:`fp8.scaling.ScalingState` buffers) is left out. Every tensor is cast to
     ``dtype``; None: FP8 weights to the model's dtype (that of its other floating parameters), others keep
-    theirs. For ``model.save_pretrained(dir, state_dict=high_precision_state_dict(model, optimizer))``.
+    theirs. ``conv1d``: names of the modules that were transformers ``Conv1D`` before conversion (GPT-2's
+    ``c_attn``, ...; :func:`conv1d_names` of the unconverted model): their weights are written back transposed,
+    ``(in_features, out_features)``, as ``Conv1D`` stores them. For ``model.save_pretrained(dir,
+    state_dict=high_precision_state_dict(model, optimizer))``.
     """
     masters = _master_values(optimizer)
+    transposed = {f"{name}.weight" for name in conv1d}
     fp8_dtype = dtype or _model_dtype(model)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
     out = {}
@@ -118,8 +123,15 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             value = value.dequantize(torch.float32)
         if not isinstance(value, Float8Tensor) and value.is_floating_point():
             value = value.detach().to(target)
+        if key in transposed and is_fp8:
+            value = value.t()
         out[key] = value.detach().contiguous()
     return out
+
+
+def conv1d_names(model: nn.Module) -> list[str]:
+    """Names of ``model``'s transformers ``Conv1D`` modules (before :func:`fp8.initialize` converts them)."""
+    return [name for name, module in model.named_modules() if is_conv1d(module)]
 
 
 def _check_choices(opt_level: str, recipe: str) -> str:
@@ -174,6 +186,7 @@ class FP8TrainerMixin:
         self.fp8_min_dim = fp8_min_dim
         self.fp8_module_filter = fp8_module_filter
         self._fp8_optimizer = None  # the optimizer fp8.initialize returned (identity: initialize once)
+        self._fp8_conv1d: list[str] = []  # the model's transformers Conv1D modules, saved back transposed
         super().__init__(*args, **kwargs)
         if self.fp8_enabled:
             self._check_fp8_arguments()
@@ -216,6 +229,7 @@ class FP8TrainerMixin:
                 raise TypeError(f"{e}. With FP8Trainer: TrainingArguments(optim='adamw_torch') (or 'adamw_torch_fused', "
                                 f"'sgd') keeps fp8_opt_level='O2'; fp8_opt_level='O1' keeps optim="
                                 f"{getattr(self.args.optim, 'value', self.args.optim)!r}") from None
+        conv1d = conv1d_names(target)
         new_model, new_optimizer = initialize(
             target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
             fp8_activations=self.fp8_activations, min_fp8_dim=self.fp8_min_dim,
@@ -226,6 +240,7 @@ class FP8TrainerMixin:
             if target is self.model_wrapped:
                 self.model_wrapped = new_model
         self.optimizer = self._fp8_optimizer = new_optimizer
+        self._fp8_conv1d = conv1d
         return new_optimizer
 
     # -- gradient clipping: fp8.clip_grad_norm_ ---------------------------------------------------
@@ -246,7 +261,8 @@ class FP8TrainerMixin:
         """``Trainer._save`` with :func:`high_precision_state_dict`'s weights: the masters in the model's
         dtype, no FP8 tensors or scaling state, so ``from_pretrained`` needs no ``fp8``."""
         if self.fp8_enabled and state_dict is None:
-            state_dict = high_precision_state_dict(self.accelerator.unwrap_model(self.model), self.optimizer)
+            state_dict = high_precision_state_dict(self.accelerator.unwrap_model(self.model), self.optimizer,
+                                                   conv1d=self._fp8_conv1d)
         super()._save(output_dir, state_dict=state_dict)
 
 
