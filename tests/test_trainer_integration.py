@@ -23,7 +23,7 @@ from fp8.integrations.transformers import FP8Trainer, fp8_optimizer_of, high_pre
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, SEQ = 256, 64, 256, 2, 32
 STEPS, BATCH, LR = 20, 8, 3e-3
-N_LINEARS = LAYERS * 7  # q, k, v, o, gate, up, down per layer; lm_head too (untied): 15 linears, all convert
+N_LINEARS = LAYERS * 7  # q, k, v, o, gate, up, down per layer; plus the untied lm_head: 15 linears, all convert
 
 # Measured (python tests/test_trainer_integration.py, seeds 0-4, 20 steps; see docs/trainer.md):
 LOSS_GAP_BOUND = 0.02  # |mean loss of the last 5 steps, O2 - none|: max measured 0.0065 (seeds 0-4)
@@ -121,6 +121,11 @@ def test_o2_trains_fp8_and_tracks_the_baseline(runs):
     assert final_loss(trainer) < o2[0] - 1.0, o2  # it learns (from log(256) = 5.55)
     gap = abs(final_loss(trainer) - final_loss(runs["none"]))
     assert gap < LOSS_GAP_BOUND, (gap, o2, none)
+    # evaluate() runs the FP8 model (no grad: its scaling histories are left alone) on the same language
+    history = [m.input_scaling.amax_history.clone() for m in linears]
+    eval_loss = trainer.evaluate(PermutationLanguage(n=16, seed=1))["eval_loss"]
+    assert eval_loss < o2[0] - 1.0, eval_loss
+    assert all(torch.equal(h, m.input_scaling.amax_history) for h, m in zip(history, linears))
 
 
 def test_none_is_the_plain_trainer(tmp_path, runs):
