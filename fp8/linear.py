@@ -282,8 +282,8 @@ def _shared_cast(x: torch.Tensor, key: tuple, cast) -> tuple[torch.Tensor, torch
     cast every reader would make. Tensor-wise (``("tensorwise", scaling config, dtype)``): each linear still records
     ``x``'s amax in its own history; the readers use the first one's delayed scale, which equals theirs (histories
     fed the same tensors since construction hold the same amaxes) and is a valid scale for ``x`` in any case."""
-    if x.is_inference():  # no version counter to guard a memo: cast
-        return cast()
+    if torch.compiler.is_compiling() or x.is_inference():  # traced graphs take no attributes; inference tensors
+        return cast()                                          # have no version counter to guard a memo: cast
     key = (*key, x._version)
     memo = getattr(x, "_fp8_input_cast", None)
     if memo is not None and memo[0] == key:
@@ -291,7 +291,7 @@ def _shared_cast(x: torch.Tensor, key: tuple, cast) -> tuple[torch.Tensor, torch
     x_data, x_scale = cast()
     try:
         x._fp8_input_cast = (key, x_data, x_scale)
-    except (AttributeError, RuntimeError):  # a tensor that takes no attributes (e.g. while torch.compile traces)
+    except (AttributeError, RuntimeError):  # a tensor that takes no attributes
         pass
     return x_data, x_scale
 
