@@ -180,7 +180,7 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
         for r in steps:
             assert {"loss", "reward_accuracy", "reward_margin"} <= r.keys()
             assert 0.0 <= r["reward_accuracy"] <= 1.0
-        assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 0
+        assert steps[0]["loss"] == pytest.approx(0.6931, abs=5e-3)  # policy == reference (up to its BF16/FP8 rounding)
         assert steps[-1]["reward_margin"] > 0
         final = [r for r in records if "final" in r][-1]["final"]
         assert final["reference"] == ("bf16" if level == "none" else "fp8")

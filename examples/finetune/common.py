@@ -441,7 +441,7 @@ def demo_plays() -> list[list[tuple[str, list[str]]]]:
     return [_speeches(corpus.clean_markdown(p.read_text(encoding="utf-8"))) for p in corpus.play_paths()]
 
 
-def _demo_pairs(plays, context_lines: int = 2, response_lines: int = 2):
+def _demo_pairs(plays, context_lines: int = 6, response_lines: int = 2):
     """(prompt, response, play index) for consecutive speeches: the previous speaker and the last lines of
     their speech, then the next speaker's name; the response is the start of the next speech."""
     out = []
