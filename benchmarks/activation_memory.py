@@ -57,14 +57,15 @@ def build(args, dtype: torch.dtype):
 
 
 def planned(args, dtype: torch.dtype, level: str, recipe: str, compressed: bool) -> int:
-    """The planner's activations for this Llama as a megatron-core GPT (RMSNorm, SwiGLU, RoPE, no biases, untied)."""
+    """The planner's activations for this Llama (``implementation="transformers"``: RMSNorm, SwiGLU, RoPE, no biases,
+    untied, and what transformers' layers save)."""
     cfg = PlannerConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.intermediate,
                         num_attention_heads=args.heads, seq_length=args.seq, vocab_size=args.vocab,
                         make_vocab_size_divisible_by=1, swiglu=True, normalization="RMSNorm",
                         position_embedding_type="rope", untie_embeddings_and_output_weights=True,
                         add_bias_linear=False, micro_batch_size=args.batch, global_batch_size=args.batch,
                         bf16=dtype == torch.bfloat16, fp8_opt_level=level, fp8_recipe=recipe,
-                        fp8_activations=compressed)
+                        fp8_activations=compressed, implementation="transformers")
     return plan_memory(cfg)["stages"][0]["bytes"]["activations"]
 
 

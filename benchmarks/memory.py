@@ -136,7 +136,7 @@ def measure_data_parallel(worlds: list[int], d_model: int, n_layer: int) -> list
     import socket
     import tempfile
 
-    import torch.multiprocessing as mp
+    from benchmarks.launch import spawn
 
     results = []
     for world in worlds:
@@ -144,7 +144,7 @@ def measure_data_parallel(worlds: list[int], d_model: int, n_layer: int) -> list
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
             sock.close()
-            mp.spawn(_dp_worker, args=(world, port, d_model, n_layer, out), nprocs=world, join=True)
+            spawn(_dp_worker, (world, port, d_model, n_layer, out), world)
             per_rank = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
         for variant in DP_VARIANTS:
             ranks = [r[variant]["bytes_per_param"] for r in per_rank]

@@ -305,14 +305,14 @@ def _dp_worker(rank: int, world: int, port: int, factory: str, case_index: int, 
 def validate_o3(case_index: int, world: int, factory: str = "benchmarks.planner_validation:all_cases") -> list[dict]:
     """O3 over ``world`` gloo processes: worst rank's model state vs the planner at DP=world, for case
     ``case_index`` of ``factory`` ("module:function" returning cases, importable in the spawned processes)."""
-    import torch.multiprocessing as mp
+    from benchmarks.launch import spawn
 
     case = _load_factory(factory)()[case_index]
     with tempfile.TemporaryDirectory() as out, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.close()
-        mp.spawn(_dp_worker, args=(world, port, factory, case_index, out), nprocs=world, join=True)
+        spawn(_dp_worker, (world, port, factory, case_index, out), world)
         reports = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
     worst = max(reports, key=lambda r: r["total"])
     plan = plan_memory(replace(case.planner, fp8_opt_level="O3", data_parallel_size=world))

@@ -13,6 +13,7 @@ import importlib
 
 from .cast import dequantize, quantize, quantize_transpose
 from .convert import convert_to_float8_linear
+from .frozen import freeze
 from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
 from .initialize import OPT_LEVEL_ALIASES, OPT_LEVELS, initialize, normalize_opt_level
@@ -29,7 +30,7 @@ __all__ = [
     "ScalingConfig", "ScalingState", "compute_scale", "update_scales", "set_amax_reduction_group",
     "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
-    "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear",
+    "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear", "freeze",
     "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]
 

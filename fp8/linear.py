@@ -212,10 +212,15 @@ class Float8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         recipe = config.recipe_spec
         if recipe.tensorwise:
-            x_scale = input_state.scale_for(x2d, record=record)
-            x_data = quantize(x2d, x_scale, input_state.format)
+            x_scale = input_state.scale_for(x2d, record=record)  # records this linear's amax either way
+            if hooks.gather_input is None:
+                x_data, x_scale = _shared_cast(x, ("tensorwise", input_state.config, x2d.dtype),
+                                               lambda: (quantize(x2d, x_scale, input_state.format), x_scale))
+            else:
+                x_data = quantize(x2d, x_scale, input_state.format)
         elif hooks.gather_input is None:
-            x_data, x_scale = _shared_block_cast(x, x2d, recipe)
+            x_data, x_scale = _shared_cast(x, ("blocks", recipe.input, x2d.dtype),
+                                           lambda: quantize_to_blocks(x2d, recipe.input, "e4m3"))
         else:
             x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
         if hooks.gather_input is not None:
@@ -268,20 +273,24 @@ class Float8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
-def _shared_block_cast(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rowwise/blockwise cast of input ``x`` (payload, scale grid), shared by every FP8 linear that reads the same
-    tensor unchanged (the q/k/v or gate/up projections of one hidden state): with current per-block scales the cast
-    is a function of the values, so it is computed and saved once. Memoized on ``x`` itself (its version counter
-    guards in-place changes); freed with it."""
+def _shared_cast(x: torch.Tensor, key: tuple, cast) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 cast of input ``x`` (payload, scale), ``cast()``, shared by every FP8 linear that reads the same tensor
+    unchanged with the same ``key`` (the q/k/v or gate/up projections of one hidden state), so it is computed and
+    saved for backward once. Memoized on ``x`` itself (its version counter guards in-place changes); freed with it.
+
+    Per-block current scales (``key`` ``("blocks", block, dtype)``) are a function of the values, so the memo is the
+    cast every reader would make. Tensor-wise (``("tensorwise", scaling config, dtype)``): each linear still records
+    ``x``'s amax in its own history; the readers use the first one's delayed scale, which equals theirs (histories
+    fed the same tensors since construction hold the same amaxes) and is a valid scale for ``x`` in any case."""
     if x.is_inference():  # no version counter to guard a memo: cast
-        return quantize_to_blocks(x2d, recipe.input, "e4m3")
-    key = (recipe.input, x2d.dtype, x._version)
-    memo = getattr(x, "_fp8_block_cast", None)
+        return cast()
+    key = (*key, x._version)
+    memo = getattr(x, "_fp8_input_cast", None)
     if memo is not None and memo[0] == key:
         return memo[1], memo[2]
-    x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
+    x_data, x_scale = cast()
     try:
-        x._fp8_block_cast = (key, x_data, x_scale)
+        x._fp8_input_cast = (key, x_data, x_scale)
     except (AttributeError, RuntimeError):  # a tensor that takes no attributes (e.g. while torch.compile traces)
         pass
     return x_data, x_scale

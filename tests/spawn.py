@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from benchmarks.launch import spawn
 
 
 def init_gloo_worker(rank: int, world: int, port: int) -> None:
@@ -63,7 +64,7 @@ class CachedLaunch:
         if world not in self._launched:
             out_dir = tmp_path_factory.mktemp(f"{self.name}_world{world}")
             try:
-                mp.spawn(self.worker, args=(world, free_port(), seed, str(out_dir)), nprocs=world, join=True)
+                spawn(self.worker, (world, free_port(), seed, str(out_dir)), world)
                 results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
                 self._launched[world] = (seed, results)
             except Exception as error:  # noqa: BLE001 - reported by every dependent test

@@ -27,7 +27,7 @@ from megatron.training.data import (  # noqa: E402
     prepare_default_corpus,
 )
 from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model  # noqa: E402
-from tests.spawn import free_port  # noqa: E402
+from tests.spawn import free_port, spawn  # noqa: E402
 from megatron.training import preprocess_data  # noqa: E402
 from tools.preprocess_data import preprocess, split_text_documents  # noqa: E402
 
@@ -376,7 +376,7 @@ def test_distributed_build(corpus, seed, tmp_path, monkeypatch):
     monkeypatch.setenv(_INPUTS_ENV, json.dumps({"prefix": prefix, "model": model}))
     out = tmp_path / "ranks"
     out.mkdir()
-    torch.multiprocessing.spawn(_distributed_worker, args=(2, free_port(), seed, str(out)), nprocs=2, join=True)
+    spawn(_distributed_worker, (2, free_port(), seed, str(out)), 2)
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     train, valid, _ = build_gpt_datasets(prefix, model, 16, "80,20,0", (24, 8, 0), seed, tmp_path / "single")
     reference = next(gpt_batch_iterator(train, 4))

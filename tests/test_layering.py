@@ -32,12 +32,13 @@ LAYERS = (
     ("fp8.tensor",),
     ("fp8.serialization",),
     ("fp8.linear",),
-    ("fp8.convert", "fp8.memory", "fp8.activations"),  # activations: saved-tensor hooks, FP8 in 1x128 tiles
+    ("fp8.convert", "fp8.memory", "fp8.activations", "fp8.frozen"),  # frozen: evaluation-only FP8 models; activations: saved-tensor hooks, FP8 in 1x128 tiles
     ("fp8.distributed",),
     ("fp8.parallel",),
     ("fp8.optim",),
     ("fp8.checkpoint",),
     ("fp8.initialize",),
+    ("fp8.integrations",),  # other libraries' trainers (transformers.Trainer) on fp8.initialize; never imported by fp8
     ("fp8",),  # the package's __init__: the public API, above everything
 )
 

@@ -249,3 +249,25 @@ def test_megatron_gpt_tp2_sp_matches_planner_on_every_rank():
             assert row["planned"] == pytest.approx(row["measured"], rel=1e-4, abs=16), row
         else:  # activations; peak gradients (which also hold the FP8 gradients' fp32 scales)
             assert row["planned"] == pytest.approx(row["measured"], rel=1e-3), row
+
+
+@pytest.mark.parametrize("variant", [v for v in __import__("benchmarks.activation_memory", fromlist=["VARIANTS"]).VARIANTS],
+                         ids=lambda v: v[0].replace(" ", "_"))
+def test_planner_matches_a_transformers_llama_forward(variant):
+    """``implementation="transformers"``: the planner's activations of a transformers Llama (what its RMSNorm, SwiGLU,
+    attention and loss save, compressed or not) vs the bytes the engine's ledger counts after its forward."""
+    pytest.importorskip("transformers")
+    from benchmarks import activation_memory as am
+
+    args = argparse.Namespace(hidden=256, intermediate=768, heads=4, layers=2, batch=1, seq=256, vocab=384,
+                              attn="sdpa")
+    row = am.measure(args, *variant)
+    # Measured: within 36 bytes (the 0-d loss and scaling scalars) at hidden 512, 2 x 1024 tokens.
+    assert row["planned_bytes"] == pytest.approx(row["held_bytes"], rel=1e-3, abs=256), row
+
+
+def test_transformers_implementation_is_refused_for_other_models():
+    with pytest.raises(ValueError, match="implementation='transformers' models transformers' LlamaForCausalLM"):
+        PlannerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, implementation="transformers")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        PlannerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, implementation="hf")

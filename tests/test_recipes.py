@@ -259,10 +259,11 @@ def test_bf16_models_train_with_each_recipe(recipe):
     assert abs(loss - baseline) <= 0.01 * baseline, (loss, baseline)
 
 
-def test_linears_reading_one_input_share_its_block_cast(gen):
-    """q/k/v-style projections of one hidden state under a per-block recipe cast it once (one saved E4M3 copy); an
-    in-place change of the input makes the next read cast again."""
-    layers = [Float8Linear.from_linear(torch.nn.Linear(256, 256), Float8LinearConfig(recipe="blockwise"))
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_linears_reading_one_input_share_its_cast(gen, recipe):
+    """q/k/v-style projections of one hidden state cast it once (one saved E4M3 copy), every recipe; an in-place
+    change of the input makes the next read cast again."""
+    layers = [Float8Linear.from_linear(torch.nn.Linear(256, 256), Float8LinearConfig(recipe=recipe))
               for _ in range(3)]
     x = torch.randn(64, 256, generator=gen, requires_grad=True)
     h = x * 1  # an intermediate, as a norm's output
@@ -278,11 +279,44 @@ def test_linears_reading_one_input_share_its_block_cast(gen):
     assert len(payloads) == 3 and len(set(payloads)) == 1
     alone = [layer(x.detach() * 1) for layer in layers]
     assert all(torch.equal(a, b) for a, b in zip(outs, alone))
-    memo = h._fp8_block_cast
+    memo = h._fp8_input_cast
     with torch.no_grad():
         h.mul_(2)
     layers[0](h)
-    assert h._fp8_block_cast is not memo
+    assert h._fp8_input_cast is not memo
     with torch.inference_mode():  # inference tensors have no version counter: cast without the memo
         inference_input = x.detach() * 1
         assert inference_input.is_inference() and torch.equal(layers[0](inference_input), alone[0].detach())
+
+
+def test_tensorwise_shared_cast_trains_bit_identically_to_separate_casts(gen):
+    """Under delayed tensor-wise scaling the readers of one input use the first reader's scale: histories fed the same
+    tensors hold the same amaxes, so training with the shared cast is bit-identical to casting per reader."""
+
+    class Branches(torch.nn.Module):
+        def __init__(self, share: bool) -> None:
+            super().__init__()
+            self.share = share
+            self.norm = torch.nn.LayerNorm(128)
+            self.q, self.k, self.v = (torch.nn.Linear(128, 128) for _ in range(3))
+
+        def forward(self, x):
+            h = self.norm(x)
+            return sum(lin(h if self.share else h.clone()) for lin in (self.q, self.k, self.v))
+
+    torch.manual_seed(0)
+    shared = Branches(share=True)
+    separate = copy.deepcopy(shared)
+    separate.share = False
+    data = [torch.randn(32, 128, generator=gen) * (1 + 10 * i) for i in range(6)]
+    losses = {}
+    for name, base in (("shared", shared), ("separate", separate)):
+        model, optimizer = fp8.initialize(base, torch.optim.AdamW(base.parameters(), lr=1e-2), "O2")
+        losses[name] = []
+        for x in data:
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    assert losses["shared"] == losses["separate"]

@@ -246,13 +246,13 @@ def test_sequence_parallel_gathers_scale_grids(results, recipe):
 if __name__ == "__main__":  # measure the errors: PYTHONPATH=. python tests/test_recipes_parallel.py [n_seeds [first]]
     import tempfile
 
-    import torch.multiprocessing as mp
+    from benchmarks.launch import spawn
 
     worst: dict = {}
     first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     for s in range(first, first + (int(sys.argv[1]) if len(sys.argv) > 1 else 10)):
         with tempfile.TemporaryDirectory() as out:
-            mp.spawn(_worker, args=(WORLD, free_port(), 1000 + 7919 * s, out), nprocs=WORLD, join=True)
+            spawn(_worker, (WORLD, free_port(), 1000 + 7919 * s, out), WORLD)
             for r in range(WORLD):
                 res = torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
                 for case, got in res.items():

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scale granularity: the weights' and saved inputs' scale grids")
     p.add_argument("--fp8-activations", action="store_true",
                    help="tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)")
+    p.add_argument("--implementation", choices=("megatron-core", "transformers"), default="megatron-core",
+                   help="whose layers save the activations: pretrain_gpt.py's megatron-core GPT, or transformers' "
+                        "LlamaForCausalLM trained with fp8.initialize (RMSNorm, SwiGLU, RoPE; one device)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="BF16 baseline: Megatron's ZeRO-1")

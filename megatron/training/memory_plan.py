@@ -78,6 +78,11 @@ the loss (4 V / TP per token), the labels (int64), the loss's target mask (1 B) 
 fp32 loss mask. ``recompute_granularity="full"`` keeps only each layer's input (hp x h, /TP with SP) plus,
 at the peak, the larger of the last stage's head and one layer's activations recomputed in backward (whose
 input is already held);
+``implementation="transformers"`` plans transformers' ``LlamaForCausalLM`` under ``fp8.initialize`` instead (one device;
+exact against the measured bytes, tests/test_memory_planner.py): each RMSNorm saves its input upcast to fp32 and the
+normalized value, SwiGLU saves act(gate) besides gate and up, plain linears' inputs are compressible like any saved
+tensor, q/k/v (and gate/up) share one FP8 cast of their input, an untied output layer with dimensions that are
+multiples of 16 runs FP8, the loss keeps log-softmax's fp32 output exact, and the RoPE tables are saved.
 ``"selective"`` recomputes the attention core, which fused attention does not store anyway, so it equals
 ``"none"`` here. Pipeline: under 1F1B stage i holds min(PP - i, micro-batches) micro-batches in flight;
 interleaved (virtual chunks of v layers, m = L / (PP v) chunks) stage i holds min(2 (PP - i - 1) + (m - 1)
@@ -119,6 +124,7 @@ CATEGORIES = (
 )
 """Keys of ``plan_memory(...)["bytes"]``."""
 
+_IMPLEMENTATIONS = ("megatron-core", "transformers")
 _NORMS = ("LayerNorm", "RMSNorm")
 _POSITIONS = ("learned_absolute", "rope")
 _RECOMPUTE = ("none", "selective", "full")
@@ -180,6 +186,7 @@ class PlannerConfig:
     min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
     fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise
     fp8_activations: bool = False  # tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)
+    implementation: str = "megatron-core"  # whose layers save the activations: megatron-core | transformers (Llama)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -199,6 +206,16 @@ class PlannerConfig:
         if self.grad_accumulation not in _GRAD_ACCUMULATION:
             raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(_GRAD_ACCUMULATION)}, "
                              f"got {self.grad_accumulation!r}")
+        if self.implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {'|'.join(_IMPLEMENTATIONS)}, got {self.implementation!r}")
+        if self.implementation == "transformers" and not (
+                self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope"
+                and self.tensor_model_parallel_size == self.pipeline_model_parallel_size == 1
+                and self.hidden_dropout == 0.0):
+            raise ValueError(
+                "implementation='transformers' models transformers' LlamaForCausalLM on one device: it needs "
+                "normalization='RMSNorm', swiglu=True, position_embedding_type='rope', tensor and pipeline parallel "
+                "size 1 and hidden_dropout=0; plan other models with implementation='megatron-core'")
         if self.normalization not in _NORMS:
             raise ValueError(f"--normalization must be one of {'|'.join(_NORMS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITIONS:
@@ -322,6 +339,7 @@ class PlannerConfig:
             hidden_dropout=float(get("hidden_dropout", 0.0)),
             grad_accumulation=get("fp8_grad_accumulation", "fp32"),
             fp8_recipe=get("fp8_recipe", "tensorwise"), fp8_activations=bool(get("fp8_activations", False)),
+            implementation=get("implementation", "megatron-core"),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -525,6 +543,15 @@ def _stored(cfg: PlannerConfig, width: float, elem: int, tokens: float) -> float
     return width + 4 * scales
 
 
+def _norm_saved(cfg: PlannerConfig, tokens: float) -> float:
+    """Bytes per token a norm saves besides its statistics: its input (megatron-core); transformers' RMSNorm saves
+    its input upcast to fp32 (a copy unless the model is fp32) and the normalized value before the weight (hp)."""
+    h, hp = cfg.hidden_size, cfg.hp_bytes
+    if cfg.implementation == "transformers":
+        return _stored(cfg, h, 4, tokens) + _stored(cfg, h, hp, tokens)
+    return _stored(cfg, h, hp, tokens)
+
+
 def _fp8_input(cfg: PlannerConfig, width: int, n_out: int) -> float:
     """Bytes per token of an FP8 linear's saved input of ``width`` features: E4M3 plus the recipe's scales (a
     per-token scale rowwise, one per 1 x 128 tile blockwise; tensorwise: one per tensor, not per token)."""
@@ -546,14 +573,17 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
     stats = 8 if cfg.normalization == "LayerNorm" else 4
     mask = 1 if cfg.hidden_dropout > 0 else 0
     head_dim = h // a
+    hf = cfg.implementation == "transformers"
     fc1_out = 2 * f if cfg.swiglu else f
     act_in = 2 * f if cfg.swiglu else f
     # norm inputs and statistics, dropout masks: /TP with SP
-    seq_shard = 2 * (_stored(cfg, h, hp, tokens / sp) + stats) + 2 * mask * h
+    seq_shard = 2 * (_norm_saved(cfg, tokens / sp) + stats) + 2 * mask * h
     # QKV and fc1 inputs: fp8lm's column-parallel linears save the all-gathered input (E4M3 + the recipe's scales;
     # the high-precision baseline's, inside its autograd function, as is: fp8.activations leaves such leaves alone)
     if cfg.fp8:
         gathered = _fp8_input(cfg, h, cfg.qkv_size // tp) + _fp8_input(cfg, h, fc1_out // tp)
+    elif hf:  # F.linear saves its input like any op: fp8_activations compresses it
+        gathered = 2 * _stored(cfg, h, hp, tokens)
     else:
         gathered = 2 * hp * h
     # q, k, v (per head: last dimension head_dim); attention output; fp32 logsumexp; proj input (the attention
@@ -563,9 +593,16 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
     attn_out = _stored(cfg, h // tp, hp, tokens) if not cfg.fp8_activations else \
         (h // tp) / head_dim * _stored(cfg, head_dim, hp, tokens * head_dim)
     # (high precision: the attention output's own storage, unless fp8_activations stores a compressed copy of it)
-    proj_in = _fp8_input(cfg, h // tp, h) if cfg.fp8 else (hp * h // tp if cfg.fp8_activations else 0)
+    if cfg.fp8:
+        proj_in = _fp8_input(cfg, h // tp, h)
+    elif hf:  # a view of the attention output of another shape: compressed apart from it
+        proj_in = _stored(cfg, h, hp, tokens) if cfg.fp8_activations else 0
+    else:
+        proj_in = hp * h // tp if cfg.fp8_activations else 0
     act = _stored(cfg, act_in // tp, hp, tokens)
-    fc2_in = _fp8_input(cfg, f // tp, h) if cfg.fp8 else hp * f // tp
+    if hf:  # act(gate) * up keeps act(gate) as well as gate and up
+        act = 3 * _stored(cfg, f, hp, tokens)
+    fc2_in = _fp8_input(cfg, f // tp, h) if cfg.fp8 else (_stored(cfg, f, hp, tokens) if hf else hp * f // tp)
     sharded = qkv + attn_out + 4 * a / tp + proj_in + act + fc2_in
     return seq_shard / sp + gathered + sharded
 
@@ -595,11 +632,19 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
         h, local = cfg.hidden_size, tokens / sp
         fp8_out = cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights
         out_in = h if fp8_out else _stored(cfg, h, hp, local)
+        if cfg.implementation == "transformers" and cfg.fp8 and cfg.untie_embeddings_and_output_weights and \
+                cfg.padded_vocab_size % 16 == 0 and h % 16 == 0 and min(h, cfg.padded_vocab_size) >= cfg.min_fp8_dim:
+            out_in = _fp8_input(cfg, h, cfg.padded_vocab_size)  # fp8.initialize converts the untied lm_head too
         stats = 8 if cfg.normalization == "LayerNorm" else 4
-        head += (_stored(cfg, h, hp, local) + stats + out_in) / sp
+        head += (_norm_saved(cfg, local) + stats + out_in) / sp
         # fp32 logits for the loss (4 V / TP); labels (int64), the vocab-parallel loss's target mask (bool) and
-        # the training loop's fp32 loss mask
-        head += _stored(cfg, cfg.padded_vocab_size / tp, 4, tokens) + 8 + 1 + 4
+        # the training loop's fp32 loss mask (transformers: the shifted labels, int64)
+        if cfg.implementation == "transformers":
+            # log_softmax's fp32 output (kept exact by fp8.activations: its backward amplifies rounding errors), the
+            # shifted labels (int64), the RoPE cos and sin tables (one row per sequence position)
+            head += 4 * cfg.padded_vocab_size + 8 + 2 * cfg.seq_length * (h // cfg.num_attention_heads) * hp / tokens
+        else:
+            head += _stored(cfg, cfg.padded_vocab_size / tp, 4, tokens) + 8 + 1 + 4
     if cfg.recompute_granularity == "full":
         # Every layer's input (one checkpoint each) stays; in backward one layer at a time is recomputed (its
         # own input is the checkpointed one), after the head's tensors are freed: the peak is the larger of

@@ -1,0 +1,154 @@
+"""``fp8.freeze``: a model that is only evaluated (a DPO / RLHF reference model, a teacher) held as FP8 weights.
+
+Every eligible linear (``nn.Linear``, transformers ``Conv1D``) becomes a :class:`~fp8.linear.Float8Linear`
+whose weight is an E4M3 :class:`~fp8.tensor.Float8Tensor` (1 byte per element plus its scales) and whose
+input is cast with a current scale (a frozen model keeps no scaling history to warm up); every ``nn.Embedding``
+becomes a :class:`Float8Embedding` (E4M3 rows, one power-of-two scale per row). An output layer tied to an
+embedding shares its FP8 weight: it runs the ``rowwise`` recipe (its per-output-channel scales are the
+embedding's per-row scales), or, where its dimensions cannot run an FP8 GEMM, multiplies by the dequantized
+table. Nothing requires gradients and nothing is kept in high precision but what has no FP8 form (norms,
+biases, linears the selection rules keep: :func:`fp8.convert.convert_to_float8_linear`, logged).
+
+The model holds no optimizer state, no master weights and no gradients: ``fp8.memory_report(frozen)`` is its
+whole footprint. Gradients still flow to the model's inputs (e.g. for a distillation loss on embeddings fed in).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import ROWWISE, dequantize_blocks
+from .convert import convert_to_float8_linear
+from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
+from .recipes import get_recipe
+from .scaling import ScalingConfig
+from .tensor import Float8Tensor, to_float8
+
+__all__ = ["freeze", "Float8Embedding", "Float8TiedOutput"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_plain_embedding(fqn: str, emb: nn.Embedding) -> None:
+    if emb.max_norm is not None or emb.sparse:
+        raise ValueError(
+            f"fp8.freeze: embedding {fqn or '<root>'} uses max_norm={emb.max_norm}, sparse={emb.sparse}, which renormalise "
+            f"or update rows at lookup; an FP8 table is read-only: build the model without them (or exclude it with "
+            f"embeddings=False)"
+        )
+
+
+class Float8Embedding(nn.Module):
+    """An ``nn.Embedding`` whose table is an E4M3 :class:`Float8Tensor` with one scale per row (``ROWWISE``):
+    a lookup gathers the rows' payloads and scales and returns ``payload / scale`` in ``dtype`` (exact: the
+    value held). ``weight`` is an ``nn.Parameter`` that requires no gradient."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not isinstance(weight, Float8Tensor) or weight.block != ROWWISE:
+            raise TypeError("Float8Embedding.weight must be a row-wise scaled Float8Tensor (fp8.to_float8(w, block=ROWWISE))")
+        self.weight = weight
+        self.padding_idx = padding_idx
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> "Float8Embedding":
+        """The FP8 form of ``emb`` (its table quantized with current per-row scales)."""
+        _check_plain_embedding("", emb)
+        w = emb.weight.detach()
+        weight = nn.Parameter(to_float8(w, "e4m3", dtype=w.dtype, block=ROWWISE), requires_grad=False)
+        return cls(weight, emb.padding_idx, w.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.weight.payload.index_select(0, flat)
+        scales = self.weight.scale.index_select(0, flat)
+        return dequantize_blocks(rows, scales, ROWWISE, self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, e4m3 per row, dtype={self.dtype}"
+
+
+class Float8TiedOutput(nn.Module):
+    """An output linear tied to a :class:`Float8Embedding` whose dimensions cannot run an FP8 GEMM
+    (:func:`fp8.linear.fp8_dims_problem`): ``x @ dequantized(table)^T (+ bias)``; the table stays FP8 at rest
+    (the dequantized copy lives only during the call)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_blocks(self.weight.payload, self.weight.scale, ROWWISE, x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _set(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | None = None,
+           embeddings: bool = True) -> nn.Module:
+    """Turn ``model`` (in place) into an evaluation-only FP8 model and return it (see the module docstring).
+
+    ``recipe`` (:data:`fp8.recipes.RECIPES`) is the scale granularity of the converted linears; ``min_fp8_dim``
+    as in :func:`fp8.convert.convert_to_float8_linear` (None: 2048 on CUDA, 0 on CPU); ``embeddings=False``
+    keeps embedding tables (and outputs tied to them) in high precision. Refuses a model that
+    ``fp8.initialize`` already converted (freeze the high-precision model, e.g. a copy taken before
+    ``initialize``). The result is in ``eval()`` mode with every parameter's ``requires_grad`` False.
+    """
+    get_recipe(recipe)
+    if any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise ValueError(
+            "fp8.freeze: the model already holds Float8Linear layers (it went through fp8.initialize, whose FP8 "
+            "weights come with masters in the optimizer); freeze a high-precision copy instead, e.g. "
+            "copy.deepcopy(model) taken before fp8.initialize, or a model loaded with from_pretrained"
+        )
+    config = Float8LinearConfig(input=ScalingConfig(fmt="e4m3", kind="current"), recipe=recipe)
+    if isinstance(model, nn.Embedding):
+        raise ValueError("fp8.freeze: pass the model holding the embedding, not the embedding itself")
+    n_tables = 0
+    if embeddings:
+        owners: dict[int, list[tuple[str, nn.Module]]] = {}
+        for fqn, module in model.named_modules(remove_duplicate=False):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter):
+                owners.setdefault(id(weight), []).append((fqn, module))
+        for fqn, emb in list(model.named_modules()):
+            if type(emb) is not nn.Embedding:
+                continue
+            _check_plain_embedding(fqn, emb)
+            tied = [(name, m) for name, m in owners.get(id(emb.weight), []) if m is not emb]
+            others = [name for name, m in tied if type(m) is not nn.Linear]
+            if others:
+                raise ValueError(
+                    f"fp8.freeze: embedding {fqn} shares its weight with {others}, which are not nn.Linear; pass "
+                    f"embeddings=False to keep the table in high precision"
+                )
+            new = Float8Embedding.from_embedding(emb)
+            _set(model, fqn, new)
+            n_tables += 1
+            for name, head in tied:
+                if fp8_dims_problem(head.in_features, head.out_features) is None:
+                    lin = Float8Linear.from_linear(head, Float8LinearConfig(
+                        input=ScalingConfig(fmt="e4m3", kind="current"), recipe="rowwise"))
+                    lin.weight = new.weight  # the table's row-wise scales are the head's per-channel scales
+                else:
+                    lin = Float8TiedOutput(new.weight, head.bias)
+                    logger.info("fp8: %s (tied to %s) multiplies by the dequantized FP8 table: %s", name, fqn,
+                                fp8_dims_problem(head.in_features, head.out_features))
+                _set(model, name, lin)
+    model, _ = convert_to_float8_linear(model, config, min_fp8_dim=min_fp8_dim)
+    if n_tables:
+        logger.info("fp8: %d embedding table(s) held in FP8 (E4M3, one scale per row)", n_tables)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,271 @@
+"""FP8 training with ``transformers.Trainer`` in one line.
+
+::
+
+    from fp8.integrations.transformers import FP8Trainer
+
+    trainer = FP8Trainer(model=model, args=training_args, train_dataset=ds, fp8_opt_level="O2")
+    trainer.train()
+    trainer.save_model("out")  # a plain transformers directory: AutoModelForCausalLM.from_pretrained("out")
+
+A ``Trainer`` subclass of your own (e.g. trl's ``SFTTrainer``) gets the same with the mixin::
+
+    class MyFP8Trainer(FP8TrainerMixin, SFTTrainer):
+        pass
+
+What the mixin changes in ``Trainer``, and nothing else:
+
+- ``create_optimizer``: the optimizer ``Trainer`` builds (or the one passed in ``optimizers=(optimizer,
+  None)``) goes through :func:`fp8.initialize` with the model, once; the model's eligible linears become
+  :class:`fp8.Float8Linear` in place and ``trainer.optimizer`` is the returned FP8 optimizer, on which
+  ``Trainer`` then builds its learning-rate scheduler.
+- ``_clip_grad_norm`` / ``_get_grad_norm`` (``max_grad_norm``, the logged ``grad_norm``): through
+  :func:`fp8.clip_grad_norm_` instead of ``accelerator.clip_grad_norm_``: it scales an FP8 (E4M3) gradient through
+  its scale, exactly, where torch's ``clip_grad_norm_`` multiplies it in place and so rounds it to E4M3 again.
+- ``_save`` (``save_model`` and checkpoints): the weights are written as plain tensors in the model's dtype,
+  each FP8 weight replaced by its master (the optimizer's high-precision copy) and the FP8 scaling state left
+  out (:func:`high_precision_state_dict`), so ``from_pretrained`` loads the directory without ``fp8``.
+
+At ``fp8_opt_level="none"`` (alias ``"O0"``) every one of these is ``Trainer``'s own (``fp8_activations=True``
+still compresses the saved activations). Gradient accumulation needs nothing more: FP8 weight gradients are
+summed over micro-batches in fp32 (``Float8LinearConfig.grad_accumulation``, through ``fp8_config``).
+
+Refused up front, each error naming the fix: an unknown level or recipe, ``fp16=True`` (FP8 scales replace the
+loss scaler: use ``bf16=True`` or fp32), DeepSpeed and FSDP (they build or shard the optimizer themselves), more
+than one process, ``"O3"`` (sharded over data-parallel ranks), and a scheduler passed in ``optimizers`` (it
+would keep stepping the replaced optimizer).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+import transformers
+from torch import nn
+
+from ..convert import is_conv1d
+from ..initialize import initialize, normalize_opt_level
+from ..linear import Float8LinearConfig
+from ..optim.base import FP8Optimizer
+from ..optim.clip import clip_grad_norm_
+from ..optim.convert import check_convertible
+from ..optim.master_weights import MasterWeightOptimizer
+from ..recipes import RECIPES, get_recipe
+from ..scaling import ScalingState
+from ..tensor import Float8Tensor
+
+__all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of", "conv1d_names"]
+
+
+def _unwrapped(optimizer) -> list:
+    """``optimizer`` and the optimizers it wraps (``.optimizer`` chains, e.g. accelerate's ``AcceleratedOptimizer``)."""
+    chain = []
+    while optimizer is not None and all(optimizer is not o for o in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return chain
+
+
+def fp8_optimizer_of(optimizer) -> FP8Optimizer | MasterWeightOptimizer | None:
+    """The FP8 optimizer inside ``optimizer`` (itself, or unwrapping ``.optimizer`` chains, e.g. accelerate's
+    ``AcceleratedOptimizer``), or None when it holds none."""
+    return next((o for o in _unwrapped(optimizer) if isinstance(o, (FP8Optimizer, MasterWeightOptimizer))), None)
+
+
+def _master_values(optimizer) -> dict[int, torch.Tensor]:
+    """``id(model parameter) -> its master value`` for the parameters ``optimizer`` keeps a master of."""
+    inner = fp8_optimizer_of(optimizer)
+    if isinstance(inner, MasterWeightOptimizer):  # O1: (master, FP8 weight) pairs
+        return {id(fp8_weight): master.detach() for master, fp8_weight in inner.pairs}
+    if isinstance(inner, FP8Optimizer):  # O2: state["master"] (FP8 weights; 16-bit parameters)
+        return {id(p): inner.master_value(p) for group in inner.param_groups for p in group["params"]
+                if "master" in inner.state.get(p, {})}
+    return {}
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The most common dtype of ``model``'s high-precision floating parameters (FP8 weights report fp32
+    whatever the model's dtype, so they are not counted); float32 if there are none."""
+    counts = Counter(p.dtype for p in model.parameters() if not isinstance(p, Float8Tensor) and p.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                              dtype: torch.dtype | None = None, conv1d: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as an unconverted model of the same architecture has it: plain tensors only.
+
+    Each FP8 weight (a :class:`fp8.Float8Tensor`) is replaced by its master in ``optimizer`` (the returned
+    optimizer of :func:`fp8.initialize`, or any wrapper of it: O1's high-precision weight, O2's stored master),
+    or by its dequantized value where there is none; other parameters with a master (O2's 16-bit ones) take it
+    too. The FP8 scaling state (:class:`fp8.scaling.ScalingState` buffers) is left out. Every tensor is cast to
+    ``dtype``; None: FP8 weights to the model's dtype (that of its other floating parameters), others keep
+    theirs. ``conv1d``: names of the modules that were transformers ``Conv1D`` before conversion (GPT-2's
+    ``c_attn``, ...; :func:`conv1d_names` of the unconverted model): their weights are written back transposed,
+    ``(in_features, out_features)``, as ``Conv1D`` stores them. For ``model.save_pretrained(dir,
+    state_dict=high_precision_state_dict(model, optimizer))``.
+    """
+    masters = _master_values(optimizer)
+    transposed = {f"{name}.weight" for name in conv1d}
+    fp8_dtype = dtype or _model_dtype(model)
+    scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if any(key.startswith(prefix) for prefix in scaling):
+            continue
+        master = masters.get(id(value))
+        is_fp8 = isinstance(value, Float8Tensor)
+        target = dtype or (fp8_dtype if is_fp8 else value.dtype)
+        if master is not None:
+            value = master
+        elif is_fp8:
+            value = value.dequantize(torch.float32)
+        if not isinstance(value, Float8Tensor) and value.is_floating_point():
+            value = value.detach().to(target)
+        if key in transposed and is_fp8:
+            value = value.t()
+        out[key] = value.detach().contiguous()
+    return out
+
+
+def conv1d_names(model: nn.Module) -> list[str]:
+    """Names of ``model``'s transformers ``Conv1D`` modules (before :func:`fp8.initialize` converts them)."""
+    return [name for name, module in model.named_modules() if is_conv1d(module)]
+
+
+def _check_choices(opt_level: str, recipe: str) -> str:
+    try:
+        level = normalize_opt_level(opt_level)
+    except ValueError as e:
+        raise ValueError(f"fp8_opt_level: {e}; pass e.g. fp8_opt_level='O2' (or 'none' to train in high "
+                         f"precision)") from None
+    try:
+        get_recipe(recipe)
+    except ValueError as e:
+        raise ValueError(f"fp8_recipe: {e}; pass e.g. fp8_recipe='tensorwise'") from None
+    if level == "O3":
+        raise ValueError("fp8_opt_level='O3' shards the optimizer over data-parallel ranks, which FP8Trainer does "
+                         "not run (one process); use fp8_opt_level='O2' (the same optimizer, unsharded)")
+    return level
+
+
+class FP8TrainerMixin:
+    """Makes a ``transformers.Trainer`` (or any subclass of it, listed after this mixin) train in FP8.
+
+    Keyword arguments, besides the ``Trainer``'s own:
+
+    - ``fp8_opt_level``: ``"O2"`` (default: FP8 linears, FP8-aware Adam/AdamW/SGD with compressed moments and
+      masters), ``"O1"`` (FP8 linears, the ``Trainer``'s own optimizer stepping high-precision masters),
+      ``"none"``/``"O0"`` (the plain ``Trainer``). :data:`fp8.OPT_LEVELS`.
+    - ``fp8_recipe``: scale granularity, one of :data:`fp8.recipes.RECIPES` (``"tensorwise"``, ``"rowwise"``,
+      ``"blockwise"``).
+    - ``fp8_activations``: store the tensors saved for backward as E4M3 tiles (:func:`fp8.initialize`).
+    - ``fp8_config``: a :class:`fp8.Float8LinearConfig` (formats, ``grad_accumulation``, GEMM backend).
+    - ``fp8_min_dim``: linears with ``min(in, out)`` below it stay in high precision (None: 2048 on CUDA, 0 on
+      CPU; :func:`fp8.initialize`'s ``min_fp8_dim``).
+    - ``fp8_module_filter``: ``fn(module, fqn) -> bool``; False keeps that linear in high precision.
+
+    The model is converted when the optimizer is created (the start of ``train()``), not before.
+    """
+
+    def __init__(self, *args, fp8_opt_level: str = "O2", fp8_recipe: str = "tensorwise",
+                 fp8_activations: bool = False, fp8_config: Float8LinearConfig | None = None,
+                 fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
+                 **kwargs) -> None:
+        level = _check_choices(fp8_opt_level, fp8_recipe)
+        if fp8_config is not None and not isinstance(fp8_config, Float8LinearConfig):
+            raise TypeError(f"fp8_config must be an fp8.Float8LinearConfig or None, got {type(fp8_config).__name__}")
+        if fp8_config is not None and fp8_config.recipe not in ("tensorwise", fp8_recipe):
+            raise ValueError(f"fp8_recipe={fp8_recipe!r} contradicts fp8_config.recipe={fp8_config.recipe!r}; "
+                             f"pass one of them (recipes: {RECIPES})")
+        self.fp8_opt_level = level
+        self.fp8_recipe = fp8_recipe
+        self.fp8_activations = bool(fp8_activations)
+        self.fp8_config = fp8_config
+        self.fp8_min_dim = fp8_min_dim
+        self.fp8_module_filter = fp8_module_filter
+        self._fp8_optimizer = None  # the optimizer fp8.initialize returned (identity: initialize once)
+        self._fp8_conv1d: list[str] = []  # the model's transformers Conv1D modules, saved back transposed
+        super().__init__(*args, **kwargs)
+        if self.fp8_enabled:
+            self._check_fp8_arguments()
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the model trains in FP8 (``fp8_opt_level`` is not ``"none"``)."""
+        return self.fp8_opt_level != "none"
+
+    def _check_fp8_arguments(self) -> None:
+        level = self.fp8_opt_level
+        if self.args.fp16:
+            raise ValueError(f"fp8_opt_level={level!r} does not run with fp16=True (torch's loss scaler would scale "
+                             f"FP8 gradients it cannot read; FP8 keeps its own scales): pass bf16=True or neither")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(f"fp8_opt_level={level!r} does not run under DeepSpeed or FSDP (they build or shard the "
+                             f"optimizer themselves); drop those arguments, or train with fp8_opt_level='none'")
+        if self.args.world_size > 1:
+            raise ValueError(f"FP8Trainer runs one process (world_size={self.args.world_size}); FP8 data parallelism "
+                             f"is fp8.distributed.DistributedDataParallel in your own loop (docs/distributed.md), "
+                             f"or train with fp8_opt_level='none'")
+        if self.lr_scheduler is not None:
+            raise ValueError("a scheduler passed in optimizers=(optimizer, scheduler) would keep stepping the optimizer "
+                             "that fp8.initialize replaces; pass optimizers=(optimizer, None), and set the schedule "
+                             "in TrainingArguments (lr_scheduler_type, warmup_steps), or build it in create_scheduler")
+
+    # -- the optimizer: fp8.initialize ------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        """``Trainer.create_optimizer``, then :func:`fp8.initialize` on the model and that optimizer (once):
+        ``self.optimizer`` becomes the FP8 optimizer, the model's linears :class:`fp8.Float8Linear`."""
+        optimizer = super().create_optimizer(model)
+        done = self._fp8_optimizer is not None and any(o is self._fp8_optimizer for o in _unwrapped(optimizer))
+        if done or (self.fp8_opt_level == "none" and not self.fp8_activations):  # a second train(): kept
+            return optimizer
+        target = self.model if model is None else model
+        if self.fp8_opt_level == "O2":
+            try:
+                check_convertible(optimizer)
+            except TypeError as e:
+                raise TypeError(f"{e}. With FP8Trainer: TrainingArguments(optim='adamw_torch') (or 'adamw_torch_fused', "
+                                f"'sgd') keeps fp8_opt_level='O2'; fp8_opt_level='O1' keeps optim="
+                                f"{getattr(self.args.optim, 'value', self.args.optim)!r}") from None
+        conv1d = conv1d_names(target)
+        new_model, new_optimizer = initialize(
+            target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
+            fp8_activations=self.fp8_activations, min_fp8_dim=self.fp8_min_dim,
+            module_filter_fn=self.fp8_module_filter)
+        if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
+            if target is self.model:
+                self.model = new_model
+            if target is self.model_wrapped:
+                self.model_wrapped = new_model
+        self.optimizer = self._fp8_optimizer = new_optimizer
+        self._fp8_conv1d = conv1d
+        return new_optimizer
+
+    # -- gradient clipping: fp8.clip_grad_norm_ ---------------------------------------------------
+    def _clip_grad_norm(self, model):
+        """``max_grad_norm`` clipping through :func:`fp8.clip_grad_norm_` (FP8 gradients scaled through their
+        scales); returns the norm before clipping, as ``Trainer`` does."""
+        if not self.fp8_enabled:
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm_(list(model.parameters()), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.fp8_enabled and grad_norm is None:
+            grad_norm = clip_grad_norm_(list(model.parameters()), float("inf"))  # the norm, nothing scaled
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # -- saving: high-precision weights -----------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``Trainer._save`` with :func:`high_precision_state_dict`'s weights: the masters in the model's
+        dtype, no FP8 tensors or scaling state, so ``from_pretrained`` needs no ``fp8``."""
+        if self.fp8_enabled and state_dict is None:
+            state_dict = high_precision_state_dict(self.accelerator.unwrap_model(self.model), self.optimizer,
+                                                   conv1d=self._fp8_conv1d)
+        super()._save(output_dir, state_dict=state_dict)
+
+
+class FP8Trainer(FP8TrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training in FP8: ``FP8Trainer(..., fp8_opt_level="O2")``; the FP8 keywords are
+    :class:`FP8TrainerMixin`'s, everything else is ``Trainer``'s."""
