@@ -441,7 +441,7 @@ def demo_plays() -> list[list[tuple[str, list[str]]]]:
     return [_speeches(corpus.clean_markdown(p.read_text(encoding="utf-8"))) for p in corpus.play_paths()]
 
 
-def _demo_pairs(plays, context_lines: int = 6, response_lines: int = 2):
+def _demo_pairs(plays, context_lines: int = 4, response_lines: int = 2):
     """(prompt, response, play index) for consecutive speeches: the previous speaker and the last lines of
     their speech, then the next speaker's name; the response is the start of the next speech."""
     out = []
@@ -455,7 +455,8 @@ def _demo_pairs(plays, context_lines: int = 6, response_lines: int = 2):
 def demo_rows(task: str, n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """The demo task: train rows from all plays but the last :data:`DEMO_HELDOUT_PLAYS` (which the demo base
     model was not pretrained on either), held-out rows from those. SFT: ``prompt``/``response``; DPO:
-    ``prompt``/``chosen`` (the true next speech)/``rejected`` (the start of a speech from another play)."""
+    ``prompt``/``chosen`` (the true next speech's first lines)/``rejected`` (as many lines from elsewhere: the
+    middle of a speech of another play)."""
     plays = demo_plays()
     pairs = _demo_pairs(plays)
     g = random.Random(seed)
@@ -467,15 +468,18 @@ def demo_rows(task: str, n_train: int, n_eval: int, seed: int) -> tuple[list[dic
     train, held = train[:n_train], held[:n_eval]
     if task == "sft":
         return ([{"prompt": p, "response": r} for p, r, _ in train], [{"prompt": p, "response": r} for p, r, _ in held])
+    long_speeches = [(k, lines) for k, play in enumerate(plays) for _, lines in play if len(lines) >= 5]
 
     def with_rejected(rows):
         out = []
         for p, r, k in rows:
+            n = r.count("\n") + 1
             while True:
-                q, other, j = pairs[g.randrange(len(pairs))]
-                if j != k and other != r:
+                j, lines = long_speeches[g.randrange(len(long_speeches))]
+                if j != k:
                     break
-            out.append({"prompt": p, "chosen": r, "rejected": other})
+            start = g.randrange(2, len(lines) - n + 1)
+            out.append({"prompt": p, "chosen": r, "rejected": "\n".join(lines[start:start + n])})
         return out
 
     return with_rejected(train), with_rejected(held)
