@@ -118,7 +118,7 @@ def test_bad_jsonl_exits_2_naming_line_and_key(tiny_model, tmp_path, script, lin
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and f"bad.jsonl:3:" in last and expect in last, proc.stderr[-2000:]
+    assert last.startswith("error: ") and "bad.jsonl:3:" in last and expect in last, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
@@ -195,7 +195,6 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
             assert ref["total"] < 1.1 * table["parameters"], ref
             assert table["total"]["ratio_vs_bf16"] < table["policy"]["ratio_vs_bf16"]
     # The reference built for O2 is fp8.freeze's: FP8 weights, nothing trainable.
-    ns = dpo.build_reference.__globals__  # noqa: F841  (the function is exercised directly below)
     args = type("A", (), {"reference": "fp8", "recipe": "tensorwise"})()
     rt = common.Runtime(0, 1, torch.device("cpu"), False)
     reference = dpo.build_reference(tiny_model, args, rt)

@@ -404,13 +404,12 @@ def save_bf16(model, optimizer, tokenizer, out: Path, level: str, rt: Runtime) -
         if v.shape != t.shape and v.dim() == 2 and v.t().shape == t.shape:  # transformers Conv1D: (in, out)
             v = v.t()
         load[name] = v
-    result = fresh.load_state_dict(load, strict=False)
-    loaded = {load[n].data_ptr() for n in load}
-    untouched = [k for k in result.missing_keys if k in target and target[k].data_ptr() not in
-                 {target[n].data_ptr() for n in load}]
+    fresh.load_state_dict(load, strict=False)
+    # Parameters not loaded must be tied to loaded ones (e.g. lm_head.weight sharing the embedding table).
+    loaded_storage = {target[n].data_ptr() for n in load}
+    untouched = [n for n, t in target.items() if n not in load and t.data_ptr() not in loaded_storage]
     if untouched:
         raise RuntimeError(f"export: no trained value for {untouched[:4]}")
-    del loaded
     fresh = fresh.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(str(out))

@@ -98,6 +98,7 @@ def evaluate(policy, reference, pairs, pad_id, batch_size, beta, rt):
             loss += l.item() * len(chunk)
     policy.train()
     correct, margin, loss, n = (v * rt.world for v in common.all_mean([correct, margin, loss, float(len(mine))], rt))
+    n = max(n, 1.0)
     return correct / n, margin / n, loss / n
 
 
