@@ -214,3 +214,20 @@ def test_sft_torchrun_two_ranks_o2(tiny_model, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "step" in r)
     sums = final["weights_checksum_per_rank"]
     assert len(sums) == 2 and sums[0] == sums[1]
+
+
+def test_demo_tasks_hold_out_plays():
+    plays = common.demo_plays()
+    held_plays = plays[-common.DEMO_HELDOUT_PLAYS:]
+    held_prompts = {prompt for prompt, _, _ in common._demo_pairs(held_plays)}
+    train, held = common.demo_rows("sft", 50, 10, seed=0)
+    assert len(train) == 50 and len(held) == 10
+    assert all(r.keys() == {"prompt", "response"} and r["response"] for r in train + held)
+    assert all(r["prompt"] in held_prompts for r in held)
+    assert not any(r["prompt"] in held_prompts for r in train)
+    # Prompt: previous speaker and lines, blank line, next speaker's name (the corpus's own layout).
+    assert all(r["prompt"].endswith("\n") and "\n\n" in r["prompt"] for r in train)
+    train, held = common.demo_rows("dpo", 50, 10, seed=0)
+    assert all(r.keys() == {"prompt", "chosen", "rejected"} for r in train + held)
+    assert all(r["chosen"] != r["rejected"] and r["chosen"].count("\n") == r["rejected"].count("\n")
+               for r in train + held)
