@@ -231,3 +231,27 @@ def test_demo_tasks_hold_out_plays():
     assert all(r.keys() == {"prompt", "chosen", "rejected"} for r in train + held)
     assert all(r["chosen"] != r["rejected"] and r["chosen"].count("\n") == r["rejected"].count("\n")
                for r in train + held)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_export_takes_master_weights(tiny_model, level):
+    """The exported values are the optimizer's masters, not the FP8-rounded weights the model holds."""
+    import fp8
+
+    rt = common.Runtime(0, 1, torch.device("cpu"), False)
+    model, _ = common.load_model(tiny_model, rt.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fp8.initialize(model, opt, level)
+    ids = torch.randint(0, 2048, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    state = common.master_state(model, opt, level, rt)
+    fp8_names = [n for n, p in model.named_parameters() if isinstance(p, fp8.Float8Tensor)]
+    assert fp8_names and set(state) == {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
+    masters = {id(w): m for m, w in opt.pairs} if level == "O1" else None
+    for name in fp8_names:
+        p = params[name]
+        expect = masters[id(p)] if level == "O1" else opt.master_value(p)
+        assert torch.equal(state[name], expect.detach().float())
+        assert not torch.equal(state[name], p.dequantize(torch.float32))  # FP8 rounding differs from the master
