@@ -59,8 +59,8 @@ def build_parser(description: str, *, task: str) -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH,
                    help="tokens per example (prompt + response); longer ones are truncated and counted")
     p.add_argument("--eval-examples", type=int, default=64,
-                   help="held-out examples evaluated at the end (with --data: taken from the end of the file; "
-                        "0: no evaluation)")
+                   help="held-out examples evaluated at the end (with --data: the file's last lines, at most a "
+                        "fifth of it; 0: no evaluation)")
     p.add_argument("--demo-examples", type=int, default=2000, help="demo task: training examples built")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, metavar="DIR",
@@ -122,8 +122,9 @@ def load_jsonl(path: Path, keys: Sequence[str]) -> list[dict[str, str]]:
 
 
 def split_heldout(rows: list, eval_examples: int) -> tuple[list, list]:
-    """(train, held-out): the last ``eval_examples`` rows are held out, keeping at least one to train on."""
-    n = min(eval_examples, len(rows) - 1)
+    """(train, held-out): the last ``eval_examples`` rows are held out, at most a fifth of the file (the counts
+    are printed)."""
+    n = min(eval_examples, len(rows) // 5)
     return (rows[:len(rows) - n], rows[len(rows) - n:]) if n > 0 else (rows, [])
 
 
