@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart quickstart-engine test gpu-check
+.PHONY: install quickstart quickstart-engine finetune-demo test gpu-check
 
 install:
 	$(PIP) "$(TORCH_SPEC)"
@@ -19,6 +19,13 @@ quickstart: install
 # The FP8 engine alone on a plain PyTorch GPT (fp8.initialize at O0/O1/O2).
 quickstart-engine: install
 	$(PYTHON) examples/quickstart.py
+
+# Fine-tune demo (docs/finetune.md): SFT and DPO of the demo base model at none and O2 (CPU, minutes).
+finetune-demo: install
+	$(PYTHON) examples/finetune/sft.py --fp8-opt-level none --log-json sft-none.jsonl
+	$(PYTHON) examples/finetune/sft.py --fp8-opt-level O2 --log-json sft-o2.jsonl --output out/sft-o2
+	$(PYTHON) examples/finetune/dpo.py --fp8-opt-level none --log-json dpo-none.jsonl
+	$(PYTHON) examples/finetune/dpo.py --fp8-opt-level O2 --log-json dpo-o2.jsonl --output out/dpo-o2
 
 test: install
 	$(PYTHON) -m pytest -q --durations=40 tests

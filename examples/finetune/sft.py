@@ -1,0 +1,129 @@
+"""Supervised fine-tuning of a transformers causal LM with FP8 (``fp8.initialize``), loss on response tokens only.
+
+    python examples/finetune/sft.py --fp8-opt-level O2 --max-steps 60 --output out/sft-o2 --log-json sft.jsonl
+    python examples/finetune/sft.py --model DIR --data train.jsonl --fp8-opt-level O2 ...   # {"prompt", "response"}
+    torchrun --nproc_per_node 2 examples/finetune/sft.py --fp8-opt-level O2 ...              # fp8.distributed
+
+Without ``--data``: the demo task (continue a character's speech in Shakespeare's plays) on the demo base model.
+Docs: docs/finetune.md.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from examples.finetune import common  # noqa: E402
+from examples.finetune.common import DataError  # noqa: E402
+
+KEYS = ("prompt", "response")
+
+
+def evaluate(model, examples, pad_id: int, batch_size: int, rt) -> float:
+    """Mean loss per response token over ``examples`` (this rank's share, summed over ranks)."""
+    total = count = 0.0
+    mine = examples[rt.rank::rt.world]
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(mine), batch_size):
+            batch = {k: v.to(rt.device) for k, v in common.collate(mine[i:i + batch_size], pad_id).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logp, n = common.response_logprobs(logits, batch["labels"])
+            total -= logp.sum().item()
+            count += n.sum().item()
+    model.train()
+    total, count = (v * rt.world for v in common.all_mean([total, count], rt))
+    return total / max(count, 1.0)
+
+
+def main(argv=None) -> int:
+    parser = common.build_parser(__doc__.splitlines()[0], task="sft")
+    args = parser.parse_args(argv)
+    common.check_args(args, parser)
+    try:
+        rt = common.setup_runtime(args)
+        return run(args, rt)
+    except DataError as e:
+        common.die(str(e))
+    return 0
+
+
+def run(args, rt) -> int:
+    import fp8
+
+    started = time.perf_counter()
+    log = common.JsonLog(args.log_json, rt)
+    if args.data is not None:
+        rows = common.load_jsonl(args.data, KEYS)
+        train_rows, eval_rows = common.split_heldout(rows, args.eval_examples)
+    else:
+        train_rows, eval_rows = common.demo_rows("sft", args.demo_examples, args.eval_examples, args.seed)
+    model_dir = common.resolve_model(args, rt)
+    model, tokenizer = common.load_model(model_dir, rt.device)
+    encoded = [common.encode(tokenizer, r["prompt"], r["response"], args.max_length) for r in train_rows]
+    held = [common.encode(tokenizer, r["prompt"], r["response"], args.max_length) for r in eval_rows]
+    truncated = sum(e.truncated for e in encoded) + sum(e.truncated for e in held)
+    log.print(f"sft: {len(encoded)} training / {len(held)} held-out examples, {truncated} truncated to "
+              f"--max-length {args.max_length}; model {model_dir}; opt level {args.fp8_opt_level}, recipe "
+              f"{args.recipe}; {rt.world} rank(s) on {rt.device}")
+    pad_id = tokenizer.pad_token_id
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    train_model, model, optimizer = common.fp8_setup(model, optimizer, args, rt)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, common.lr_lambda(args))
+    eval_before = evaluate(model, held, pad_id, args.batch_size, rt) if held else None
+    model.train()
+    loss_value = math.nan
+    memory = None
+    for step, idx in enumerate(common.batches(len(encoded), args.batch_size, rt, args.seed, args.max_steps)):
+        t0 = time.perf_counter()
+        batch = {k: v.to(rt.device) for k, v in common.collate([encoded[i] for i in idx], pad_id).items()}
+        # Token-mean over response tokens (labels are -100 on prompt and padding); transformers shifts labels.
+        loss = train_model(**batch).loss
+        loss.backward()
+        grad_norm = common.clip(model, optimizer, args.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        if memory is None:
+            memory = fp8.memory_report(model, optimizer)  # after the first step: optimizer states exist
+        optimizer.zero_grad(set_to_none=True)
+        (loss_value,) = common.all_mean([loss.item()], rt)
+        if not math.isfinite(loss_value):
+            log.print(f"error: loss is {loss_value} at step {step}; lower --lr or use --fp8-opt-level none")
+            log.close()
+            return 1
+        record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, "tokens": int((batch["labels"] != -100).sum()),
+                  "step_s": round(time.perf_counter() - t0, 3)}
+        log.write(record)
+        if step % 10 == 0 or step == args.max_steps - 1:
+            log.print(f"step {step:4d} loss {loss_value:.4f} lr {record['lr']:.2e} ({record['step_s']:.2f} s)")
+    eval_after = evaluate(model, held, pad_id, args.batch_size, rt) if held else None
+    summary = {"final": {"loss": loss_value, "heldout_loss_before": eval_before, "heldout_loss": eval_after,
+                         "steps": args.max_steps, "opt_level": args.fp8_opt_level, "recipe": args.recipe,
+                         "truncated": truncated, "world_size": rt.world,
+                         "weights_checksum_per_rank": common.weights_checksums(model, rt),
+                         "wall_s": round(time.perf_counter() - started, 1)},
+               "memory": {"policy": memory}}
+    log.write(summary)
+    if held:
+        log.print(f"held-out loss per response token: {eval_before:.4f} before, {eval_after:.4f} after")
+    log.print(f"memory (bytes, fp8.memory_report after step 1): {memory}")
+    if args.output is not None:
+        common.save_bf16(model, optimizer, tokenizer, args.output, args.fp8_opt_level, rt)
+        log.print(f"wrote {args.output} (BF16, transformers)")
+    log.close()
+    common.teardown(rt)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
