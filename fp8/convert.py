@@ -15,9 +15,10 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
-__all__ = ["ConvertedLinear", "convert_to_float8_linear", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+__all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "announce_fp8_selection", "fp8_selection_message"]
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ def default_min_fp8_dim(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ConvertedLinear:
-    """One swap: the module's qualified name, the original high-precision weight (the master, shaped
-    ``(out_features, in_features)`` like the FP8 weight), the new module.
+    """One swap: the module's qualified name, the original high-precision weight (the master, shaped like the FP8
+    weight: ``(out_features, in_features)`` for a linear), the new module (a :class:`Float8Linear`, or a
+    :class:`~fp8.embedding.Float8Embedding` from :func:`convert_embeddings_to_float8`).
 
     ``transposed_from`` is None for an ``nn.Linear`` (its own weight is the master). For a transformers
     ``Conv1D`` it is the module's own ``(in_features, out_features)`` weight, which the user's optimizer
@@ -50,7 +52,7 @@ class ConvertedLinear:
 
     fqn: str
     original_weight: nn.Parameter
-    module: Float8Linear
+    module: Float8Linear | Float8Embedding
     transposed_from: nn.Parameter | None = None
 
     @property
@@ -205,3 +207,33 @@ def announce_fp8_selection(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim:
     message = fp8_selection_message(n_fp8, kept, min_fp8_dim)
     (log or logger).warning(message)
     return message
+
+
+def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | None = None,
+                                 module_filter_fn: ModuleFilter | None = None) -> tuple[nn.Module, list[ConvertedLinear]]:
+    """Replace every eligible ``nn.Embedding`` of ``model`` (in place) by a :class:`~fp8.embedding.Float8Embedding`
+    (E4M3 rows, one scale per row; ``config``'s weight format and gradient accumulation). Kept in high precision,
+    each logged with its reason: tables excluded by ``module_filter_fn(module, fqn)``, tables whose weight is shared
+    with another module (a tied output layer), and tables using ``max_norm``/``sparse``/``scale_grad_by_freq``.
+    Returns the model and the swaps (each swap's ``original_weight`` is the master)."""
+    use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    converted: list[ConvertedLinear] = []
+    for fqn, module in list(model.named_modules()):
+        if type(module) is not nn.Embedding or not fqn:
+            continue
+        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+            reason = "excluded by module_filter_fn"
+        elif use_count[id(module.weight)] > 1:
+            reason = "weight is shared with another module (tied); FP8 would untie it"
+        else:
+            reason = embedding_problem(module)
+        if reason:
+            logger.info("fp8: kept embedding %s in high precision: %s", fqn, reason)
+            continue
+        new = Float8Embedding.from_embedding(module, config)
+        converted.append(ConvertedLinear(fqn, module.weight, new))
+        parent_name, _, child_name = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, new)
+    if converted:
+        logger.info("fp8: %d embedding table(s) in FP8 (E4M3, one scale per row)", len(converted))
+    return model, converted

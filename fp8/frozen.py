@@ -3,7 +3,7 @@
 Every eligible linear (``nn.Linear``, transformers ``Conv1D``) becomes a :class:`~fp8.linear.Float8Linear`
 whose weight is an E4M3 :class:`~fp8.tensor.Float8Tensor` (1 byte per element plus its scales) and whose
 input is cast with a current scale (a frozen model keeps no scaling history to warm up); every ``nn.Embedding``
-becomes a :class:`Float8Embedding` (E4M3 rows, one power-of-two scale per row). An output layer tied to an
+becomes a :class:`~fp8.embedding.Float8Embedding` (E4M3 rows, one power-of-two scale per row). An output layer tied to an
 embedding shares its FP8 weight: it runs the ``rowwise`` recipe (its per-output-channel scales are the
 embedding's per-row scales), or, where its dimensions cannot run an FP8 GEMM, multiplies by the dequantized
 table. Nothing requires gradients and nothing is kept in high precision but what has no FP8 form (norms,
@@ -23,55 +23,14 @@ from torch import nn
 
 from .blocks import ROWWISE, dequantize_blocks
 from .convert import convert_to_float8_linear
+from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 from .recipes import get_recipe
 from .scaling import ScalingConfig
-from .tensor import Float8Tensor, to_float8
 
-__all__ = ["freeze", "Float8Embedding", "Float8TiedOutput"]
+__all__ = ["freeze", "Float8TiedOutput"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_plain_embedding(fqn: str, emb: nn.Embedding) -> None:
-    if emb.max_norm is not None or emb.sparse:
-        raise ValueError(
-            f"fp8.freeze: embedding {fqn or '<root>'} uses max_norm={emb.max_norm}, sparse={emb.sparse}, which renormalise "
-            f"or update rows at lookup; an FP8 table is read-only: build the model without them (or exclude it with "
-            f"embeddings=False)"
-        )
-
-
-class Float8Embedding(nn.Module):
-    """An ``nn.Embedding`` whose table is an E4M3 :class:`Float8Tensor` with one scale per row (``ROWWISE``):
-    a lookup gathers the rows' payloads and scales and returns ``payload / scale`` in ``dtype`` (exact: the
-    value held). ``weight`` is an ``nn.Parameter`` that requires no gradient."""
-
-    def __init__(self, weight: nn.Parameter, padding_idx: int | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        if not isinstance(weight, Float8Tensor) or weight.block != ROWWISE:
-            raise TypeError("Float8Embedding.weight must be a row-wise scaled Float8Tensor (fp8.to_float8(w, block=ROWWISE))")
-        self.weight = weight
-        self.padding_idx = padding_idx
-        self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = weight.shape
-
-    @classmethod
-    def from_embedding(cls, emb: nn.Embedding) -> "Float8Embedding":
-        """The FP8 form of ``emb`` (its table quantized with current per-row scales)."""
-        _check_plain_embedding("", emb)
-        w = emb.weight.detach()
-        weight = nn.Parameter(to_float8(w, "e4m3", dtype=w.dtype, block=ROWWISE), requires_grad=False)
-        return cls(weight, emb.padding_idx, w.dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        rows = self.weight.payload.index_select(0, flat)
-        scales = self.weight.scale.index_select(0, flat)
-        return dequantize_blocks(rows, scales, ROWWISE, self.dtype).reshape(*ids.shape, self.embedding_dim)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, e4m3 per row, dtype={self.dtype}"
 
 
 class Float8TiedOutput(nn.Module):
@@ -125,7 +84,10 @@ def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | N
         for fqn, emb in list(model.named_modules()):
             if type(emb) is not nn.Embedding:
                 continue
-            _check_plain_embedding(fqn, emb)
+            problem = embedding_problem(emb)
+            if problem:
+                raise ValueError(f"fp8.freeze: embedding {fqn or '<root>'}: {problem}; build the model without them, or "
+                                 f"pass embeddings=False to keep the tables in high precision")
             tied = [(name, m) for name, m in owners.get(id(emb.weight), []) if m is not emb]
             others = [name for name, m in tied if type(m) is not nn.Linear]
             if others:

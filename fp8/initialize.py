@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .activations import compress_activations
-from .convert import ModuleFilter, convert_to_float8_linear, is_conv1d
+from .convert import ModuleFilter, convert_embeddings_to_float8, convert_to_float8_linear, is_conv1d
 from .gemm import scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
@@ -160,6 +160,7 @@ def initialize(
     require_fp8: bool = False,
     recipe: str | None = None,
     fp8_activations: bool = False,
+    fp8_embeddings: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -204,6 +205,10 @@ def initialize(
     its byte ledger (``.stats``, ``.held_bytes()``; ``fp8.memory_report(model, optimizer,
     activations=model.fp8_activation_compressor)``), is ``model.fp8_activation_compressor``.
 
+    ``fp8_embeddings=True`` (FP8 levels) also turns every untied ``nn.Embedding`` into an
+    :class:`fp8.embedding.Float8Embedding`: an E4M3 table with one scale per row, trained like an FP8 weight (its
+    master in the optimizer, its gradient per ``config.grad_accumulation``); tied tables stay in high precision, logged.
+
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
     """
@@ -226,6 +231,9 @@ def initialize(
 
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
     if opt_level == "none":
+        if fp8_embeddings:
+            raise ValueError("fp8_embeddings=True needs an FP8 opt_level (O1, O2 or O3); at 'none' the model stays in "
+                             "high precision")
         return _with_activations(model, fp8_activations), optimizer
     _check_materialized(model)
     if opt_level == "O1" and optimizer is not None:
@@ -240,6 +248,9 @@ def initialize(
     if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
     model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8)
+    if fp8_embeddings:
+        model, tables = convert_embeddings_to_float8(model, config, module_filter_fn)
+        converted = converted + tables
     model = _with_activations(model, fp8_activations)
     if optimizer is None:
         return model, None

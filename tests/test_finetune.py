@@ -193,7 +193,10 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
         if level == "O2":
             # FP8 reference: 1 byte per parameter plus scales.
             assert ref["total"] < 1.1 * table["parameters"], ref
-            assert table["total"]["ratio_vs_bf16"] < table["policy"]["ratio_vs_bf16"]
+            # FP8 weights, embedding table and E4M3 gradients: 7 B per parameter against the BF16 pair's 16 (+ 1 vs 2
+            # for the reference); measured 0.446 (policy) and 0.456 (total) on this tiny model (scales and norms)
+            assert table["total"]["bytes"] == table["policy"]["bytes"] + table["reference"]["bytes"]
+            assert table["policy"]["ratio_vs_bf16"] < 0.5 and table["total"]["ratio_vs_bf16"] < 0.5, table
     # The reference built for O2 is fp8.freeze's: FP8 weights, nothing trainable.
     args = type("A", (), {"reference": "fp8", "recipe": "tensorwise"})()
     rt = common.Runtime(0, 1, torch.device("cpu"), False)

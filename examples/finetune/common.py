@@ -50,6 +50,9 @@ def build_parser(description: str, *, task: str) -> argparse.ArgumentParser:
     p.add_argument("--fp8-grad-accumulation", default="fp32", choices=["fp32", "fp8"],
                    help="how FP8 weights' gradients are held (Float8LinearConfig.grad_accumulation): fp32 "
                         "(4 bytes/element, default) or fp8 (1 byte; fine with one micro-batch per step)")
+    p.add_argument("--fp8-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="at the FP8 levels, untied embedding tables in FP8 too (E4M3 rows, trained like FP8 weights: "
+                        "fp8.initialize(..., fp8_embeddings=True)); --no-fp8-embeddings keeps them in high precision")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; linear warm-up then cosine)")
     p.add_argument("--warmup-steps", type=int, default=5)
@@ -258,7 +261,8 @@ def fp8_setup(model, optimizer, args: argparse.Namespace, rt: Runtime):
     import fp8
 
     config = fp8.Float8LinearConfig(grad_accumulation=args.fp8_grad_accumulation)
-    model, optimizer = fp8.initialize(model, optimizer, args.fp8_opt_level, recipe=args.recipe, config=config)
+    model, optimizer = fp8.initialize(model, optimizer, args.fp8_opt_level, recipe=args.recipe, config=config,
+                                      fp8_embeddings=args.fp8_embeddings and args.fp8_opt_level != "none")
     train_model = model
     if rt.distributed:
         train_model = fp8.distributed.DistributedDataParallel(

@@ -69,11 +69,7 @@ def build_reference(model_dir, args, rt):
 
     reference, _ = common.load_model(model_dir, rt.device)
     if args.reference == "fp8":
-        freeze = getattr(fp8, "freeze", None)
-        if freeze is None:
-            raise DataError("this fp8 has no fp8.freeze (the frozen FP8 reference); update fp8lm, or pass "
-                            "--reference bf16")
-        reference = freeze(reference, recipe=args.recipe)
+        reference = fp8.freeze(reference, recipe=args.recipe)
     else:
         reference = reference.to(torch.bfloat16)
         for p in reference.parameters():
