@@ -15,7 +15,6 @@ Docs: docs/finetune.md.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.finetune import common  # noqa: E402
-from examples.finetune.common import DataError  # noqa: E402
 
 KEYS = ("prompt", "chosen", "rejected")
 
@@ -140,12 +138,7 @@ def main(argv=None) -> int:
         args.reference = "bf16" if args.fp8_opt_level == "none" else "fp8"
     if not args.beta > 0:
         parser.error(f"--beta must be positive, got {args.beta}")
-    try:
-        rt = common.setup_runtime(args)
-        return run(args, rt)
-    except DataError as e:
-        common.die(str(e))
-    return 0
+    return common.run_main(args, run)
 
 
 def run(args, rt) -> int:
@@ -153,13 +146,7 @@ def run(args, rt) -> int:
 
     started = time.perf_counter()
     log = common.JsonLog(args.log_json, rt)
-    if args.data is not None:
-        rows = common.load_jsonl(args.data, KEYS)
-        train_rows, eval_rows = common.split_heldout(rows, args.eval_examples)
-    else:
-        train_rows, eval_rows = common.demo_rows("dpo", args.demo_examples, args.eval_examples, args.seed)
-    model_dir = common.resolve_model(args, rt)
-    policy, tokenizer = common.load_model(model_dir, rt.device)
+    train_rows, eval_rows, model_dir, policy, tokenizer = common.load_task(args, rt, "dpo", KEYS)
     n_params = sum(p.numel() for p in policy.parameters())
     pairs = encode_pairs(tokenizer, train_rows, args.max_length)
     held = encode_pairs(tokenizer, eval_rows, args.max_length)
@@ -170,10 +157,7 @@ def run(args, rt) -> int:
     pad_id = tokenizer.pad_token_id
     reference = build_reference(model_dir, args, rt)
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    train_model, policy, optimizer = common.fp8_setup(policy, optimizer, args, rt)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, common.lr_lambda(args))
+    train_model, policy, optimizer, scheduler = common.training_setup(policy, args, rt)
     policy.train()
     record = {}
     policy_memory = None
@@ -185,16 +169,9 @@ def run(args, rt) -> int:
         pc, pr = sequence_logps(train_model, chunk, pad_id, rt.device)
         loss, acc, margin, _, _ = dpo_terms(pc, pr, rc.float(), rr.float(), args.beta)
         loss.backward()
-        grad_norm = common.clip(policy, optimizer, args.clip_grad)
-        optimizer.step()
-        scheduler.step()
-        if policy_memory is None:
-            policy_memory = fp8.memory_report(policy, optimizer)  # after the first step: optimizer states exist
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, policy_memory = common.optimizer_step(policy, optimizer, scheduler, args, policy_memory)
         loss_v, acc_v, margin_v = common.all_mean([loss.item(), acc.item(), margin.item()], rt)
-        if not math.isfinite(loss_v):
-            log.print(f"error: loss is {loss_v} at step {step}; lower --lr or use --fp8-opt-level none")
-            log.close()
+        if common.nonfinite(loss_v, step, log):
             return 1
         record = {"step": step, "loss": loss_v, "reward_accuracy": acc_v, "reward_margin": margin_v,
                   "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -224,12 +201,7 @@ def run(args, rt) -> int:
     log.print("memory (fp8.memory_report after step 1; BF16 pair computed per parameter: policy "
               f"{sum(BF16_POLICY_BYTES.values())} B = BF16 weights + grads, fp32 masters + Adam; reference "
               f"{sum(BF16_REFERENCE_BYTES.values())} B):\n" + format_table(table))
-    if args.output is not None:
-        common.save_bf16(policy, optimizer, tokenizer, args.output, args.fp8_opt_level, rt)
-        log.print(f"wrote {args.output} (BF16, transformers)")
-    log.close()
-    common.teardown(rt)
-    return 0
+    return common.finish(policy, optimizer, tokenizer, args, rt, log)
 
 
 if __name__ == "__main__":

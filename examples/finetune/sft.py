@@ -21,7 +21,6 @@ if __name__ == "__main__" and not __package__:
 import torch  # noqa: E402
 
 from examples.finetune import common  # noqa: E402
-from examples.finetune.common import DataError  # noqa: E402
 
 KEYS = ("prompt", "response")
 
@@ -47,26 +46,13 @@ def main(argv=None) -> int:
     parser = common.build_parser(__doc__.splitlines()[0], task="sft")
     args = parser.parse_args(argv)
     common.check_args(args, parser)
-    try:
-        rt = common.setup_runtime(args)
-        return run(args, rt)
-    except DataError as e:
-        common.die(str(e))
-    return 0
+    return common.run_main(args, run)
 
 
 def run(args, rt) -> int:
-    import fp8
-
     started = time.perf_counter()
     log = common.JsonLog(args.log_json, rt)
-    if args.data is not None:
-        rows = common.load_jsonl(args.data, KEYS)
-        train_rows, eval_rows = common.split_heldout(rows, args.eval_examples)
-    else:
-        train_rows, eval_rows = common.demo_rows("sft", args.demo_examples, args.eval_examples, args.seed)
-    model_dir = common.resolve_model(args, rt)
-    model, tokenizer = common.load_model(model_dir, rt.device)
+    train_rows, eval_rows, model_dir, model, tokenizer = common.load_task(args, rt, "sft", KEYS)
     encoded = [common.encode(tokenizer, r["prompt"], r["response"], args.max_length) for r in train_rows]
     held = [common.encode(tokenizer, r["prompt"], r["response"], args.max_length) for r in eval_rows]
     truncated = sum(e.truncated for e in encoded) + sum(e.truncated for e in held)
@@ -75,10 +61,7 @@ def run(args, rt) -> int:
               f"{args.recipe}; {rt.world} rank(s) on {rt.device}")
     pad_id = tokenizer.pad_token_id
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    train_model, model, optimizer = common.fp8_setup(model, optimizer, args, rt)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, common.lr_lambda(args))
+    train_model, model, optimizer, scheduler = common.training_setup(model, args, rt)
     eval_before = evaluate(model, held, pad_id, args.batch_size, rt) if held else None
     model.train()
     loss_value = math.nan
@@ -89,16 +72,9 @@ def run(args, rt) -> int:
         # Token-mean over response tokens (labels are -100 on prompt and padding); transformers shifts labels.
         loss = train_model(**batch).loss
         loss.backward()
-        grad_norm = common.clip(model, optimizer, args.clip_grad)
-        optimizer.step()
-        scheduler.step()
-        if memory is None:
-            memory = fp8.memory_report(model, optimizer)  # after the first step: optimizer states exist
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, memory = common.optimizer_step(model, optimizer, scheduler, args, memory)
         (loss_value,) = common.all_mean([loss.item()], rt)
-        if not math.isfinite(loss_value):
-            log.print(f"error: loss is {loss_value} at step {step}; lower --lr or use --fp8-opt-level none")
-            log.close()
+        if common.nonfinite(loss_value, step, log):
             return 1
         record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
                   "grad_norm": grad_norm, "tokens": int((batch["labels"] != -100).sum()),
@@ -117,12 +93,7 @@ def run(args, rt) -> int:
     if held:
         log.print(f"held-out loss per response token: {eval_before:.4f} before, {eval_after:.4f} after")
     log.print(f"memory (bytes, fp8.memory_report after step 1): {memory}")
-    if args.output is not None:
-        common.save_bf16(model, optimizer, tokenizer, args.output, args.fp8_opt_level, rt)
-        log.print(f"wrote {args.output} (BF16, transformers)")
-    log.close()
-    common.teardown(rt)
-    return 0
+    return common.finish(model, optimizer, tokenizer, args, rt, log)
 
 
 if __name__ == "__main__":
