@@ -4,7 +4,7 @@
 ends each process with ``os._exit`` once its worker returned (results written, process group destroyed), so
 interpreter finalisation, which destroys objects still referencing gloo process groups in arbitrary order, never
 runs. One CI run lost a rank that had finished its work to SIGABRT ("terminate called without an active
-exception"); 60 repeated launches here did not reproduce it. A worker that raises still fails the launch with its
+exception"); 87 repeated launches here did not reproduce it. A worker that raises still fails the launch with its
 traceback.
 """
 
