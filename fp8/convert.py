@@ -212,11 +212,17 @@ def announce_fp8_selection(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim:
 def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | None = None,
                                  module_filter_fn: ModuleFilter | None = None) -> tuple[nn.Module, list[ConvertedLinear]]:
     """Replace every eligible ``nn.Embedding`` of ``model`` (in place) by a :class:`~fp8.embedding.Float8Embedding`
-    (E4M3 rows, one scale per row; ``config``'s weight format and gradient accumulation). Kept in high precision,
-    each logged with its reason: tables excluded by ``module_filter_fn(module, fqn)``, tables whose weight is shared
+    (E4M3 rows, one scale per row; ``config``'s weight format and gradient accumulation), at every name it is
+    registered under. Kept in high precision, each logged with its reason: tables excluded by
+    ``module_filter_fn(module, fqn)`` (the same filter as the linears': it sees ``nn.Embedding`` modules too, so a filter
+    reading ``in_features`` must check the type first), tables whose weight is shared
     with another module (a tied output layer), and tables using ``max_norm``/``sparse``/``scale_grad_by_freq``.
     Returns the model and the swaps (each swap's ``original_weight`` is the master)."""
-    use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    # modules holding each parameter, each module once (one registered under several names is not a tie)
+    use_count = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    paths: dict[int, list[str]] = {}  # a module registered under several names (T5's shared table) at every one
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(fqn)
     converted: list[ConvertedLinear] = []
     for fqn, module in list(model.named_modules()):
         if type(module) is not nn.Embedding or not fqn:
@@ -232,8 +238,9 @@ def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | 
             continue
         new = Float8Embedding.from_embedding(module, config)
         converted.append(ConvertedLinear(fqn, module.weight, new))
-        parent_name, _, child_name = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, new)
+        for path in paths[id(module)]:
+            parent_name, _, child_name = path.rpartition(".")
+            setattr(model.get_submodule(parent_name), child_name, new)
     if converted:
         logger.info("fp8: %d embedding table(s) in FP8 (E4M3, one scale per row)", len(converted))
     return model, converted

@@ -81,6 +81,9 @@ def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | N
             weight = getattr(module, "weight", None)
             if isinstance(weight, nn.Parameter):
                 owners.setdefault(id(weight), []).append((fqn, module))
+        paths: dict[int, list[str]] = {}  # a module registered under several names (T5's shared table) at every one
+        for fqn, module in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), []).append(fqn)
         for fqn, emb in list(model.named_modules()):
             if type(emb) is not nn.Embedding:
                 continue
@@ -96,7 +99,8 @@ def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | N
                     f"embeddings=False to keep the table in high precision"
                 )
             new = Float8Embedding.from_embedding(emb)
-            _set(model, fqn, new)
+            for path in paths[id(emb)]:
+                _set(model, path, new)
             n_tables += 1
             for name, head in tied:
                 if fp8_dims_problem(head.in_features, head.out_features) is None:

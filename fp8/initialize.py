@@ -208,6 +208,7 @@ def initialize(
     ``fp8_embeddings=True`` (FP8 levels) also turns every untied ``nn.Embedding`` into an
     :class:`fp8.embedding.Float8Embedding`: an E4M3 table with one scale per row, trained like an FP8 weight (its
     master in the optimizer, its gradient per ``config.grad_accumulation``); tied tables stay in high precision, logged.
+    ``module_filter_fn`` then also sees the ``nn.Embedding`` modules (False keeps a table in high precision).
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).

@@ -198,7 +198,7 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
             assert table["total"]["bytes"] == table["policy"]["bytes"] + table["reference"]["bytes"]
             assert table["policy"]["ratio_vs_bf16"] < 0.5 and table["total"]["ratio_vs_bf16"] < 0.5, table
     # The reference built for O2 is fp8.freeze's: FP8 weights, nothing trainable.
-    args = type("A", (), {"reference": "fp8", "recipe": "tensorwise"})()
+    args = type("A", (), {"reference": "fp8", "recipe": "tensorwise", "fp8_min_dim": None, "fp8_embeddings": True})()
     rt = common.Runtime(0, 1, torch.device("cpu"), False)
     reference = dpo.build_reference(tiny_model, args, rt)
     assert any(isinstance(p, fp8.Float8Tensor) for p in reference.parameters())

@@ -117,3 +117,12 @@ def test_o1_steps_the_master_and_refreshes_the_table(gen):
     # the FP8 table is the master re-quantized per row
     want = fp8.to_float8(master.detach(), block=ROWWISE)
     assert torch.equal(model[0].weight.payload.view(torch.uint8), want.payload.view(torch.uint8))
+
+
+def test_a_table_registered_under_several_names_trains_as_one():
+    model = nn.Module()
+    model.shared = nn.Embedding(64, 32)
+    model.decoder_embed = model.shared
+    model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", fp8_embeddings=True)
+    assert isinstance(model.shared, Float8Embedding) and model.decoder_embed is model.shared
+    assert sum(isinstance(p, Float8Tensor) for group in optimizer.param_groups for p in group["params"]) == 1

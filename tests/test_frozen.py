@@ -119,3 +119,14 @@ def test_bad_input_is_refused_naming_the_fix():
         fp8.freeze(model)
     with pytest.raises(ValueError, match="max_norm=1.0"):
         fp8.freeze(nn.Sequential(nn.Embedding(10, 16, max_norm=1.0), nn.Linear(16, 16)))
+
+
+def test_a_table_registered_under_several_names_is_swapped_at_each():
+    """T5-style: one embedding module reachable as ``shared`` and ``encoder_embed`` becomes one FP8 table at both."""
+    model = nn.Module()
+    model.shared = nn.Embedding(64, 32)
+    model.encoder_embed = model.shared
+    model.proj = nn.Linear(32, 32)
+    frozen = fp8.freeze(model)
+    assert isinstance(frozen.shared, Float8Embedding) and frozen.encoder_embed is frozen.shared
+    assert not any(type(m) is nn.Embedding for _, m in frozen.named_modules(remove_duplicate=False))

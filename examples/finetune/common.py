@@ -53,6 +53,9 @@ def build_parser(description: str, *, task: str) -> argparse.ArgumentParser:
     p.add_argument("--fp8-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="at the FP8 levels, untied embedding tables in FP8 too (E4M3 rows, trained like FP8 weights: "
                         "fp8.initialize(..., fp8_embeddings=True)); --no-fp8-embeddings keeps them in high precision")
+    p.add_argument("--fp8-min-dim", type=int, default=None,
+                   help="linears with min(in, out) below it stay in high precision (fp8.initialize/fp8.freeze "
+                        "min_fp8_dim; default: 2048 on CUDA, where smaller GEMMs gain nothing from FP8, 0 on CPU)")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; linear warm-up then cosine)")
     p.add_argument("--warmup-steps", type=int, default=5)
@@ -262,7 +265,8 @@ def fp8_setup(model, optimizer, args: argparse.Namespace, rt: Runtime):
 
     config = fp8.Float8LinearConfig(grad_accumulation=args.fp8_grad_accumulation)
     model, optimizer = fp8.initialize(model, optimizer, args.fp8_opt_level, recipe=args.recipe, config=config,
-                                      fp8_embeddings=args.fp8_embeddings and args.fp8_opt_level != "none")
+                                      fp8_embeddings=args.fp8_embeddings and args.fp8_opt_level != "none",
+                                      min_fp8_dim=args.fp8_min_dim)
     train_model = model
     if rt.distributed:
         train_model = fp8.distributed.DistributedDataParallel(
@@ -313,6 +317,17 @@ def all_mean(values: list[float], rt: Runtime) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=rt.device)
     dist.all_reduce(t)
     return (t / rt.world).tolist()
+
+
+def global_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """``t`` summed over the ranks (a copy; ``t`` itself with one rank), on the device it lives on (no host read)."""
+    if not rt.distributed:
+        return t
+    import torch.distributed as dist
+
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t
 
 
 def weights_checksums(model, rt: Runtime) -> list[float]:

@@ -67,7 +67,8 @@ def build_reference(model_dir, args, rt):
 
     reference, _ = common.load_model(model_dir, rt.device)
     if args.reference == "fp8":
-        reference = fp8.freeze(reference, recipe=args.recipe)
+        reference = fp8.freeze(reference, recipe=args.recipe, min_fp8_dim=args.fp8_min_dim,
+                               embeddings=args.fp8_embeddings)
     else:
         reference = reference.to(torch.bfloat16)
         for p in reference.parameters():

@@ -69,8 +69,11 @@ def run(args, rt) -> int:
     for step, idx in enumerate(common.batches(len(encoded), args.batch_size, rt, args.seed, args.max_steps)):
         t0 = time.perf_counter()
         batch = {k: v.to(rt.device) for k, v in common.collate([encoded[i] for i in idx], pad_id).items()}
-        # Token-mean over response tokens (labels are -100 on prompt and padding); transformers shifts labels.
-        loss = train_model(**batch).loss
+        # Mean over the global batch's response tokens (labels are -100 on prompt and padding): each rank divides its
+        # sum by the token count of all ranks, times the ranks, as DDP averages the gradients over them.
+        logits = train_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp, n = common.response_logprobs(logits, batch["labels"])
+        loss = -logp.sum() * rt.world / common.global_sum(n.sum(), rt).clamp(min=1)
         loss.backward()
         grad_norm, memory = common.optimizer_step(model, optimizer, scheduler, args, memory)
         (loss_value,) = common.all_mean([loss.item()], rt)

@@ -78,8 +78,9 @@ the loss (4 V / TP per token), the labels (int64), the loss's target mask (1 B) 
 fp32 loss mask. ``recompute_granularity="full"`` keeps only each layer's input (hp x h, /TP with SP) plus,
 at the peak, the larger of the last stage's head and one layer's activations recomputed in backward (whose
 input is already held);
-``implementation="transformers"`` plans transformers' ``LlamaForCausalLM`` under ``fp8.initialize`` instead (one device;
-exact against the measured bytes, tests/test_memory_planner.py): each RMSNorm saves its input upcast to fp32 and the
+``implementation="transformers"`` plans the activations of transformers' ``LlamaForCausalLM`` under ``fp8.initialize``
+instead (one device; exact against the measured bytes, tests/test_memory_planner.py; its model state is planned as
+the megatron-core GPT's, with the untied lm_head in FP8 where ``fp8.initialize`` converts it): each RMSNorm saves its input upcast to fp32 and the
 normalized value, SwiGLU saves act(gate) besides gate and up, plain linears' inputs are compressible like any saved
 tensor, q/k/v (and gate/up) share one FP8 cast of their input, an untied output layer with dimensions that are
 multiples of 16 runs FP8, the loss keeps log-softmax's fp32 output exact, and the RoPE tables are saved.
@@ -211,11 +212,12 @@ class PlannerConfig:
         if self.implementation == "transformers" and not (
                 self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope"
                 and self.tensor_model_parallel_size == self.pipeline_model_parallel_size == 1
-                and self.hidden_dropout == 0.0):
+                and self.hidden_dropout == 0.0 and not self.add_bias_linear and self.make_vocab_size_divisible_by == 1):
             raise ValueError(
                 "implementation='transformers' models transformers' LlamaForCausalLM on one device: it needs "
-                "normalization='RMSNorm', swiglu=True, position_embedding_type='rope', tensor and pipeline parallel "
-                "size 1 and hidden_dropout=0; plan other models with implementation='megatron-core'")
+                "normalization='RMSNorm', swiglu=True, position_embedding_type='rope', add_bias_linear=False, "
+                "make_vocab_size_divisible_by=1 (transformers does not pad the vocabulary), tensor and pipeline "
+                "parallel size 1 and hidden_dropout=0; plan other models with implementation='megatron-core'")
         if self.normalization not in _NORMS:
             raise ValueError(f"--normalization must be one of {'|'.join(_NORMS)}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITIONS:
@@ -247,6 +249,18 @@ class PlannerConfig:
     def fp8(self) -> bool:
         """Whether the transformer linears run in FP8 (any level but none)."""
         return self.fp8_opt_level != "none"
+
+    @property
+    def fp8_output(self) -> bool:
+        """Whether the (untied) output layer runs FP8: ``fp8_output_layer``, or under ``implementation="transformers"``
+        (``fp8.initialize`` converts the lm_head like any linear) when its dimensions are multiples of 16 and
+        ``min(hidden, vocabulary) >= min_fp8_dim``."""
+        if not (self.fp8 and self.untie_embeddings_and_output_weights):
+            return False
+        if self.fp8_output_layer:
+            return True
+        h, v = self.hidden_size, self.padded_vocab_size
+        return self.implementation == "transformers" and h % 16 == 0 and v % 16 == 0 and min(h, v) >= self.min_fp8_dim
 
     @property
     def hp_bytes(self) -> int:
@@ -399,8 +413,7 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
     if stage == pp - 1:
         norm("decoder.final_layernorm")
         if cfg.untie_embeddings_and_output_weights or pp > 1:
-            fp8_out = cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights
-            tensors.append(_Tensor("output_layer.weight", cfg.padded_vocab_size // tp * h, fp8_out))
+            tensors.append(_Tensor("output_layer.weight", cfg.padded_vocab_size // tp * h, cfg.fp8_output))
     return tensors
 
 
@@ -630,11 +643,7 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
     head = 0.0  # the last stage's final norm, output layer and loss (one micro-batch: freed first in backward)
     if stage == pp - 1:
         h, local = cfg.hidden_size, tokens / sp
-        fp8_out = cfg.fp8 and cfg.fp8_output_layer and cfg.untie_embeddings_and_output_weights
-        out_in = h if fp8_out else _stored(cfg, h, hp, local)
-        if cfg.implementation == "transformers" and cfg.fp8 and cfg.untie_embeddings_and_output_weights and \
-                cfg.padded_vocab_size % 16 == 0 and h % 16 == 0 and min(h, cfg.padded_vocab_size) >= cfg.min_fp8_dim:
-            out_in = _fp8_input(cfg, h, cfg.padded_vocab_size)  # fp8.initialize converts the untied lm_head too
+        out_in = _fp8_input(cfg, h, cfg.padded_vocab_size) if cfg.fp8_output else _stored(cfg, h, hp, local)
         stats = 8 if cfg.normalization == "LayerNorm" else 4
         head += (_norm_saved(cfg, local) + stats + out_in) / sp
         # fp32 logits for the loss (4 V / TP); labels (int64), the vocab-parallel loss's target mask (bool) and
