@@ -312,10 +312,10 @@ def all_mean(values: list[float], rt: Runtime) -> list[float]:
     """The mean of ``values`` over the ranks (as is with one rank)."""
     if not rt.distributed:
         return values
-    import torch.distributed as dist
+    from fp8.comm import Collectives
 
     t = torch.tensor(values, dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t)
+    Collectives().all_reduce(t, tag="finetune metrics").wait()
     return (t / rt.world).tolist()
 
 
@@ -323,10 +323,10 @@ def global_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """``t`` summed over the ranks (a copy; ``t`` itself with one rank), on the device it lives on (no host read)."""
     if not rt.distributed:
         return t
-    import torch.distributed as dist
+    from fp8.comm import Collectives
 
     t = t.detach().clone()
-    dist.all_reduce(t)
+    Collectives().all_reduce(t, tag="finetune token count").wait()
     return t
 
 
@@ -341,11 +341,11 @@ def weights_checksums(model, rt: Runtime) -> list[float]:
         total += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64).remainder(97)).sum() * (i + 1)
     if not rt.distributed:
         return [total.item()]
-    import torch.distributed as dist
+    from fp8.comm import Collectives
 
-    out = [torch.zeros((), dtype=torch.float64, device=rt.device) for _ in range(rt.world)]
-    dist.all_gather(out, total.to(rt.device))
-    return [t.item() for t in out]
+    out = torch.zeros(rt.world, dtype=torch.float64, device=rt.device)
+    Collectives().all_gather(out, total.reshape(1).to(rt.device), tag="finetune checksum").wait()
+    return out.tolist()
 
 
 class JsonLog:
@@ -386,12 +386,12 @@ def master_state(model, optimizer, level: str, rt: Runtime) -> dict[str, torch.T
     for name, p in model.named_parameters():
         if level in ("O2", "O3") and hasattr(optimizer, "master_value"):
             if level == "O3" and rt.distributed:
-                import torch.distributed as dist
+                from fp8.comm import Collectives
 
                 owner = optimizer.owner(p)
                 v = (optimizer.master_value(p).detach().clone() if rt.rank == owner
                      else torch.empty(p.shape, dtype=torch.float32, device=p.device))
-                dist.broadcast(v, src=owner)
+                Collectives().broadcast(v, tag="finetune export masters", src=owner).wait()
             else:
                 v = optimizer.master_value(p)
         elif id(p) in masters:
