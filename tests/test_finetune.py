@@ -219,6 +219,27 @@ def test_sft_torchrun_two_ranks_o2(tiny_model, tmp_path):
     assert len(sums) == 2 and sums[0] == sums[1]
 
 
+def test_sft_loss_is_the_global_token_mean_at_any_number_of_ranks(tiny_model, tmp_path):
+    """Two ranks whose halves of each batch hold different numbers of response tokens train like one rank: each rank
+    divides its token sum by the whole batch's count (not its own), so the objective does not depend on the split."""
+    rows = [{"prompt": f"LEAR\nSpeak {i}.\n\nCORDELIA\n", "response": " ".join(["Nothing, my lord."] * (1 + 5 * (i % 2)))}
+            for i in range(24)]  # even rows (rank 0's half of a batch in order) short, odd rows long
+    data = _write_jsonl(tmp_path / "sft.jsonl", rows)
+    flags = ["--model", str(tiny_model), "--data", str(data), "--fp8-opt-level", "none", "--max-steps", "4",
+             "--batch-size", "8", "--eval-examples", "4", "--lr", "3e-3"]
+    losses = {}
+    for world in (1, 2):
+        log = tmp_path / f"world{world}.jsonl"
+        if world == 1:
+            assert sft.main([*flags, "--log-json", str(log)]) == 0
+        else:
+            run_worker(ROOT / "examples/finetune/sft.py", 2, [*flags, "--log-json", str(log)], seed=0)
+        losses[world] = [r["loss"] for r in _log(log) if "step" in r]
+    # fp32 sums in another order: measured 1.6e-7 relative. Each rank's own token mean, averaged over the ranks,
+    # is measured 8e-4 away on these rows.
+    assert losses[1] == pytest.approx(losses[2], rel=1e-4), losses
+
+
 def test_demo_tasks_hold_out_plays():
     plays = common.demo_plays()
     held_plays = plays[-common.DEMO_HELDOUT_PLAYS:]
