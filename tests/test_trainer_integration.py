@@ -199,6 +199,22 @@ def test_a_bf16_model_trains_and_saves_in_bf16(tmp_path):
                                optimizer.master_value(q).to(torch.bfloat16), rtol=0, atol=0)
 
 
+def test_fp8_embeddings_train_and_save_their_masters(tmp_path):
+    from fp8.embedding import Float8Embedding
+
+    trainer = FP8Trainer(model=tiny_llama(), args=training_args(tmp_path, max_steps=3), train_dataset=PermutationLanguage(),
+                         fp8_opt_level="O2", fp8_embeddings=True)
+    trainer.train()
+    table = trainer.model.model.embed_tokens
+    assert isinstance(table, Float8Embedding) and all(math.isfinite(x) for x in losses(trainer))
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    master = fp8_optimizer_of(trainer.optimizer).master_value(table.weight)
+    torch.testing.assert_close(loaded.model.embed_tokens.weight, master.to(loaded.dtype), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fp8_embeddings=True needs an FP8 fp8_opt_level"):
+        FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), fp8_opt_level="none", fp8_embeddings=True)
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_gpt2_conv1d_weights_are_saved_back_transposed(tmp_path, level):
     """GPT-2's Conv1D layers (weights stored (in, out)) become Float8Linear (out, in); the saved directory has them

@@ -161,6 +161,7 @@ class FP8TrainerMixin:
     - ``fp8_recipe``: scale granularity, one of :data:`fp8.recipes.RECIPES` (``"tensorwise"``, ``"rowwise"``,
       ``"blockwise"``).
     - ``fp8_activations``: store the tensors saved for backward as E4M3 tiles (:func:`fp8.initialize`).
+    - ``fp8_embeddings``: untied embedding tables in FP8 too (E4M3 rows trained like FP8 weights; :func:`fp8.initialize`).
     - ``fp8_config``: a :class:`fp8.Float8LinearConfig` (formats, ``grad_accumulation``, GEMM backend).
     - ``fp8_min_dim``: linears with ``min(in, out)`` below it stay in high precision (None: 2048 on CUDA, 0 on
       CPU; :func:`fp8.initialize`'s ``min_fp8_dim``).
@@ -170,7 +171,8 @@ class FP8TrainerMixin:
     """
 
     def __init__(self, *args, fp8_opt_level: str = "O2", fp8_recipe: str = "tensorwise",
-                 fp8_activations: bool = False, fp8_config: Float8LinearConfig | None = None,
+                 fp8_activations: bool = False, fp8_embeddings: bool = False,
+                 fp8_config: Float8LinearConfig | None = None,
                  fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
                  **kwargs) -> None:
         level = _check_choices(fp8_opt_level, fp8_recipe)
@@ -182,6 +184,10 @@ class FP8TrainerMixin:
         self.fp8_opt_level = level
         self.fp8_recipe = fp8_recipe
         self.fp8_activations = bool(fp8_activations)
+        if fp8_embeddings and level == "none":
+            raise ValueError("fp8_embeddings=True needs an FP8 fp8_opt_level ('O1' or 'O2'); at 'none' the model stays "
+                             "in high precision")
+        self.fp8_embeddings = bool(fp8_embeddings)
         self.fp8_config = fp8_config
         self.fp8_min_dim = fp8_min_dim
         self.fp8_module_filter = fp8_module_filter
@@ -232,7 +238,7 @@ class FP8TrainerMixin:
         conv1d = conv1d_names(target)
         new_model, new_optimizer = initialize(
             target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
-            fp8_activations=self.fp8_activations, min_fp8_dim=self.fp8_min_dim,
+            fp8_activations=self.fp8_activations, fp8_embeddings=self.fp8_embeddings, min_fp8_dim=self.fp8_min_dim,
             module_filter_fn=self.fp8_module_filter)
         if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
             if target is self.model:
