@@ -279,3 +279,28 @@ def test_export_takes_master_weights(tiny_model, level):
         expect = masters[id(p)] if level == "O1" else opt.master_value(p)
         assert torch.equal(state[name], expect.detach().float())
         assert not torch.equal(state[name], p.dequantize(torch.float32))  # FP8 rounding differs from the master
+
+
+def test_export_transposes_every_converted_conv1d_back(tmp_path):
+    """GPT-2's Conv1D weights are stored (in, out): the exported value of each converted one is its (out, in) master
+    transposed, square ones included (c_proj: their shape alone cannot tell)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fp8
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=256, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = fp8.initialize(model, optimizer, "O2")
+
+    class NoTokenizer:
+        def save_pretrained(self, path):
+            pass
+
+    common.save_bf16(model, optimizer, NoTokenizer(), tmp_path, "O2", common.Runtime(0, 1, torch.device("cpu"), False))
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path)).state_dict()
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        layer = model.transformer.h[0].get_submodule(name)
+        master = optimizer.master_value(layer.weight).t().to(torch.bfloat16)
+        assert torch.equal(loaded[f"transformer.h.0.{name}.weight"], master), name
