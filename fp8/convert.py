@@ -19,6 +19,7 @@ from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
 __all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+           "module_paths", "set_submodule",
            "announce_fp8_selection", "fp8_selection_message"]
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,21 @@ def default_min_fp8_dim(model: nn.Module) -> int:
     """The default ``min_fp8_dim`` for ``model``: :data:`CUDA_MIN_FP8_DIM` when its parameters are on
     CUDA, 0 elsewhere (CPU has no FP8 units, and small test layers stay convertible)."""
     return CUDA_MIN_FP8_DIM if any(p.is_cuda for p in model.parameters()) else 0
+
+
+def module_paths(model: nn.Module) -> dict[int, list[str]]:
+    """``id(module) -> every name it is registered under`` in ``model`` (a module shared by several parents, e.g.
+    T5's embedding table, has several)."""
+    paths: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(fqn)
+    return paths
+
+
+def set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Register ``module`` as ``model``'s submodule ``fqn`` (dotted; not the root)."""
+    parent_name, _, child_name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, module)
 
 
 @dataclass(frozen=True)
@@ -159,8 +175,7 @@ def convert_to_float8_linear(
         if not fqn:
             model = new
             continue
-        parent_name, _, child_name = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, new)
+        set_submodule(model, fqn, new)
     if require_fp8 and not converted:  # nothing was swapped: the model is unchanged
         raise ValueError(
             f"{fp8_selection_message(0, kept, min_fp8_dim)}, and require_fp8=True asks for at least one FP8 "
@@ -220,9 +235,7 @@ def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | 
     Returns the model and the swaps (each swap's ``original_weight`` is the master)."""
     # modules holding each parameter, each module once (one registered under several names is not a tie)
     use_count = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    paths: dict[int, list[str]] = {}  # a module registered under several names (T5's shared table) at every one
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(module), []).append(fqn)
+    paths = module_paths(model)  # a table registered under several names (T5's shared one) is swapped at every one
     converted: list[ConvertedLinear] = []
     for fqn, module in list(model.named_modules()):
         if type(module) is not nn.Embedding or not fqn:
@@ -239,8 +252,7 @@ def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | 
         new = Float8Embedding.from_embedding(module, config)
         converted.append(ConvertedLinear(fqn, module.weight, new))
         for path in paths[id(module)]:
-            parent_name, _, child_name = path.rpartition(".")
-            setattr(model.get_submodule(parent_name), child_name, new)
+            set_submodule(model, path, new)
     if converted:
         logger.info("fp8: %d embedding table(s) in FP8 (E4M3, one scale per row)", len(converted))
     return model, converted

@@ -15,6 +15,7 @@ whole footprint. Gradients still flow to the model's inputs (e.g. for a distilla
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import ROWWISE, dequantize_blocks
-from .convert import convert_to_float8_linear
+from .convert import convert_to_float8_linear, module_paths, set_submodule
 from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 from .recipes import get_recipe
@@ -47,11 +48,6 @@ class Float8TiedOutput(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_blocks(self.weight.payload, self.weight.scale, ROWWISE, x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-
-
-def _set(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent, _, child = fqn.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
 
 
 def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | None = None,
@@ -81,9 +77,7 @@ def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | N
             weight = getattr(module, "weight", None)
             if isinstance(weight, nn.Parameter):
                 owners.setdefault(id(weight), []).append((fqn, module))
-        paths: dict[int, list[str]] = {}  # a module registered under several names (T5's shared table) at every one
-        for fqn, module in model.named_modules(remove_duplicate=False):
-            paths.setdefault(id(module), []).append(fqn)
+        paths = module_paths(model)  # a table registered under several names (T5's shared one) swapped at every one
         for fqn, emb in list(model.named_modules()):
             if type(emb) is not nn.Embedding:
                 continue
@@ -100,18 +94,17 @@ def freeze(model: nn.Module, *, recipe: str = "tensorwise", min_fp8_dim: int | N
                 )
             new = Float8Embedding.from_embedding(emb)
             for path in paths[id(emb)]:
-                _set(model, path, new)
+                set_submodule(model, path, new)
             n_tables += 1
             for name, head in tied:
                 if fp8_dims_problem(head.in_features, head.out_features) is None:
-                    lin = Float8Linear.from_linear(head, Float8LinearConfig(
-                        input=ScalingConfig(fmt="e4m3", kind="current"), recipe="rowwise"))
+                    lin = Float8Linear.from_linear(head, dataclasses.replace(config, recipe="rowwise"))
                     lin.weight = new.weight  # the table's row-wise scales are the head's per-channel scales
                 else:
                     lin = Float8TiedOutput(new.weight, head.bias)
                     logger.info("fp8: %s (tied to %s) multiplies by the dequantized FP8 table: %s", name, fqn,
                                 fp8_dims_problem(head.in_features, head.out_features))
-                _set(model, name, lin)
+                set_submodule(model, name, lin)
     model, _ = convert_to_float8_linear(model, config, min_fp8_dim=min_fp8_dim)
     if n_tables:
         logger.info("fp8: %d embedding table(s) held in FP8 (E4M3, one scale per row)", n_tables)
