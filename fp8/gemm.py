@@ -115,10 +115,10 @@ def fp8_mm_payload(
         raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if a_payload.dim() != 2 or b_payload.dim() != 2 or a_payload.shape[1] != b_payload.shape[0]:
         raise ValueError(f"fp8_mm: cannot multiply {tuple(a_payload.shape)} by {tuple(b_payload.shape)}")
+    if backend == "emulated" or (backend == "auto" and a_payload.device.type == "cpu"):
+        return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype, a_block, b_block)
     if not (is_tensorwise(a_block) and is_tensorwise(b_block)):
         return _block_scaled_mm(a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype, backend)
-    if backend == "emulated" or (backend == "auto" and a_payload.device.type == "cpu"):
-        return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
     problem = scaled_mm_problem(a_payload, b_payload)
     if problem is None and not scaled_mm_supported(a_payload.device):
         problem = (
@@ -135,9 +135,7 @@ def fp8_mm_payload(
 
 def _block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, backend):
     """GEMM of operands with block scale grids (module docstring): row-wise ``_scaled_mm``, the Triton block
-    GEMM on CUDA, or the exact emulation."""
-    if backend == "emulated" or (backend == "auto" and a.device.type == "cpu"):
-        return _emulated_mm(a, a_scale, b, b_scale, out_dtype, a_block, b_block)
+    GEMM on CUDA, or the exact emulation (``backend`` is ``"auto"`` or ``"scaled_mm"`` here)."""
     problem = None
     if scales_constant_along(a_block, tuple(a.shape), 1) and scales_constant_along(b_block, tuple(b.shape), 0):
         problem = scaled_mm_problem(a, b)
