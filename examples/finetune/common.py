@@ -334,17 +334,17 @@ def weights_checksums(model, rt: Runtime) -> list[float]:
     """Per rank, a checksum of the model's weights (FP8 weights dequantized): equal values = equal weights."""
     import fp8
 
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=rt.device)  # on the device: no host read per parameter
     for i, p in enumerate(model.parameters()):
         v = p.dequantize(torch.float32) if isinstance(p, fp8.Float8Tensor) else p.detach()
-        v = v.double().cpu().flatten()
-        total += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64).remainder(97)).sum() * (i + 1)
+        v = v.double().flatten()
+        total += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97)).sum() * (i + 1)
     if not rt.distributed:
         return [total.item()]
     from fp8.comm import Collectives
 
     out = torch.zeros(rt.world, dtype=torch.float64, device=rt.device)
-    Collectives().all_gather(out, total.reshape(1).to(rt.device), tag="finetune checksum").wait()
+    Collectives().all_gather(out, total.reshape(1), tag="finetune checksum").wait()
     return out.tolist()
 
 

@@ -80,7 +80,7 @@ def build_reference(model_dir, args, rt):
 def evaluate(policy, reference, pairs, pad_id, batch_size, beta, rt):
     """Held-out (reward accuracy, reward margin, DPO loss) over ``pairs`` (split over ranks)."""
     mine = pairs[rt.rank::rt.world]
-    correct = margin = loss = 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)  # correct, margin, loss: one host read at the end
     policy.eval()
     with torch.no_grad():
         for i in range(0, len(mine), batch_size):
@@ -88,11 +88,9 @@ def evaluate(policy, reference, pairs, pad_id, batch_size, beta, rt):
             pc, pr = sequence_logps(policy, chunk, pad_id, rt.device)
             rc, rr = sequence_logps(reference, chunk, pad_id, rt.device)
             l, _, _, c, r = dpo_terms(pc, pr, rc.float(), rr.float(), beta)
-            correct += (c > r).float().sum().item()
-            margin += (c - r).sum().item()
-            loss += l.item() * len(chunk)
+            sums += torch.stack([(c > r).sum(), (c - r).sum(), l * len(chunk)]).double()
     policy.train()
-    correct, margin, loss, n = (v * rt.world for v in common.all_mean([correct, margin, loss, float(len(mine))], rt))
+    correct, margin, loss, n = (v * rt.world for v in common.all_mean([*sums.tolist(), float(len(mine))], rt))
     n = max(n, 1.0)
     return correct / n, margin / n, loss / n
 

@@ -27,7 +27,7 @@ KEYS = ("prompt", "response")
 
 def evaluate(model, examples, pad_id: int, batch_size: int, rt) -> float:
     """Mean loss per response token over ``examples`` (this rank's share, summed over ranks)."""
-    total = count = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # -log p, tokens: one host read at the end
     mine = examples[rt.rank::rt.world]
     model.eval()
     with torch.no_grad():
@@ -35,10 +35,9 @@ def evaluate(model, examples, pad_id: int, batch_size: int, rt) -> float:
             batch = {k: v.to(rt.device) for k, v in common.collate(mine[i:i + batch_size], pad_id).items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             logp, n = common.response_logprobs(logits, batch["labels"])
-            total -= logp.sum().item()
-            count += n.sum().item()
+            sums += torch.stack([-logp.sum(), n.sum()]).double()
     model.train()
-    total, count = (v * rt.world for v in common.all_mean([total, count], rt))
+    total, count = (v * rt.world for v in common.all_mean(sums.tolist(), rt))
     return total / max(count, 1.0)
 
 
