@@ -33,11 +33,18 @@ test: install
 # The one GPU check (docs/gpu.md). Without a CUDA GPU it stops at once, installing nothing. On a CUDA machine:
 # the CUDA build of torch (kept if already there, else installed from TORCH_CUDA_INDEX), torchao and
 # Transformer Engine tried (optional: their benchmark rows are skipped when they cannot be installed), then the
-# CUDA-gated tests (alone in their process: real Triton kernels) and benchmarks/gpu_step.py, which writes
-# benchmarks/results/gpu_check.json. Budget: under 8 minutes on one H200 (tests ~3, benchmark <= GPU_STEP_BUDGET_S).
+# CUDA-gated tests (alone in their process: real Triton kernels), with two GPUs or more the two-GPU runs of
+# benchmarks/gpu_parallel.py (torchrun pretrain_gpt.py at PP2 and at TP2+SP, FP8 O2, mock data, each killed after
+# GPU_PARALLEL_TIMEOUT_S, collective traces checked; benchmarks/results/gpu_check_parallel.json; with one GPU it says
+# they are skipped), then benchmarks/gpu_step.py, which writes benchmarks/results/gpu_check.json (the two-GPU results
+# merged in as "parallel"). Budget: under 8 minutes on one H200 (tests ~3, benchmark <= GPU_STEP_BUDGET_S); with two
+# GPUs the benchmark's budget shrinks by the seconds the two-GPU runs took. A failed two-GPU run fails the target
+# after the benchmark has run.
 TORCH_CUDA_SPEC ?= torch==2.13.0
 TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
 GPU_STEP_BUDGET_S ?= 240
+GPU_PARALLEL_TIMEOUT_S ?= 90
+GPU_PARALLEL_JSON := benchmarks/results/gpu_check_parallel.json
 
 gpu-check:
 	@if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU "; then \
@@ -57,4 +64,8 @@ gpu-check:
 		|| echo "gpu-check: Transformer Engine not installable: its rows are skipped"
 	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
 	TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -m gpu tests/test_block_gemm.py
-	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_step.py --budget-s $(GPU_STEP_BUDGET_S) --json benchmarks/results/gpu_check.json
+	rm -f $(GPU_PARALLEL_JSON); status=0; \
+	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_parallel.py --timeout-s $(GPU_PARALLEL_TIMEOUT_S) --json $(GPU_PARALLEL_JSON) \
+		|| status=$$?; \
+	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_step.py --budget-s $(GPU_STEP_BUDGET_S) --parallel-json $(GPU_PARALLEL_JSON) \
+		--json benchmarks/results/gpu_check.json && exit $$status

@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_step.py              # full mode (needs CUDA; budget --budget-s, default 240 s)
     python benchmarks/gpu_step.py --smoke      # tiny shapes, same code paths (automatic without CUDA)
-    make gpu-check                             # the CUDA tests, then this, writing benchmarks/results/gpu_check.json
+    make gpu-check                             # the CUDA tests, the two-GPU runs (benchmarks/gpu_parallel.py)
+                                               # with two GPUs, then this, writing benchmarks/results/gpu_check.json
 
 Model section: the 1.2B Llama-style model (hidden 4096, FFN 14336 SwiGLU, 32 heads, 4 layers, vocab 32000,
 batch 4 x 2048 tokens; AdamW): tokens/s and peak memory for pure BF16 (BF16 weights and AdamW states),
@@ -358,6 +359,15 @@ def check_targets(model_rows, linear_rows) -> list[str]:
     return lines
 
 
+def _parallel_line(parallel: dict) -> str:
+    """One line on the two-GPU runs of benchmarks/gpu_parallel.py (skipped, or PASS/FAIL per run)."""
+    if "skipped" in parallel:
+        return f"two-GPU runs skipped: {parallel['skipped']}"
+    runs = [f"{r['run']} {'PASS' if r.get('ok') else 'FAIL'} (exit {r.get('rc')}, loss {r.get('final_loss')}, "
+            f"{r.get('tokens_per_s')} tok/s, trace {r.get('trace_check', {}).get('status')})" for r in parallel["runs"]]
+    return "two-GPU runs: " + ("; ".join(runs) or "none")
+
+
 def _table(rows, columns) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
     lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths))]
@@ -377,7 +387,18 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining cases after this many seconds")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--parallel-json", default=None,
+                        help="the JSON of benchmarks/gpu_parallel.py (make gpu-check runs it first): merged into this "
+                             "one's JSON as 'parallel', and its seconds are taken off --budget-s")
     args = parser.parse_args()
+    parallel = None
+    if args.parallel_json and os.path.exists(args.parallel_json):
+        with open(args.parallel_json) as f:
+            parallel = json.load(f)
+        spent = float(parallel.get("seconds", 0.0))
+        if spent > 1:
+            args.budget_s = max(60.0, args.budget_s - spent)
+            print(f"two-GPU runs took {spent:.0f} s: benchmark budget {args.budget_s:.0f} s")
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
     if not cuda and not args.smoke:
@@ -411,6 +432,8 @@ def main() -> None:
     targets = check_targets(model_rows, linear_rows) if not smoke else ["targets are checked in full mode on a GPU only"]
     for line in notes + targets:
         print(line)
+    if parallel is not None:
+        print(_parallel_line(parallel))
     print(f"total {elapsed:.0f} s")
     path = args.json or f"benchmarks/results/gpu_step{'_smoke' if smoke else ''}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -418,7 +441,7 @@ def main() -> None:
         json.dump(dict(mode="smoke" if smoke else "full", device=str(device), torch=torch.__version__,
                        gpu=torch.cuda.get_device_name() if cuda else None, model_shape=asdict(shape),
                        compile=compile_model, model=model_rows, linear=linear_rows, targets=targets, notes=notes,
-                       seconds=round(elapsed, 1)), f, indent=1)
+                       seconds=round(elapsed, 1), **({} if parallel is None else {"parallel": parallel})), f, indent=1)
     print(f"wrote {path}")
 
 

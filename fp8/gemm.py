@@ -2,32 +2,57 @@
 
 ``fp8_mm(a, b)`` multiplies ``a`` (M x K) by ``b`` (K x N), both :class:`fp8.Float8Tensor`, with fp32
 accumulation (operands are taken by their payload and scale: :mod:`fp8.tensor` imports this module for
-its ``mm``/``linear``/``@`` handlers, so this one does not import it). The hardware path follows ``torch._scaled_mm``'s rules as the GPU enforces them
-(CPU is more lenient, so they are checked here on every device): ``a`` row-major, ``b``
-column-major, K and N multiples of 16, not both operands E5M2, and a CPU or a CUDA GPU of compute
-capability >= 8.9. The emulated path dequantizes to fp32 and runs an fp32 matmul; on CPU it
-equals ``_scaled_mm`` bit for bit, and ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU
-``_scaled_mm`` is orders of magnitude slower); ``backend="scaled_mm"`` runs ``torch._scaled_mm`` on the CPU too.
+its ``mm``/``linear``/``@`` handlers, so this one does not import it).
 
-Finer scales (:mod:`fp8.blocks`): an operand's scale may be a grid of block scales, given with its block
-(``a_block``/``b_block``; ``None`` for a 0-d tensor-wise scale). Scales constant along K (per-row scales
-of ``a``, per-column scales of ``b``) run ``torch._scaled_mm``'s row-wise scaling (CPU; CUDA with a bf16
-output); scales that vary along K in 128-element blocks (DeepSeek-style ``1x128`` x ``128x128``) run the
-Triton block GEMM on CUDA (:mod:`fp8.kernels.triton_block_gemm`) when it is installed, and the exact
-emulation elsewhere; any other layout is emulated. Each fallback is logged once per reason.
+One function decides every GEMM's path: :func:`gemm_path`, pure (it reads the operands' shapes and dtypes,
+their scale blocks, the output dtype, the backend and a :class:`GemmTarget`: device kind, CUDA compute
+capability, Triton installed), so a GEMM can be decided for a device this process does not have (the
+readiness audit asks it for a compute-capability 9.0 GPU on a CPU machine). :func:`fp8_mm_payload` runs
+what it decides (:data:`GEMM_PATHS`):
+
+- ``scaled_mm_tensorwise``: ``torch._scaled_mm`` with the two 0-d scales.
+- ``scaled_mm_rowwise``: scales constant along K (per-row scales of ``a``, per-column scales of ``b``, or one
+  of them tensor-wise) as ``torch._scaled_mm``'s row-wise scaling: scales ``(M, 1)`` and ``(1, N)``.
+- ``scaled_mm_rowwise_epilogue``: the same GEMM where row-wise ``_scaled_mm`` cannot write the output dtype (on
+  CUDA it writes bfloat16 only, so an fp32 weight gradient or the activations of an fp32/fp16 model): a
+  tensor-wise ``_scaled_mm`` of the payloads with unit scales writing fp32, then the row and column scales
+  applied in fp32 and the result cast to the output dtype. That is the row-wise GEMM with an fp32 output: the
+  FP8 products accumulated in fp32 (in the kernel's summation order), then scaled by the same reciprocal scales
+  (exact with this package's power-of-two scales; on CPU it equals the emulation bit for bit). Nothing is
+  rounded to bfloat16, the weight gradient stays fp32 end to end and stays an FP8 GEMM (no high-precision
+  weight-gradient GEMM on saved high-precision activations, as torchao's ``rowwise_with_gw_hp``); the cost is
+  one more elementwise pass over the (M, N) fp32 output.
+- ``triton_block``: scales that vary along K in 128-element blocks (DeepSeek-style ``1x128`` x ``128x128`` or
+  ``128x1``) run the Triton block GEMM on CUDA (:mod:`fp8.kernels.triton_block_gemm`).
+- ``emulated``: dequantize to fp32 and run an fp32 matmul: on CPU it equals ``_scaled_mm`` bit for bit, and
+  ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU ``_scaled_mm`` is orders of magnitude slower);
+  elsewhere it is the fallback, logged once per reason, for what no hardware path takes.
+
+The hardware paths follow ``torch._scaled_mm``'s rules as the GPU enforces them (CPU is more lenient, so
+they are checked on every device): ``a`` row-major, ``b`` column-major (the GEMM copies an operand held in
+the other layout), K and N multiples of 16, not both operands E5M2, fp32 scales (0-d, or ``(M, 1)`` and
+``(1, N)``), and a CPU or a CUDA GPU of compute capability >= 8.9. :func:`scaled_mm_call_problem` checks a
+``_scaled_mm`` call against them (with the output-dtype rule that torch's ``meta`` kernel does not check);
+every call this module makes passes through it. ``backend="scaled_mm"`` forces a hardware path and raises a
+``ValueError`` naming the fix where there is none; ``backend="emulated"`` forces the emulation.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scales_constant_along
 from .cast import payload_and_scale
 from .formats import E5M2
+from .kernels.backend import triton_available
 
-__all__ = ["fp8_mm", "fp8_mm_payload", "scaled_mm_supported", "scaled_mm_problem", "GEMM_BACKENDS"]
+__all__ = [
+    "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
+    "scaled_mm_problem", "scaled_mm_call_problem", "GEMM_BACKENDS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +61,65 @@ GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 the two are bit-identical and torch 2.13's CPU ``_scaled_mm`` is a reference loop: measured 300-1,300x slower
 than the emulation on 2 cores, e.g. 7.7 s against 0.04 s for 1024 x 512 x 512); the others force one."""
 
+SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"
+SCALED_MM_ROWWISE = "scaled_mm_rowwise"
+SCALED_MM_ROWWISE_EPILOGUE = "scaled_mm_rowwise_epilogue"
+TRITON_BLOCK = "triton_block"
+EMULATED = "emulated"
+GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, EMULATED)
+"""The paths :func:`gemm_path` chooses from (module docstring); all but ``emulated`` run on FP8 hardware."""
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemmTarget:
+    """The device a GEMM is decided for: its ``kind`` (``torch.device.type``: ``"cpu"``, ``"cuda"``, ...), a CUDA
+    GPU's compute ``capability`` and whether Triton is installed. :meth:`of` reads a real device; a target built
+    by hand (``GemmTarget("cuda", (9, 0), triton=True)``: an H100/H200) decides for a device this process lacks."""
+
+    kind: str
+    capability: tuple[int, int] | None = None
+    triton: bool = False
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> "GemmTarget":
+        """The target of ``device`` (a CUDA device's capability is queried; Triton matters on CUDA only)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls("cuda", tuple(torch.cuda.get_device_capability(device)), triton_available())
+        return cls(device.type)
+
+    def fp8_problem(self) -> str | None:
+        """Why this target runs no FP8 GEMM (``torch._scaled_mm``: a CPU or a CUDA GPU of compute capability
+        >= 8.9; FP8 ``tl.dot``: such a GPU), or None if it does."""
+        if self.kind == "cpu" and hasattr(torch, "_scaled_mm"):
+            return None
+        if self.kind == "cuda" and self.capability is not None and tuple(self.capability) >= (8, 9):
+            return None
+        where = f"a CUDA GPU of compute capability {self.capability}" if self.kind == "cuda" else self.kind
+        return (f"{where} has no FP8 GEMM support (torch._scaled_mm needs a CPU or a CUDA GPU of compute capability "
+                f">= 8.9, e.g. H100/H200/L40/RTX 4090, and so does the Triton block GEMM); use gemm_backend='emulated'")
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    """:func:`gemm_path`'s answer: the ``path`` (one of :data:`GEMM_PATHS`) and the ``reason`` it was taken
+    (for ``emulated``: what rules out the hardware, naming the fix)."""
+
+    path: str
+    reason: str
+
+    @property
+    def hardware(self) -> bool:
+        """Whether the GEMM runs on FP8 hardware (every path but ``emulated``)."""
+        return self.path != EMULATED
+
 
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on ``device`` (CPU, or CUDA compute capability >= 8.9)."""
-    if device.type == "cpu":
-        return hasattr(torch, "_scaled_mm")
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return False
+    return GemmTarget.of(device).fp8_problem() is None
 
 
 def scaled_mm_problem(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -60,6 +136,106 @@ def scaled_mm_problem(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a.dtype == E5M2.dtype and b.dtype == E5M2.dtype:
         return "both operands are E5M2; one must be E4M3"
     return None
+
+
+def _rowwise_output_problem(out_dtype: torch.dtype, target: GemmTarget) -> str | None:
+    """Why row-wise ``torch._scaled_mm`` cannot write ``out_dtype`` on ``target``, or None if it can."""
+    if target.kind == "cuda" and out_dtype != torch.bfloat16:
+        return f"row-wise torch._scaled_mm on CUDA writes bfloat16 only, not {out_dtype}"
+    return None
+
+
+def _block_operands_problem(a, a_block, b, b_block) -> str | None:
+    from .kernels.triton_block_gemm import block_operands_problem  # the kernel's own operand rules, device aside
+
+    return block_operands_problem(a, a_block, b, b_block)
+
+
+def gemm_path(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    target: GemmTarget,
+    backend: str = "auto",
+    a_block: Block | None = None,
+    b_block: Block | None = None,
+) -> GemmPath:
+    """The path of the GEMM ``a @ b`` (FP8 payloads M x K and K x N, any device, ``meta`` included: only shapes
+    and dtypes are read) with scale blocks ``a_block``/``b_block`` (None: tensor-wise) writing ``out_dtype`` with
+    ``backend`` on ``target``. The one decision :func:`fp8_mm_payload` runs (module docstring); a ``ValueError``
+    for a bad backend or operands that cannot be multiplied."""
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_mm: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if backend == "emulated":
+        return GemmPath(EMULATED, "backend='emulated' requested")
+    if backend == "auto" and target.kind == "cpu":
+        return GemmPath(EMULATED, "backend='auto' on the CPU: the emulation is bit-identical to CPU torch._scaled_mm "
+                                  "and 300-1,300x faster")
+    tensorwise = is_tensorwise(a_block) and is_tensorwise(b_block)
+    if tensorwise or (scales_constant_along(a_block, tuple(a.shape), 1)
+                      and scales_constant_along(b_block, tuple(b.shape), 0)):
+        problem = scaled_mm_problem(a, b) or target.fp8_problem()
+        if problem is None:
+            if tensorwise:
+                return GemmPath(SCALED_MM_TENSORWISE, "tensor-wise scales")
+            output_problem = _rowwise_output_problem(out_dtype, target)
+            if output_problem is None:
+                return GemmPath(SCALED_MM_ROWWISE, "scales constant along K")
+            return GemmPath(SCALED_MM_ROWWISE_EPILOGUE, f"scales constant along K; {output_problem}: tensor-wise "
+                                                        f"GEMM writing fp32, row/column scales applied after")
+    elif target.kind == "cuda":
+        problem = _block_operands_problem(a, a_block, b, b_block)
+        if problem is None and not target.triton:
+            problem = "the block-scaled GEMM needs Triton: pip install triton (or use gemm_backend='emulated')"
+        if problem is None:
+            problem = target.fp8_problem()
+        if problem is None:
+            return GemmPath(TRITON_BLOCK, f"block scales {a_block} x {b_block} vary along K")
+    else:
+        problem = (f"block scales that vary along K ({a_block} x {b_block}) have no torch._scaled_mm path on "
+                   f"{target.kind}")
+    return GemmPath(EMULATED, problem)
+
+
+def scaled_mm_call_problem(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    target: GemmTarget,
+) -> str | None:
+    """Why ``torch._scaled_mm(mat1, mat2, scale_a=..., scale_b=..., out_dtype=...)`` would fail on ``target`` under
+    the GPU's rules (module docstring; any device, ``meta`` included), or None if it would run. It adds to torch's
+    ``meta`` kernel the rules that kernel does not check: row-wise scaling writes bfloat16 only on CUDA, and FP8
+    needs a CPU or a CUDA GPU of compute capability >= 8.9."""
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[1] != mat2.shape[0]:
+        return f"cannot multiply {tuple(mat1.shape)} by {tuple(mat2.shape)}"
+    if mat1.dtype not in _FP8_DTYPES or mat2.dtype not in _FP8_DTYPES:
+        return f"operands must be FP8 (float8_e4m3fn or float8_e5m2), got {mat1.dtype} and {mat2.dtype}"
+    problem = scaled_mm_problem(mat1, mat2) or target.fp8_problem()
+    if problem is not None:
+        return problem
+    if not _row_major(mat1):
+        return f"mat1 must be row-major, got stride {mat1.stride()} for shape {tuple(mat1.shape)}"
+    if not _col_major(mat2):
+        return (f"mat2 must be column-major, got stride {mat2.stride()} for shape {tuple(mat2.shape)} "
+                f"(pass the transpose of a row-major (N, K) tensor)")
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        return f"scales must be fp32, got {scale_a.dtype} and {scale_b.dtype}"
+    if out_dtype not in _SCALED_MM_OUT:
+        return f"out_dtype must be one of {_SCALED_MM_OUT}, got {out_dtype}"
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return None
+    m, n = mat1.shape[0], mat2.shape[1]
+    if tuple(scale_a.shape) != (m, 1) or tuple(scale_b.shape) != (1, n):
+        return (f"scales must be 0-d (tensor-wise) or ({m}, 1) and (1, {n}) (row-wise), got {tuple(scale_a.shape)} "
+                f"and {tuple(scale_b.shape)}")
+    if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
+        return "row-wise scales must be contiguous"
+    return _rowwise_output_problem(out_dtype, target)
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -89,11 +265,26 @@ def _outer_scales(a, a_scale, a_block, b, b_scale, b_block) -> tuple[torch.Tenso
     return sa.reciprocal().contiguous(), sb.reciprocal().contiguous()
 
 
-def _hardware_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, target: GemmTarget) -> torch.Tensor:
+    """``torch._scaled_mm``, every call of this module, checked first (:func:`scaled_mm_call_problem`)."""
+    problem = scaled_mm_call_problem(mat1, mat2, scale_a, scale_b, out_dtype, target)
+    if problem is not None:  # gemm_path ruled this out: a bug here, not a user error
+        raise RuntimeError(f"fp8_mm: internal error, the torch._scaled_mm call breaks the GPU's rules: {problem}")
+    return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _hardware_mm(path, a, a_scale, a_block, b, b_scale, b_block, out_dtype, target) -> torch.Tensor:
+    """Run one of the ``scaled_mm_*`` paths (module docstring) with ``a`` row-major and ``b`` column-major."""
     lhs = a if _row_major(a) else a.contiguous()
     rhs = b if _col_major(b) else b.t().contiguous().t()
-    return torch._scaled_mm(lhs, rhs, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+    if path == SCALED_MM_TENSORWISE:
+        return _scaled_mm(lhs, rhs, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype, target)
+    sa, sb = _outer_scales(a, a_scale, a_block, b, b_scale, b_block)
+    if path == SCALED_MM_ROWWISE:
+        return _scaled_mm(lhs, rhs, sa, sb, out_dtype, target)
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    out = _scaled_mm(lhs, rhs, one, one, torch.float32, target)
+    return out.mul_(sa).mul_(sb).to(out_dtype)
 
 
 def fp8_mm_payload(
@@ -105,61 +296,30 @@ def fp8_mm_payload(
     backend: str = "auto",
     a_block: Block | None = None,
     b_block: Block | None = None,
+    target: GemmTarget | None = None,
 ) -> torch.Tensor:
     """:func:`fp8_mm` on plain FP8 payloads (``torch.float8_*`` tensors, ``a_payload`` M x K and
     ``b_payload`` K x N) and their 0-d fp32 scales (value = payload / scale): same rules, same
     fallback, same errors, same bits. Taking plain tensors (no :class:`Float8Tensor` built or
     unwrapped) keeps callers free of graph breaks under ``torch.compile``; the FP8 linear calls it
-    inside its autograd function. ``a_block``/``b_block`` give the block of a scale grid (module docstring)."""
-    if backend not in GEMM_BACKENDS:
-        raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    if a_payload.dim() != 2 or b_payload.dim() != 2 or a_payload.shape[1] != b_payload.shape[0]:
-        raise ValueError(f"fp8_mm: cannot multiply {tuple(a_payload.shape)} by {tuple(b_payload.shape)}")
-    if backend == "emulated" or (backend == "auto" and a_payload.device.type == "cpu"):
+    inside its autograd function. ``a_block``/``b_block`` give the block of a scale grid (module docstring).
+
+    The path is :func:`gemm_path`'s for ``target`` (default: the operands' device). Another ``target`` is for
+    audits and tests: the chosen path runs on the operands' own device, so it must be able to run there (e.g.
+    ``meta`` operands with a CUDA target replay the CUDA ``_scaled_mm`` calls against torch's ``meta`` kernel)."""
+    target = target or GemmTarget.of(a_payload.device)
+    choice = gemm_path(a_payload, b_payload, out_dtype, target, backend, a_block, b_block)
+    if choice.path == EMULATED:
+        if backend == "scaled_mm":
+            raise ValueError(f"fp8_mm(backend='scaled_mm'): {choice.reason}; use backend='auto' or 'emulated'")
+        if backend == "auto" and target.kind != "cpu":
+            _log_fallback(choice.reason)
         return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype, a_block, b_block)
-    if not (is_tensorwise(a_block) and is_tensorwise(b_block)):
-        return _block_scaled_mm(a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype, backend)
-    problem = scaled_mm_problem(a_payload, b_payload)
-    if problem is None and not scaled_mm_supported(a_payload.device):
-        problem = (
-            f"torch._scaled_mm has no FP8 support on {a_payload.device} (needs a CPU or a CUDA GPU of compute "
-            f"capability >= 8.9, e.g. H100/H200/L40/RTX 4090); use gemm_backend='emulated'"
-        )
-    if problem is None:
-        return _hardware_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
-    if backend == "scaled_mm":
-        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}")
-    _log_fallback(problem)
-    return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype)
+    if choice.path == TRITON_BLOCK:
+        from .kernels.triton_block_gemm import block_mm
 
-
-def _block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, backend):
-    """GEMM of operands with block scale grids (module docstring): row-wise ``_scaled_mm``, the Triton block
-    GEMM on CUDA, or the exact emulation (``backend`` is ``"auto"`` or ``"scaled_mm"`` here)."""
-    problem = None
-    if scales_constant_along(a_block, tuple(a.shape), 1) and scales_constant_along(b_block, tuple(b.shape), 0):
-        problem = scaled_mm_problem(a, b)
-        if problem is None and not scaled_mm_supported(a.device):
-            problem = f"torch._scaled_mm has no FP8 support on {a.device}"
-        if problem is None and a.device.type == "cuda" and out_dtype != torch.bfloat16:
-            problem = "row-wise torch._scaled_mm on CUDA writes bfloat16 only (the model's dtype is not bfloat16)"
-        if problem is None:
-            lhs = a if _row_major(a) else a.contiguous()
-            rhs = b if _col_major(b) else b.t().contiguous().t()
-            sa, sb = _outer_scales(a, a_scale, a_block, b, b_scale, b_block)
-            return torch._scaled_mm(lhs, rhs, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    elif a.device.type == "cuda":
-        from .kernels.triton_block_gemm import block_mm_problem, block_mm
-
-        problem = block_mm_problem(a, a_block, b, b_block)
-        if problem is None:
-            return block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype)
-    else:
-        problem = f"block scales that vary along K ({a_block} x {b_block}) have no torch._scaled_mm path on {a.device}"
-    if backend == "scaled_mm":
-        raise ValueError(f"fp8_mm(backend='scaled_mm'): {problem}; use backend='auto' or 'emulated'")
-    _log_fallback(problem)
-    return _emulated_mm(a, a_scale, b, b_scale, out_dtype, a_block, b_block)
+        return block_mm(a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype)
+    return _hardware_mm(choice.path, a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype, target)
 
 
 def fp8_mm(

@@ -19,7 +19,10 @@ and use E4M3 everywhere (fine scales leave E5M2's range unneeded: twice the prec
 GEMM needs another layout than the one they are held in are re-quantized from their exact dequantized
 values (the rowwise weight for the input gradient, the saved activation and the output gradient for the
 weight gradient): with power-of-two scales that is exact except for values that fall below the normal
-range of their new block.
+range of their new block. On CUDA, row-wise GEMMs writing fp32 or fp16 (the weight gradient always; forward
+and input gradient of models not in bf16), which CUDA's row-wise ``torch._scaled_mm`` cannot write, run a
+tensor-wise FP8 GEMM with the row and column scales applied after it in fp32 (:mod:`fp8.gemm`): not emulated,
+not rounded to bf16.
 """
 
 from __future__ import annotations

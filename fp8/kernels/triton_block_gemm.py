@@ -19,7 +19,7 @@ import torch
 from ..formats import E5M2
 from .backend import interpreter_enabled, triton_available
 
-__all__ = ["block_mm_problem", "block_mm", "block_mm_reference"]
+__all__ = ["block_mm_problem", "block_operands_problem", "block_mm", "block_mm_reference"]
 
 _K_BLOCK = 128
 _A_BLOCKS = ((1, 128),)
@@ -28,7 +28,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _operand_problem(a: torch.Tensor, a_block, b: torch.Tensor, b_block) -> str | None:
+def block_operands_problem(a: torch.Tensor, a_block, b: torch.Tensor, b_block) -> str | None:
+    """Why the block GEMM cannot take these operands and blocks (shapes, formats, blocks, layouts; the device
+    aside, so it also judges ``meta`` tensors), or None."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}: pass 2-D (M x K) and (K x N) operands"
     if a.dtype not in _FP8 or b.dtype not in _FP8:
@@ -48,7 +50,7 @@ def _operand_problem(a: torch.Tensor, a_block, b: torch.Tensor, b_block) -> str 
 
 def block_mm_problem(a: torch.Tensor, a_block, b: torch.Tensor, b_block) -> str | None:
     """Why :func:`block_mm` cannot take ``a @ b`` with these blocks, or None if it can."""
-    problem = _operand_problem(a, a_block, b, b_block)
+    problem = block_operands_problem(a, a_block, b, b_block)
     if problem is not None:
         return problem
     if not triton_available():
@@ -84,7 +86,7 @@ def _check(operand_problem, a, a_scale, a_block, b, b_scale, b_block, out_dtype)
 
 def block_mm_reference(a, a_scale, a_block, b, b_scale, b_block, out_dtype=torch.float32) -> torch.Tensor:
     """Torch reference of :func:`block_mm` (fp32, the kernel's accumulation order; any device, no Triton)."""
-    _check(_operand_problem, a, a_scale, a_block, b, b_scale, b_block, out_dtype)
+    _check(block_operands_problem, a, a_scale, a_block, b, b_scale, b_block, out_dtype)
     n = b.shape[1]
     a_inv = a_scale.to(torch.float32).reciprocal()
     b_inv = b_scale.to(torch.float32).reciprocal().repeat_interleave(b_block[1], dim=1)[:, :n]
@@ -109,9 +111,12 @@ def _kernel():
         stride_sam, stride_sak, stride_sbk, stride_sbn, B_COLS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
+        # 64-bit rows, cols and k: rows * stride_am, k * stride_ak (a column-major), k * stride_bk,
+        # cols * stride_bn and rows * N pass 2**31 once M*K, K*N or M*N does. The scale grids' kb * stride
+        # terms stay 32-bit: they pass 2**31 only past M*K or K*N = 2**38 (256 GiB of FP8).
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K).to(tl.int64)
         row_ok, col_ok = rows < M, cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, K // BLOCK_K):

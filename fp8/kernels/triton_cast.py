@@ -19,8 +19,9 @@ def _cast_transpose_amax_kernel(
     IN_FMT: tl.constexpr, OUT_FMT: tl.constexpr, FMAX: tl.constexpr, TRANSPOSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 64-bit rows/cols: rows * stride_m, rows * N and cols * M pass 2**31 for tensors over 2**31 elements.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     raw = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_n, mask=mask, other=0)
     x = decode_to_f32(raw, IN_FMT)
@@ -40,7 +41,7 @@ def _cast_transpose_amax_kernel(
 
 @triton.jit
 def _amax_unless_kernel(x_ptr, skip_ptr, amax_ptr, numel, IN_FMT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: numel may pass 2**31
     skip = tl.load(skip_ptr)
     mask = (offs < numel) & ((offs * 0 + skip) == 0)  # nothing is read when the flag is set
     x = decode_to_f32(tl.load(x_ptr + offs, mask=mask, other=0), IN_FMT)

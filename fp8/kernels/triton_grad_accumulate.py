@@ -26,7 +26,7 @@ def _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT: tl
 @triton.jit
 def _amax_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, amax_ptr, nan_ptr, numel,
                  ACC_FMT: tl.constexpr, NEW_FMT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: numel may pass 2**31
     mask = offs < numel
     s = _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT, NEW_FMT)
     is_nan = s != s
@@ -37,7 +37,7 @@ def _amax_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, amax_ptr, nan_p
 @triton.jit
 def _cast_kernel(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, out_scale_ptr, numel, FMAX: tl.constexpr,
                  ACC_FMT: tl.constexpr, NEW_FMT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: numel may pass 2**31
     mask = offs < numel
     s = _sum(acc_ptr, acc_scale_ptr, new_ptr, new_scale_ptr, offs, mask, ACC_FMT, NEW_FMT)
     y = s * tl.load(out_scale_ptr)
