@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from fp8.checkpoint import CheckpointCorruptedError
     from megatron.training.checkpointing import CheckpointMismatchError
+    from megatron.training.core_trace import CollectiveTraceError
     from megatron.training.data import DataError
     from megatron.training.health import RunHealthError
     from megatron.training.training import pretrain
@@ -44,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain(args)
     except (FileNotFoundError, ConfigurationError, DataError, CheckpointMismatchError, CheckpointCorruptedError,
-            RunHealthError) as error:
+            RunHealthError, CollectiveTraceError) as error:
         print(f"pretrain_gpt.py: {error}", file=sys.stderr)
-        return 1 if isinstance(error, RunHealthError) else 2  # the run failed / the input is wrong
+        return 1 if isinstance(error, (RunHealthError, CollectiveTraceError)) else 2  # the run failed / bad input
     finally:
         import torch.distributed as dist
 

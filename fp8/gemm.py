@@ -116,6 +116,12 @@ class GemmPath:
         """Whether the GEMM runs on FP8 hardware (every path but ``emulated``)."""
         return self.path != EMULATED
 
+    @property
+    def scaled_mm(self) -> bool:
+        """Whether the GEMM runs ``torch._scaled_mm`` (the ``scaled_mm_*`` paths), which takes its second operand
+        column-major (and copies one held row-major)."""
+        return self.path in (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE)
+
 
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on ``device`` (CPU, or CUDA compute capability >= 8.9)."""

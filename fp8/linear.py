@@ -37,11 +37,11 @@ from torch import nn
 from .blocks import dequantize_blocks, quantize_to_blocks, transpose_block
 from .cast import quantize
 from .formats import get_format
-from .gemm import GEMM_BACKENDS, fp8_mm_payload
+from .gemm import GEMM_BACKENDS, GemmTarget, fp8_mm_payload, gemm_path
 from .kernels.backend import KERNEL_BACKENDS
 from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
 from .scaling import ScalingConfig, ScalingState
-from .tensor import Float8Tensor, to_float8
+from .tensor import Float8Tensor, cached_operand, to_float8
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,8 @@ class Float8LinearFunction(torch.autograd.Function):
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.grad_output_state, ctx.config, ctx.hooks, ctx.w_block = grad_output_state, config, hooks, w_block
+        # The weight itself, for the input-gradient operand cached with it (_dgrad_weight); none in traced graphs.
+        ctx.fp8_weight = None if torch.compiler.is_compiling() else weight
         ctx.has_bias, ctx.x_shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
         if out.shape[0] == x2d.shape[0]:
             lead = tuple(x.shape[:-1])
@@ -259,12 +261,11 @@ class Float8LinearFunction(torch.autograd.Function):
             g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            if hooks.reduce_grad_input is not None:
-                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, torch.float32, config.gemm_backend)
-                dx = hooks.reduce_grad_input(dx, grad_out.dtype)
-            else:
-                dx = fp8_mm_payload(g_data, g_scale, w_data, w_scale, grad_out.dtype, config.gemm_backend)
-            grad_x = dx.reshape(ctx.x_shape)
+            reduce = hooks.reduce_grad_input
+            dx_dtype = torch.float32 if reduce is not None else grad_out.dtype
+            w_op = _dgrad_weight(ctx, g_data, w_data, w_scale, dx_dtype)
+            dx = fp8_mm_payload(g_data, g_scale, w_op, w_scale, dx_dtype, config.gemm_backend)
+            grad_x = (reduce(dx, grad_out.dtype) if reduce is not None else dx).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w32 = fp8_mm_payload(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
             grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
@@ -296,6 +297,28 @@ def _shared_cast(x: torch.Tensor, key: tuple, cast) -> tuple[torch.Tensor, torch
     return x_data, x_scale
 
 
+def _column_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _runs_scaled_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, backend: str, a_block=None,
+                    b_block=None) -> bool:
+    """Whether :func:`fp8.gemm.fp8_mm_payload` multiplies these operands on one of its ``scaled_mm_*`` paths
+    (:func:`fp8.gemm.gemm_path`, the decision it runs), which take ``b`` column-major and copy a row-major one."""
+    return gemm_path(a, b, out_dtype, GemmTarget.of(a.device), backend, a_block, b_block).scaled_mm
+
+
+def _dgrad_weight(ctx, g_data: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The weight payload as the second operand of ``dX = dY @ W`` (tensor-wise recipe). Where that GEMM runs
+    ``torch._scaled_mm`` it takes ``W`` (out x in, row-major) column-major: the transposed copy is made once per
+    optimizer step and kept with the weight (:func:`fp8.tensor.cached_operand`, :attr:`Float8Tensor.transpose_cache`),
+    the same bits ``_scaled_mm`` would otherwise copy on every backward. Elsewhere (the emulated GEMM) ``W`` as is."""
+    if _column_major(w_data) or not _runs_scaled_mm(g_data, w_data, out_dtype, ctx.config.gemm_backend):
+        return w_data
+    return cached_operand(ctx.fp8_weight, w_data, w_scale, ("transpose",), lambda: (w_data.t().contiguous().t(),))[0]
+
+
 def _t(scale: torch.Tensor) -> torch.Tensor:
     """The scale of a transposed operand: a grid is transposed, a 0-d scale is itself."""
     return scale.t() if scale.dim() == 2 else scale
@@ -313,13 +336,27 @@ def _block_backward(ctx, grad_out, x_data, x_scale, w_data, w_scale):
         g_data, g_scale = hooks.gather_grad_output(g_data, g_scale)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
-        if recipe.dgrad_weight == ctx.w_block:
-            wd, ws = w_data, w_scale
-        else:
-            wd, ws = quantize_to_blocks(dequantize_blocks(w_data, w_scale, ctx.w_block), recipe.dgrad_weight,
-                                        config.weight_fmt)
         reduce = hooks.reduce_grad_input
-        dx = fp8_mm_payload(g_data, g_scale, wd, ws, torch.float32 if reduce else grad_out.dtype, backend,
+        dx_dtype = torch.float32 if reduce else grad_out.dtype
+
+        def dgrad_weight():
+            if recipe.dgrad_weight == ctx.w_block:
+                return w_data, w_scale
+            return quantize_to_blocks(dequantize_blocks(w_data, w_scale, ctx.w_block), recipe.dgrad_weight,
+                                      config.weight_fmt)
+
+        if _runs_scaled_mm(g_data, w_data, dx_dtype, backend, recipe.grad_output, recipe.dgrad_weight):
+            # Row-wise _scaled_mm: the weight in its dgrad blocks, column-major, made once per optimizer step and
+            # kept with the weight (as _dgrad_weight's transpose).
+            def build():
+                wd, ws = dgrad_weight()
+                return (wd if _column_major(wd) else wd.t().contiguous().t()), ws
+
+            wd, ws = cached_operand(ctx.fp8_weight, w_data, w_scale, ("blocks", recipe.dgrad_weight, config.weight_fmt),
+                                    build)
+        else:
+            wd, ws = dgrad_weight()
+        dx = fp8_mm_payload(g_data, g_scale, wd, ws, dx_dtype, backend,
                             a_block=recipe.grad_output, b_block=recipe.dgrad_weight)
         grad_x = (reduce(dx, grad_out.dtype) if reduce else dx).reshape(ctx.x_shape)
     if ctx.needs_input_grad[1]:

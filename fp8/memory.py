@@ -8,10 +8,15 @@ from torch import nn
 from .scaling import ScalingState
 from .tensor import Float8Tensor
 
-__all__ = ["memory_report", "MEMORY_CATEGORIES"]
+__all__ = ["memory_report", "MEMORY_CATEGORIES", "WEIGHT_TRANSPOSES"]
 
 MEMORY_CATEGORIES = ("weights", "master weights", "weight gradients", "optimizer states", "FP8 scaling metadata")
-"""Keys of :func:`memory_report` (plus ``"total"``, and ``"activations"`` when activations are measured)."""
+"""Keys of :func:`memory_report` (plus ``"total"``, :data:`WEIGHT_TRANSPOSES` when FP8 weights hold transposes, and
+``"activations"`` when activations are measured)."""
+
+WEIGHT_TRANSPOSES = "weight transposes"
+"""Key of :func:`memory_report` for the input-gradient GEMM operands FP8 weights hold between optimizer steps
+(:attr:`fp8.Float8Tensor.transpose_cache`), present only while some are held."""
 
 
 class _Ledger:
@@ -33,7 +38,7 @@ class _Ledger:
         if storage.data_ptr() != 0 and key in self._seen:
             return
         self._seen.add(key)
-        self.bytes[category] += storage.nbytes()
+        self.bytes[category] = self.bytes.get(category, 0) + storage.nbytes()
 
 
 def _state_category(key: str) -> str:
@@ -55,6 +60,13 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     metadata"``, like tensor-wise scales); master weights are the high-precision copies an FP8 optimizer keeps;
     each storage is counted once.
 
+    ``"weight transposes"`` (:data:`WEIGHT_TRANSPOSES`, in the report only while some are held): the operands of the
+    input-gradient GEMM ``dX = dY @ W`` that FP8 weights keep from their first backward after an optimizer step to
+    the next step (:attr:`fp8.Float8Tensor.transpose_cache`), where that GEMM runs ``torch._scaled_mm`` (CUDA, or
+    ``gemm_backend="scaled_mm"``): the payload transposed to column-major, 1 byte per weight element (the rowwise
+    recipe: the weight re-quantized per input channel, 1 byte per element plus 4 per input channel). The emulated
+    GEMM (the CPU default) holds none.
+
     ``activations`` (an :class:`fp8.activations.ActivationCompressor`: the one ``fp8.initialize(...,
     fp8_activations=True)`` put on the model, ``model.fp8_activation_compressor``, or
     ``ActivationCompressor(dtypes=())`` entered around an uncompressed forward, which only counts) adds
@@ -66,6 +78,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     ledger = _Ledger()
     for param in model.parameters():
         ledger.add("weights", param)
+    for param in model.parameters():
+        for held in param.transpose_cache if isinstance(param, Float8Tensor) else ():
+            ledger.add(WEIGHT_TRANSPOSES, held)
     # Masters before gradients: a master's transient .grad is a gradient, the master a master weight.
     inner = optimizer
     for master in getattr(optimizer, "master_weights", []):

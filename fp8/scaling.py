@@ -15,6 +15,7 @@ from torch import nn
 
 from .comm import Collectives
 from .formats import FP8Format, get_format
+from .host_read import HostCopy
 
 __all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
            "set_amax_reduction_group", "discard_step_amaxes"]
@@ -96,9 +97,9 @@ class ScalingState(nn.Module):
     Agreement: with ``amax_comm`` (a :class:`fp8.comm.Collectives` over a process group; or set
     ``amax_reduce_group``) every rank uses the same scale. Current scaling agrees on each cast's amax
     (MAX all-reduce). Delayed scaling agrees once per step, in :func:`update_scales` (one batched
-    all-reduce per group); its casts agree only until the history has started on every rank
-    (``history_confirmed``, learnt one step late without a host sync), since before that a cast falls
-    back to its own amax.
+    all-reduce per group); its casts agree per cast only until the history has started on every rank
+    (``history_confirmed``, learnt one update late at a fixed point, the same on every rank), since before
+    that a cast falls back to its own amax.
     """
 
     def __init__(self, config: ScalingConfig, device: torch.device | str | None = None) -> None:
@@ -220,25 +221,16 @@ class ScalingState(nn.Module):
 
 
 class _HistoryProbe:
-    """Which delayed histories of a group of states have started, learnt one step late: the agreed device
-    flags are copied to the host asynchronously at one :func:`update_scales` and read at the next."""
+    """Which delayed histories of a group of states have started: the agreed device flags, copied to the host
+    without a sync at one :func:`update_scales` and read at the next (:class:`fp8.host_read.HostCopy`)."""
 
     def __init__(self, states: list[ScalingState]) -> None:
         self.states = states
-        flags = torch.stack([s.has_history for s in states])
-        cuda = flags.device.type == "cuda"
-        self.host = torch.zeros(len(states), dtype=torch.bool, pin_memory=cuda)
-        self.host.copy_(flags, non_blocking=True)
-        self.event = torch.cuda.Event() if cuda else None
-        if self.event is not None:
-            self.event.record()
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        self.copy = HostCopy(torch.stack([s.has_history for s in states]))
 
     def started(self) -> list[bool]:
-        """The flags, read on the host once :meth:`ready`: the copy has landed, so no device sync."""
-        return self.host.tolist()
+        """The flags posted one update ago (waits for their copy, which has landed)."""
+        return [bool(flag) for flag in self.copy.result()]
 
 
 @torch.no_grad()
@@ -264,16 +256,15 @@ def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> Non
 
 
 def _confirm_histories(members: list[ScalingState]) -> None:
-    """Mark the delayed states of one group whose history had started at the previous update (the probe
-    posted then; the flags derive from agreed amaxes, so every rank reads the same) as confirmed, and post
-    a probe for the others."""
+    """Mark the delayed states of one group whose history had started at the previous update as confirmed (the
+    probe posted then; its flags derive from agreed amaxes, and it is read at this update on every rank, never
+    when a rank sees its copy land), and post a probe for the others. Every rank therefore stops the per-cast
+    amax all-reduces of a state at the same step."""
     pending = [s for s in members if s.config.kind == "delayed" and not s.history_confirmed]
     if not pending:
         return
     probe = pending[0]._history_probe
     if probe is not None:
-        if not probe.ready():
-            return  # still in flight
         pending[0]._history_probe = None
         for state, started in zip(probe.states, probe.started()):
             state.history_confirmed = state.history_confirmed or started

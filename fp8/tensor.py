@@ -22,6 +22,7 @@ scales and never import it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_map
@@ -127,6 +128,31 @@ class Float8Tensor(torch.Tensor):
         """The value ``payload / scale`` as an ordinary tensor in ``dtype`` (default: ``self.dtype``)."""
         return dequantize_blocks(self._data, self._scale, self.block, dtype or self.dtype)
 
+    @property
+    def transpose_cache(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this FP8 weight holds for its linear's input-gradient GEMM ``dX = dY @ W`` (:func:`cached_operand`):
+        the payload transposed into the column-major layout ``torch._scaled_mm`` takes (the rowwise recipe: the weight
+        re-quantized per input channel, with its scale grid), made at the first backward after the weight was written
+        and reused by every backward until the next write (the optimizer step). Empty where none is held: GEMMs that
+        do not run ``torch._scaled_mm`` (the emulated CPU default) never make one. :func:`fp8.memory_report` counts
+        these bytes as ``"weight transposes"``."""
+        memo = self.__dict__.get(_OPERAND_MEMO)
+        return () if memo is None else tuple(t for t in memo[1] if t is not None)
+
+    def __getstate__(self):
+        # Pickling (torch.save, multiprocessing) leaves the operand cache behind: it is rebuilt from the payload.
+        state = dict(self.__dict__)
+        state.pop(_OPERAND_MEMO, None)
+        return state
+
+    def __deepcopy__(self, memo):
+        held = self.__dict__.pop(_OPERAND_MEMO, None)  # a copy starts without the operand cache
+        try:
+            return super().__deepcopy__(memo)
+        finally:
+            if held is not None:
+                self.__dict__[_OPERAND_MEMO] = held
+
     def __repr__(self) -> str:  # type: ignore[override]
         # Metadata only: no host read of the scale (a device sync on CUDA), and no format spec on values,
         # which are symbolic while torch.compile traces (Inductor's trace logging calls repr).
@@ -175,6 +201,44 @@ class Float8Tensor(torch.Tensor):
             f"allowed to run on the dequantized value); call .dequantize() on the Float8Tensor first to run it in "
             f"high precision"
         )
+
+
+_OPERAND_MEMO = "_fp8_operand_memo"
+
+
+def cached_operand(weight: Float8Tensor | None, payload: torch.Tensor, scale: torch.Tensor, key: tuple,
+                   build: Callable[[], tuple]) -> tuple:
+    """``build()`` (a tuple of tensors made from ``payload`` and ``scale``: a GEMM operand in another layout), kept
+    with ``weight`` (:attr:`Float8Tensor.transpose_cache`) and returned again while ``weight`` is unchanged, so an
+    operand derived from the weight is made once per optimizer step instead of once per backward.
+
+    ``payload`` and ``scale`` are the ones the caller read (saved for backward); the memo is used only when they are
+    ``weight``'s own. It holds for one ``key`` (the layout) and is guarded by the version counters of the weight, its
+    payload and its scale: every write of a :class:`Float8Tensor` bumps them (in-place ops, ``copy_``,
+    ``load_state_dict``, the optimizers' refresh, the O3 all-gather; :func:`_written` where the write itself does not),
+    so a stale memo is never returned; it is dropped before its replacement is built (one held at a time). Not
+    memoized (``build()`` each call) without a ``weight``, while ``torch.compile`` traces, or for inference tensors."""
+    if (weight is None or payload is not weight.__dict__.get("_data") or scale is not weight.__dict__.get("_scale")
+            or torch.compiler.is_compiling() or not _plain(payload) or payload.is_inference()):
+        return build()
+    key = (key, weight._version, payload._version, scale._version)
+    memo = weight.__dict__.get(_OPERAND_MEMO)
+    if memo is not None:
+        if memo[0] == key:
+            return memo[1]
+        del weight.__dict__[_OPERAND_MEMO]  # free the stale operand before its replacement is made
+    value = build()
+    weight.__dict__[_OPERAND_MEMO] = (key, value)
+    return value
+
+
+def _written(t: Float8Tensor) -> None:
+    """Mark ``t``'s payload and scale as written in place: writes made inside ``__torch_dispatch__`` (and by kernels
+    writing through pointers) leave the inner tensors' version counters as they were, and :func:`cached_operand`
+    and autograd's saved-tensor checks read them."""
+    inner = [x for x in (t._data, t._scale) if _plain(x) and not x.is_inference()]
+    if inner:
+        torch.autograd.graph.increment_version(inner)
 
 
 def _as_list(x) -> list:
@@ -310,7 +374,9 @@ def _add_inplace(func, args, kwargs):
     """``acc += new``: a whole FP8 gradient takes the fused accumulation (:mod:`fp8.kernels.grad_accumulate`,
     on ``acc``'s own ``accumulate_backend``); anything else the generic in-place path (same semantics)."""
     if _accumulates(args, kwargs):
-        return grad_accumulate.accumulate_fp8_grad(args[0], args[1], backend=args[0].accumulate_backend)
+        out = grad_accumulate.accumulate_fp8_grad(args[0], args[1], backend=args[0].accumulate_backend)
+        _written(args[0])
+        return out
     return _dequantized(func, args, kwargs)
 
 
@@ -421,8 +487,15 @@ current scale, :func:`_assign`). Anything else raises ``NotImplementedError``: c
 first, so no high-precision computation on FP8 data is silent."""
 
 
-@torch.no_grad()
 def _assign(dst: Float8Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` into ``dst`` in place (:func:`_assign_values`) and mark its payload and scale written
+    (:func:`_written`)."""
+    _assign_values(dst, src)
+    _written(dst)
+
+
+@torch.no_grad()
+def _assign_values(dst: Float8Tensor, src: torch.Tensor) -> None:
     """Write ``src`` into ``dst`` in place: payload and scale when ``src`` is FP8 of the same format,
     otherwise re-quantized with a current power-of-two scale from ``src``'s amax. A partial view
     (a slice or row of a larger FP8 tensor) shares its scale with the rest of the payload, so it is

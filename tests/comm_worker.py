@@ -125,7 +125,27 @@ class Watch:
                 return orig[name](*a, **k)
             return call
 
-        wrapped = {"all_reduce": all_reduce, "all_gather_into_tensor": gather_into("all_gather_into_tensor"),
+        def batch_isend_irecv(ops):
+            # Each operation is watched like an isend/irecv (P2POp below holds torch's own functions).
+            for op in ops:
+                self._check("batch_isend_irecv", op.group, op.tensor)
+                if op.op is orig["isend"]:
+                    ring("send", op.group, _bytes(op.tensor), lambda n: 1.0)
+                else:
+                    ring("recv", op.group, 0, lambda n: 0.0)
+            return orig["batch_isend_irecv"](ops)
+
+        p2p_op = dist.P2POp
+
+        def make_p2p_op(op, tensor, peer=None, group=None, tag=0, group_peer=None):
+            # P2POp accepts only torch's own isend/irecv, which the watch replaced: hand it those.
+            original = orig["isend"] if op in (orig["isend"], isend) else orig["irecv"]
+            return p2p_op(original, tensor, peer, group, tag, group_peer)
+
+        dist.P2POp = make_p2p_op
+
+        wrapped = {"all_reduce": all_reduce, "batch_isend_irecv": batch_isend_irecv,
+                   "all_gather_into_tensor": gather_into("all_gather_into_tensor"),
                    "reduce_scatter_tensor": reduce_scatter_tensor, "all_to_all_single": all_to_all_single,
                    "broadcast": broadcast, "isend": isend, "irecv": irecv}
         for name in ("all_gather_single", "_all_gather_base"):

@@ -128,21 +128,20 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_tensors_move_to_the_group_device_before_the_backend_sees_them(single_process_group, monkeypatch):
-    """A group whose device is not the tensor's (here 'meta' stands for CUDA under NCCL): the backend only
-    ever receives tensors on the group's device, FP8 as uint8."""
+def test_the_backend_sees_only_tensors_on_the_group_device(single_process_group, monkeypatch):
+    """A group whose device is not the tensor's (here 'meta' stands for CUDA under NCCL): a tensor on the group's
+    device reaches the backend (FP8 as uint8, counted); one elsewhere is refused before the backend sees it."""
     recorder = _Recorder()
     monkeypatch.setattr(dist, "isend", lambda t, dst, group=None: recorder(t))
     counter = CommBytesCounter()
     comm = Collectives(counter=counter, device=torch.device("meta"))
-    payload = torch.randn(8).to(torch.float8_e4m3fn)
-    comm.send(payload, 0, "test")
+    comm.send(torch.empty(8, dtype=torch.float8_e4m3fn, device="meta"), 0, "test")
     assert recorder.devices == [torch.device("meta")]
     assert counter.by_tag["test"] == 8  # one byte per FP8 value
-    on_device = Collectives()
-    assert on_device.device == torch.device("cpu")  # gloo's device
-    t = torch.ones(4)
-    assert on_device._place(t) is t
+    with pytest.raises(ValueError, match="'misplaced': a tensor on cpu"):
+        comm.send(torch.randn(8).to(torch.float8_e4m3fn), 0, "misplaced")
+    assert recorder.devices == [torch.device("meta")]
+    assert Collectives().device == torch.device("cpu")  # gloo's device
 
 
 def test_objects_travel_as_tensors(single_process_group):

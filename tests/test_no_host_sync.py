@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8
+import fp8.host_read
 from tests.spawn import CachedLaunch
 
 aten = torch.ops.aten
@@ -29,10 +30,11 @@ SYNC_OPS = {
     aten.is_nonzero.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
 }
 HOST_METHODS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
-# Host reads that never sync a device, by design: the scaling-history probe reads its pinned host copy only
-# after the copy's CUDA event has completed (fp8.scaling._HistoryProbe.ready). On CPU there is no event to
-# tell the two apart, so the one method doing it is named here.
-NON_SYNCING_READS = {fp8.scaling._HistoryProbe.started.__code__}
+# Host reads that never stall a device, by design: fp8.host_read.HostCopy.result reads a copy posted one
+# update earlier, after waiting for it (it has landed: the wait is free, and every rank reads at the same step,
+# never when its own copy happens to land). On CPU there is no event to tell the two apart, so the one method
+# doing it is named here.
+NON_SYNCING_READS = {fp8.host_read.HostCopy.result.__code__}
 
 
 def _in_non_syncing_read() -> bool:
@@ -100,7 +102,7 @@ def test_detector_exempts_only_the_history_probe_read():
         assert probe.started() == [False]
     assert not detector.hits
     with HostSyncDetector() as detector:
-        probe.host.tolist()
+        probe.copy.host.tolist()
     assert detector.hits
 
 

@@ -136,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                         "print a side-by-side summary and plot the loss curves")
     o.add_argument("--plot", default=None, help="loss-curve PNG (default: next to --log-json, or ./loss_curves.png)")
     o.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    o.add_argument("--collective-trace", default=None, metavar="DIR",
+                   help="record every rank's torch.distributed calls (fp8lm's and megatron-core's) in DIR/rank<R>.jsonl "
+                        "and check them against NCCL's rules at the end (fp8.comm_trace); a violation (a pipeline "
+                        "deadlock, a collective issued by some ranks only) fails the run with exit status 1")
     o.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, validate, print parameters per rank and planned memory")
     return p
@@ -177,6 +181,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                 f"--data-parallel-size {args.data_parallel_size} != world size / (TP x PP) = {dp}; it is only for --dry-run"
             )
     args.data_parallel_size = dp
+    if args.collective_trace is not None and os.path.exists(args.collective_trace) \
+            and not os.path.isdir(args.collective_trace):
+        raise ConfigurationError(f"--collective-trace {args.collective_trace} is a file: give a directory for the "
+                                 f"per-rank trace files")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size

@@ -20,6 +20,7 @@ import time
 import torch
 
 from fp8.comm import Collectives
+from fp8.host_read import HostCopy
 
 __all__ = ["ExitPolicy"]
 
@@ -38,7 +39,7 @@ class ExitPolicy:
         self.world = world  # every rank of the job (None: a single process)
         self.signalled: str | None = None
         self._previous: dict = {}
-        self._in_flight: tuple | None = None
+        self._in_flight: HostCopy | None = None
         if getattr(args, "exit_signal_handler", False):
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -64,15 +65,10 @@ class ExitPolicy:
             self.world.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, tag="exit flags").wait()
         if flags.device.type == "cpu":
             return self._decide(flags.tolist())
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        previous, self._in_flight = self._in_flight, (host, event)
+        previous, self._in_flight = self._in_flight, HostCopy(flags)
         if previous is None:
             return None
-        previous[1].synchronize()  # the previous iteration's flags: long done, the queue stays full
-        return self._decide(previous[0].tolist())
+        return self._decide(previous.result())  # the previous iteration's flags: long done, the queue stays full
 
     def _decide(self, flags: list[float]) -> str | None:
         signalled, late = flags

@@ -7,6 +7,11 @@ per value plus 4 bytes per message. With ``fp8=False`` it sends the high-precisi
 baseline), through the same code, counted the same way. Receive buffers live on the model's device, so
 this works on CPU (gloo) and GPU (NCCL) alike.
 
+NCCL-safe: the sends and receives of one schedule step are posted as one ``batch_isend_irecv`` group
+(:meth:`fp8.comm.Collectives.batch_isend_irecv`), which NCCL runs as one unit, so the 1F1B steady state
+(stage ``i`` sending activations forward while receiving gradients back, stage ``i+1`` the reverse) cannot
+deadlock on the pair's in-order stream.
+
 Overlap: with ``wait_on_reqs=False`` (megatron-core's ``overlap_p2p_comm``, which pretrain_gpt.py turns on
 for the interleaved schedule, as Megatron-LM does) the requests are handed to the schedule and the
 received tensor is filled (decoded) when the schedule waits on its request; otherwise every request has
@@ -18,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fp8.comm import Collectives, CommBytesCounter
+from fp8.comm import Collectives, CommBytesCounter, P2PMessage
 from fp8.parallel import PipelineCodec
 from fp8.recipes import get_recipe
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -64,82 +69,74 @@ class FP8P2PCommunicator(P2PCommunicator):
             raise RuntimeError("tensor_shape must be given to receive (seq_length, micro_batch_size, hidden_size)")
         if self.config.variable_seq_lengths:
             raise ValueError("FP8P2PCommunicator needs fixed sequence lengths (variable_seq_lengths=False)")
-        works = {}
-        recv_prev_wire = recv_next_wire = None
-        # Receives are posted before sends; every call is asynchronous, so the order cannot deadlock.
-        if recv_prev:
-            recv_prev_wire = self.forward_codec.empty_wire(tensor_shape, self.device)
-            works["recv_prev"] = self.comm.recv(recv_prev_wire, self._prev_peer, "pp activations")
-        if recv_next:
-            recv_next_wire = self.backward_codec.empty_wire(tensor_shape, self.device)
-            works["recv_next"] = self.comm.recv(recv_next_wire, self._next_peer, "pp gradients")
-        sent = {}
+        # Every operation of one schedule step goes out as one batch_isend_irecv group: NCCL runs a pair's
+        # operations in issue order on one stream, and a group as one unit, so neither direction can wait on a
+        # receive queued behind the other's (unbatched receives posted first on both sides deadlock). Inside the
+        # group, sends go to next then prev and receives come from prev then next: when prev and next are the
+        # same rank (two stages, interleaved), its receives from us then meet our sends in the order they
+        # expect, activations with activations and gradients with gradients.
+        messages, wires = [], {}
         if tensor_send_next is not None:
-            sent["send_next"] = self.forward_codec.encode(tensor_send_next)
-            works["send_next"] = self.comm.send(sent["send_next"], self._next_peer, "pp activations")
+            wires["send_next"] = self.forward_codec.encode(tensor_send_next)
+            messages.append(P2PMessage("send", wires["send_next"], self._next_peer, "pp activations"))
+        if recv_prev:
+            wires["recv_prev"] = self.forward_codec.empty_wire(tensor_shape, self.device)
+            messages.append(P2PMessage("recv", wires["recv_prev"], self._prev_peer, "pp activations"))
         if tensor_send_prev is not None:
-            sent["send_prev"] = self.backward_codec.encode(tensor_send_prev)
-            works["send_prev"] = self.comm.send(sent["send_prev"], self._prev_peer, "pp gradients")
+            wires["send_prev"] = self.backward_codec.encode(tensor_send_prev)
+            messages.append(P2PMessage("send", wires["send_prev"], self._prev_peer, "pp gradients"))
+        if recv_next:
+            wires["recv_next"] = self.backward_codec.empty_wire(tensor_shape, self.device)
+            messages.append(P2PMessage("recv", wires["recv_next"], self._next_peer, "pp gradients"))
+        batch = _Batch(self.comm.batch_isend_irecv(messages), list(wires.values()))
+        codecs = {"recv_prev": self.forward_codec, "recv_next": self.backward_codec}
         if not wait_on_reqs:
-            # Overlap (megatron-core's interleaved schedule with overlap_p2p_comm): hand the schedule its
-            # requests; a receive's wait() also decodes the wire into the tensor returned now, which the
-            # schedule reads only after waiting on that request. Sends keep their wire buffers alive.
+            # Overlap (megatron-core's interleaved schedule with overlap_p2p_comm): hand the schedule a request
+            # per operation, each completing the whole group; a receive's wait() also decodes the wire into the
+            # tensor returned now, which the schedule reads only after waiting on that request.
             self.overlapped_calls += 1
-            handles = {}
-            recv_prev_tensor = recv_next_tensor = None
-            if recv_prev_wire is not None:
-                recv_prev_tensor = self.forward_codec.empty_output(tensor_shape, self.device).requires_grad_(True)
-                handles["recv_prev"] = _DecodeOnWait(works["recv_prev"], self.forward_codec, recv_prev_wire,
-                                                     recv_prev_tensor, tensor_shape)
-            if recv_next_wire is not None:
-                recv_next_tensor = self.backward_codec.empty_output(tensor_shape, self.device).requires_grad_(True)
-                handles["recv_next"] = _DecodeOnWait(works["recv_next"], self.backward_codec, recv_next_wire,
-                                                     recv_next_tensor, tensor_shape)
-            for key, wire in sent.items():
-                handles[key] = _SendRequest(works[key], wire)
-            return recv_prev_tensor, recv_next_tensor, handles
-        for work in works.values():
-            work.wait()
-        recv_prev_tensor = recv_next_tensor = None
-        if recv_prev_wire is not None:
-            recv_prev_tensor = self.forward_codec.decode(recv_prev_wire, tensor_shape).requires_grad_(True)
-        if recv_next_wire is not None:
-            recv_next_tensor = self.backward_codec.decode(recv_next_wire, tensor_shape).requires_grad_(True)
+            handles, received = {}, {}
+            for key in wires:
+                if key in codecs:
+                    received[key] = codecs[key].empty_output(tensor_shape, self.device).requires_grad_(True)
+                    handles[key] = _DecodeOnWait(batch, codecs[key], wires[key], received[key], tensor_shape)
+                else:
+                    handles[key] = batch
+            return received.get("recv_prev"), received.get("recv_next"), handles
+        batch.wait()
+        received = {key: codecs[key].decode(wires[key], tensor_shape).requires_grad_(True) for key in wires
+                    if key in codecs}
         # Everything has completed: no handles left for the schedule to wait on.
         handles = [] if self.config.batch_p2p_comm else {}
-        return recv_prev_tensor, recv_next_tensor, handles
+        return received.get("recv_prev"), received.get("recv_next"), handles
+
+
+class _Batch:
+    """The work handles of one ``batch_isend_irecv`` group, holding its wire buffers until it has completed;
+    ``wait()`` waits for all of them (once)."""
+
+    def __init__(self, works: list, wires: list[torch.Tensor]) -> None:
+        self.works, self.wires = works, wires
+
+    def wait(self) -> bool:
+        if self.works is not None:
+            for work in self.works:
+                work.wait()
+            self.works = self.wires = None
+        return True
 
 
 class _DecodeOnWait:
-    """A pipeline receive request: ``wait()`` waits for the wire buffer, then decodes it (FP8 payload and
+    """A pipeline receive request: ``wait()`` waits for its group, then decodes the wire buffer (FP8 payload and
     scale, or the high-precision values) into the tensor the schedule was handed (once)."""
 
-    def __init__(self, work: dist.Work, codec: PipelineCodec, wire: torch.Tensor, out: torch.Tensor, shape) -> None:
-        self.work, self.codec, self.wire, self.out, self.shape = work, codec, wire, out, shape
+    def __init__(self, batch: _Batch, codec: PipelineCodec, wire: torch.Tensor, out: torch.Tensor, shape) -> None:
+        self.batch, self.codec, self.wire, self.out, self.shape = batch, codec, wire, out, shape
 
     def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
+        if self.batch is not None:
+            self.batch.wait()
             with torch.no_grad():
                 self.out.copy_(self.codec.decode(self.wire, self.shape))
-            self.work = self.wire = None
+            self.batch = self.wire = None
         return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
-
-
-class _SendRequest:
-    """A pipeline send request holding its wire buffer until the send has completed."""
-
-    def __init__(self, work: dist.Work, wire: torch.Tensor) -> None:
-        self.work, self.wire = work, wire
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = self.wire = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fp8.comm import Collectives, CommBytesCounter
+from fp8.comm_trace import CollectiveTrace
 from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
 from fp8.parallel.linear import _ParallelLinearBase
@@ -29,6 +30,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import cpu_compat
 from .core_comm import record_core_collectives, record_core_construction
+from .core_trace import check_trace_directory, trace_megatron_core
 from .config_rules import ConfigurationError
 from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
 from .health import SkipMonitor
@@ -125,7 +127,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 class _Datasets:
     """Train/valid datasets of the run (real data through megatron-core, or mock)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, counter: CommBytesCounter | None = None) -> None:
         needed = args.train_iters * args.global_batch_size
         # No evaluation asked for: no validation samples needed (a corpus too small for a validation split trains).
         eval_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
@@ -145,7 +147,7 @@ class _Datasets:
             rank0 = dist.get_rank() == 0
             if rank0:
                 args.data_path, args.tokenizer_model = prepare_default_corpus(log=print)
-            paths = Collectives().broadcast_object([args.data_path, args.tokenizer_model], "start-up")
+            paths = Collectives(counter=counter).broadcast_object([args.data_path, args.tokenizer_model], "start-up")
             args.data_path, args.tokenizer_model = paths
         if args.tokenizer_model is None:
             raise ValueError("--data-path needs --tokenizer-model (the PREFIX.model written by tools/preprocess_data.py)")
@@ -540,24 +542,47 @@ def _summary(history: RunHistory, run: _Run) -> dict:
 
 def pretrain(args: argparse.Namespace) -> list[RunHistory]:
     """Train ``--fp8-opt-level`` and every ``--compare`` level (baseline first) at the same seed and data; with
-    ``--compare``, ``--save DIR``/``--load DIR`` use ``DIR/<level>`` for each level."""
+    ``--compare``, ``--save DIR``/``--load DIR`` use ``DIR/<level>`` for each level. With ``--collective-trace DIR``
+    every rank's collectives are recorded and checked against NCCL's rules at the end (:func:`traced`)."""
     initialize_distributed(args)
-    logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
-    datasets = _Datasets(args)
-    logger.banner(datasets, dist.get_world_size())
-    levels = list(args.compare_levels) + [args.fp8_opt_level]
-    levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))
-    histories = []
-    main_level, save, load = args.fp8_opt_level, args.save, args.load
-    for level in levels:
-        args.fp8_opt_level = level
-        if len(levels) > 1:  # --compare: each level checkpoints in its own subdirectory
-            args.save = None if save is None else os.path.join(save, level)
-            args.load = None if load is None else os.path.join(load, level)
-        histories.append(train_level(args, datasets, logger))
-    args.fp8_opt_level, args.save, args.load = main_level, save, load
+    with traced(args.collective_trace) as trace:
+        logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
+        datasets = _Datasets(args, CommBytesCounter(trace=trace))
+        logger.banner(datasets, dist.get_world_size())
+        levels = list(args.compare_levels) + [args.fp8_opt_level]
+        levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))
+        histories = []
+        main_level, save, load = args.fp8_opt_level, args.save, args.load
+        for level in levels:
+            args.fp8_opt_level = level
+            if len(levels) > 1:  # --compare: each level checkpoints in its own subdirectory
+                args.save = None if save is None else os.path.join(save, level)
+                args.load = None if load is None else os.path.join(load, level)
+            histories.append(train_level(args, datasets, logger, CommBytesCounter(trace=trace)))
+        args.fp8_opt_level, args.save, args.load = main_level, save, load
     logger.finish(histories)
     return histories
+
+
+@contextlib.contextmanager
+def traced(directory: str | None):
+    """``--collective-trace``: yields this rank's :class:`fp8.comm_trace.CollectiveTrace` (None without a
+    directory), with megatron-core's own calls recorded too; on the way out (also after an error) the trace is
+    written to ``directory/rank<R>.jsonl``; after a normal end rank 0 checks every rank's trace and raises
+    :class:`~megatron.training.core_trace.CollectiveTraceError` on a violation of NCCL's rules."""
+    if directory is None:
+        yield None
+        return
+    trace = CollectiveTrace(dist.get_rank())
+    core = trace_megatron_core(trace)
+    try:
+        yield trace
+    finally:
+        core.close()
+        trace.save(os.path.join(directory, f"rank{dist.get_rank()}.jsonl"))
+    Collectives().barrier("collective trace written")  # untraced: every file is complete before rank 0 reads
+    if dist.get_rank() == 0:
+        check_trace_directory(directory, dist.get_world_size(), log=print)
 
 
 def _is_logging_rank() -> bool:
