@@ -31,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo:
         args.log_json = args.log_json or "runs/demo/log.jsonl"
     if args.dry_run:
-        from megatron.training.dry_run import dry_run
+        from megatron.training.planning.dry_run import dry_run
 
         dry_run(args)
         return 0
     from fp8.checkpoint import CheckpointCorruptedError
-    from megatron.training.checkpointing import CheckpointMismatchError
-    from megatron.training.core_trace import CollectiveTraceError
-    from megatron.training.data import DataError
+    from megatron.training.checkpointing.checkpoint import CheckpointMismatchError
+    from megatron.training.distributed.core_trace import CollectiveTraceError
+    from megatron.training.data.datasets import DataError
     from megatron.training.health import RunHealthError
     from megatron.training.training import pretrain
 

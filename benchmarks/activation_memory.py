@@ -1,6 +1,6 @@
 """Bytes held for backward after the forward pass of a Hugging Face Llama: pure BF16, BF16 at O2 (FP8 linears,
 tensorwise and blockwise recipes), each with and without FP8 activation compression (``fp8.activations``), and
-FP32; beside each, the memory planner's figure for the same model (megatron/training/memory_plan.py).
+FP32; beside each, the memory planner's figure for the same model (megatron/training/planning/memory_plan.py).
 
     python benchmarks/activation_memory.py [--json benchmarks/results/activation_memory.json]
         [--hidden 512] [--layers 2] [--batch 2] [--seq 1024] [--vocab 1000]
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
 from fp8.activations import ActivationCompressor  # noqa: E402
 from fp8.memory import memory_report  # noqa: E402
-from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
+from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 VARIANTS = (
     ("BF16", torch.bfloat16, "none", "tensorwise", False),

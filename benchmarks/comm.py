@@ -28,7 +28,7 @@ import fp8  # noqa: E402
 import fp8.distributed as fd  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
-from megatron.training.corpus import get_batch, load_corpus  # noqa: E402
+from megatron.training.data.corpus import get_batch, load_corpus  # noqa: E402
 
 VARIANTS = ("torch DDP FP32", "torch DDP BF16 grads", "fp8 DDP (ours)", "fp8 O3 (ours)")
 WEIGHT_TAGS = ("fp8 weights", "fp8 weight scales", "weights")

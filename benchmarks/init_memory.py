@@ -40,7 +40,8 @@ def worker(a: argparse.Namespace) -> None:
     from fp8.comm import Collectives
 
     from megatron.core import parallel_state
-    from megatron.training import cpu_compat, training
+    from megatron.training import training
+    from megatron.training.distributed import cpu_compat
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.model import build_model, padded_vocab_size, transformer_config_from_args
 

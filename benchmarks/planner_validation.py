@@ -52,7 +52,7 @@ import fp8  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 from fp8.tensor import Float8Tensor  # noqa: E402
-from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
+from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 STATE_KEYS = {  # planner category -> fp8.memory_report category
     "weights": "weights", "master_weights": "master weights", "gradients": "weight gradients",

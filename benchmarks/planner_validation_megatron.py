@@ -51,7 +51,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.training.mixed_precision import main_grad_bytes  # noqa: E402
-from megatron.training.memory_plan import PlannerConfig, plan_memory  # noqa: E402
+from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
          "--seq-length", "64", "--micro-batch-size", "4", "--mock-data", "--vocab-size", "512", "--fp32",

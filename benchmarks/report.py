@@ -48,7 +48,7 @@ BENCHMARKS = {
     "loss_parity_accum.json": [sys.executable, "benchmarks/loss_parity.py", "--accumulate", "64", "--iters", "80",
                                "--eval-interval", "40"],
     "planner_validation.json": [sys.executable, "benchmarks/planner_validation.py"],
-    "figure1.json": [sys.executable, "tools/memory_planner.py", "--figure1", "--output", "benchmarks/results/figure1"],
+    "figure1.json": [sys.executable, "benchmarks/figure1.py", "--output", "benchmarks/results/figure1"],
 }
 
 
@@ -230,7 +230,7 @@ def section_grad_accumulation() -> str:
 
 
 def section_planner() -> str:
-    from megatron.training.memory_plan import plan_memory
+    from megatron.training.planning.memory_plan import plan_memory
 
     out = ["## Planned memory for GPT-3 7B, 13B and 175B (FP8-LM's layouts)\n",
            "`tools/memory_planner.py`, per GPU (worst rank), BF16 activations, sequence length 2048, micro-batch 1, "
@@ -262,7 +262,7 @@ def section_planner() -> str:
     else:
         md = RESULTS / "figure1.md"
         out.append("FP8-LM's Figure 1 question, the largest GPT that fits N x 80 GB GPUs "
-                   "(`tools/memory_planner.py --figure1`):\n")
+                   "(`python benchmarks/figure1.py`):\n")
         if md.exists():
             out.append(md.read_text())
         png = RESULTS / "figure1.png"
@@ -288,7 +288,7 @@ def section_planner() -> str:
 
 
 def _planner_config(kw: dict, level: str):
-    from megatron.training.memory_plan import PlannerConfig
+    from megatron.training.planning.memory_plan import PlannerConfig
 
     # BF16 as Megatron's --bf16 (FP32 main gradients), FP8 levels with their default fp32 gradient sums.
     return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1, fp32_grads=level == "none",

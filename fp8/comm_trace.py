@@ -5,7 +5,7 @@ one rank issues and another does not may simply wait; on NCCL the first is a dea
 (or mismatched data). A :class:`CollectiveTrace` records one rank's ``torch.distributed`` calls in issue
 order: kind, process group (its name, the same on every rank, and its global ranks), bytes, dtype, peer,
 the ``batch_isend_irecv`` group an operation belongs to, and the tag of what travelled. :class:`fp8.comm.Collectives`
-records into the trace of its :class:`fp8.comm.CommBytesCounter`; ``megatron.training.core_trace`` records
+records into the trace of its :class:`fp8.comm.CommBytesCounter`; ``megatron.training.distributed.core_trace`` records
 the calls megatron-core makes itself. :func:`check_traces` applies NCCL's rules to every rank's trace:
 
 - **Collectives.** Every rank of a group issues the same collectives on it in the same order, each with the

@@ -51,7 +51,7 @@ def run_task(task: dict, seed: int, out: str) -> None:
         dcp.FileSystemWriter.finish = finish
     result: dict = {"name": task["name"]}
     if task.get("init_only"):  # build the model and save it untrained (iteration 0), or as loaded (--load)
-        from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+        from megatron.training.checkpointing.checkpoint import load_checkpoint, save_checkpoint
 
         run = training._Run(args, training._Datasets(args))
         iteration = load_checkpoint(args.load, run, args.ckpt_step) if args.load else 0

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.training.checkpointing.checkpoint import load_checkpoint  # noqa: E402
 from tests.spawn import megatron_run  # noqa: E402
 
 

@@ -233,7 +233,7 @@ def test_reshard_across_vocabulary_paddings(runs):
     again) holds every parameter exactly, the vocabulary rows below 300 included; only padding rows are
     cut. (Losses then differ by more than the unpadded case, ~3.7% measured three steps into training:
     megatron-core's softmax runs over the padded vocabulary, so the padding count is part of the loss.)"""
-    from megatron.training.checkpointing import read_checkpoint
+    from megatron.training.checkpointing.checkpoint import read_checkpoint
 
     _, tp2 = read_checkpoint(runs.ck / "tp2v300", 3)
     _, tp1 = read_checkpoint(runs.ck / "tp1v300", 3)

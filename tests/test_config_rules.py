@@ -10,7 +10,7 @@ import torch
 import fp8
 from megatron.training.arguments import ConfigurationError, parse_args, validate_args
 from megatron.training.config_rules import OPT_LEVEL_ALIASES, OPT_LEVELS, check_config, normalize_opt_level
-from megatron.training.memory_plan import PlannerConfig
+from megatron.training.planning.memory_plan import PlannerConfig
 
 BASE = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=64, micro_batch_size=2,
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1, fp8_opt_level="none")

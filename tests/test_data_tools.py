@@ -20,15 +20,15 @@ import torch
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron.training.data import (  # noqa: E402
+from megatron.training.data.datasets import (  # noqa: E402
     build_gpt_datasets,
     check_data_files,
     gpt_batch_iterator,
     prepare_default_corpus,
 )
-from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model  # noqa: E402
+from megatron.training.data.tokenizer import SentencePieceTokenizer, load_sentencepiece_model  # noqa: E402
 from tests.spawn import free_port, spawn  # noqa: E402
-from megatron.training import preprocess_data  # noqa: E402
+from megatron.training.data import preprocess_data  # noqa: E402
 from tools.preprocess_data import preprocess, split_text_documents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -313,7 +313,7 @@ def test_cli(tmp_path, seed):
 
 # -- the default corpus (a small stand-in for Shakespeare) -------------------------------------------------
 def test_default_corpus_cached_rebuilt_and_locked(tmp_path, monkeypatch, seed):
-    from megatron.training import corpus as corpus_module
+    from megatron.training.data import corpus as corpus_module
 
     text = random_text(random.Random(seed), paragraphs=150)
     monkeypatch.setattr(corpus_module, "shakespeare_text", lambda: text)

@@ -25,8 +25,8 @@ def tiny_model(tmp_path_factory) -> Path:
     """A tiny Llama (random weights) with the demo corpus tokenizer (2048 BPE pieces)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from megatron.training.data import prepare_default_corpus
-    from megatron.training.hf_export import _write_tokenizer
+    from megatron.training.data.datasets import prepare_default_corpus
+    from megatron.training.checkpointing.hf_export import _write_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     _, spm = prepare_default_corpus(log=None)

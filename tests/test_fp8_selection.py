@@ -80,7 +80,7 @@ def test_pretrain_applies_min_dim_and_announces_it():
 
 def test_planner_applies_the_same_selection(monkeypatch):
     from fp8.convert import CUDA_MIN_FP8_DIM
-    from megatron.training.memory_plan import PlannerConfig, plan_memory
+    from megatron.training.planning.memory_plan import PlannerConfig, plan_memory
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
              "--vocab-size", "256", "--fp8-opt-level", "O2"]
@@ -91,4 +91,4 @@ def test_planner_applies_the_same_selection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     from tools import memory_planner
 
-    assert memory_planner._default_min_fp8_dim() == CUDA_MIN_FP8_DIM  # pretrain_gpt's CUDA default
+    assert memory_planner.default_min_fp8_dim() == CUDA_MIN_FP8_DIM  # pretrain_gpt's CUDA default

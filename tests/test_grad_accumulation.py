@@ -216,7 +216,7 @@ def test_memory_report_counts_the_accumulated_gradients(mode, per_element, seed)
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_planner_counts_fp32_sums_on_every_rank(level):
     """The planner's fp32 sums: the step's gradient at one DP rank, the accumulation window's at several."""
-    from megatron.training.memory_plan import PlannerConfig, plan_memory
+    from megatron.training.planning.memory_plan import PlannerConfig, plan_memory
 
     common = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024,
                   fp8_opt_level=level, data_parallel_size=4, global_batch_size=64)

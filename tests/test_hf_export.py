@@ -146,7 +146,7 @@ def test_bfloat16_is_the_default_dtype(exported, tmp_path):
 
 
 def test_unmappable_models_are_refused_naming_the_flags():
-    from megatron.training.hf_export import HFExportError, architecture_of
+    from megatron.training.checkpointing.hf_export import HFExportError, architecture_of
 
     base = {"num_attention_heads": 4, "num_query_groups": None, "normalization": "LayerNorm", "swiglu": False,
             "position_embedding_type": "learned_absolute", "disable_bias_linear": False}
@@ -176,7 +176,7 @@ def test_sentencepiece_run_exports_a_fast_tokenizer_with_the_training_ids(tmp_pa
     import sentencepiece
     from transformers import AutoTokenizer
 
-    from megatron.training.preprocess_data import preprocess
+    from megatron.training.data.preprocess_data import preprocess
 
     words = "the quick brown fox jumps over lazy dog while seven wizards quietly hex jolly boxing frogs".split()
     text = "\n\n".join(" ".join(words[(i * j + j * j) % len(words)] + ("s" if (i + j) % 3 == 0 else "")

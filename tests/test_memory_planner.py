@@ -15,7 +15,8 @@ import torch
 
 from benchmarks import planner_validation as pv
 from examples.tiny_gpt import GPTConfig, TinyGPT
-from tools.memory_planner import CATEGORIES, PlannerConfig, largest_model, plan_memory, whole_tensor_partition
+from benchmarks.figure1 import largest_model
+from tools.memory_planner import CATEGORIES, PlannerConfig, plan_memory, whole_tensor_partition
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,7 +207,7 @@ def test_cli_json_and_errors():
 def test_figure1_fp8_fits_larger_models(tmp_path):
     sizes = {level: largest_model(8, level)[1]["params_total"] for level in ("none", "O2")}
     assert sizes["O2"] > 1.8 * sizes["none"]
-    out = subprocess.run([sys.executable, "tools/memory_planner.py", "--figure1", "--gpus", "8",
+    out = subprocess.run([sys.executable, "benchmarks/figure1.py", "--gpus", "8",
                           "--output", str(tmp_path / "fig")], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "| 8 |" in out.stdout
     assert (tmp_path / "fig.png").stat().st_size > 0 and json.loads((tmp_path / "fig.json").read_text())

@@ -222,7 +222,7 @@ def test_recipe_arguments_are_validated():
 def test_checkpointed_block_scaled_weights_read_back_exactly(block, gen):
     """pretrain_gpt's checkpoints store a weight's payload and its scale grid; the value read back (resharding,
     export) follows the block from the grid's shape."""
-    from megatron.training.checkpointing import fp8_value
+    from megatron.training.checkpointing.checkpoint import fp8_value
 
     w = fp8.to_float8(torch.randn(256, 384, generator=gen), block=block)
     assert torch.equal(fp8_value(w.payload, w.scale), w.dequantize(torch.float32))

@@ -169,7 +169,7 @@ def test_every_documented_flag_trains_once(tmp_path, name):
     if name == "sgd_bf16_compare":
         flags += ["--plot", str(tmp_path / "curve.png")]
     if name == "data_and_checkpoints":
-        from megatron.training.preprocess_data import preprocess
+        from megatron.training.data.preprocess_data import preprocess
 
         text = "\n\n".join(f"Line {i} of a small corpus, with words enough to train on. " * 4 for i in range(300))
         (tmp_path / "in.txt").write_text(text)

@@ -62,7 +62,7 @@ def test_generator_is_standard_normal_and_independent_across_keys():
 
 
 def test_initial_model_is_identical_across_layouts(tmp_path):
-    from megatron.training.checkpointing import read_checkpoint
+    from megatron.training.checkpointing.checkpoint import read_checkpoint
 
     layouts = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
                "tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]}

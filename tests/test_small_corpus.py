@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.test_data_tools import random_text  # noqa: E402
-from megatron.training.preprocess_data import preprocess  # noqa: E402
+from megatron.training.data.preprocess_data import preprocess  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_300_documents_train_with_default_flags(corpus300, tmp_path):
 
 
 def test_needed_split_without_documents_still_fails(corpus300, tmp_path):
-    from megatron.training.data import build_gpt_datasets
+    from megatron.training.data.datasets import build_gpt_datasets
 
     prefix, model = corpus300
     with pytest.raises(ValueError, match="the valid split .* fewer than one sample"):

@@ -18,7 +18,7 @@ import pytest
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from megatron.training.preprocess_data import preprocess, train_tokenizer  # noqa: E402
+from megatron.training.data.preprocess_data import preprocess, train_tokenizer  # noqa: E402
 from tests.test_data_tools import random_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -54,7 +54,7 @@ def _meta_checks(results: dict) -> None:
     from fp8.comm import Collectives
     from fp8.optim.sharded import ShardedAdamW
     from megatron.training import training
-    from megatron.training.grads import clip_and_poison_, global_grad_norm
+    from megatron.training.distributed.grads import clip_and_poison_, global_grad_norm
 
     group = dist.new_group([0, 1], backend="meta:gloo")
     try:

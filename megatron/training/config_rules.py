@@ -1,6 +1,6 @@
 """The configuration rules of a GPT training run, in one place: ``pretrain_gpt.py``'s
 :func:`megatron.training.arguments.validate_args` and the memory planner's
-:class:`megatron.training.memory_plan.PlannerConfig` both call :func:`check_config`, so a layout one of
+:class:`megatron.training.planning.memory_plan.PlannerConfig` both call :func:`check_config`, so a layout one of
 them accepts the other accepts too. Every error is a :class:`ConfigurationError` (a ``ValueError``)
 whose message names the flag and the fix. Plain Python: importing this module imports no torch.
 

@@ -90,7 +90,7 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         batch_p2p_comm=False,
         batch_p2p_sync=False,
         # The interleaved schedule overlaps its pipeline sends/receives with compute (Megatron-LM's default
-        # there); megatron.training.p2p hands it asynchronous requests.
+        # there); megatron.training.distributed.pipeline_p2p hands it asynchronous requests.
         overlap_p2p_comm=vp is not None,
         **recompute,
     )

@@ -126,7 +126,7 @@ def step_optimizer(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> No
 
     The FP8 optimizers (O1's master-weight wrapper, O2, O3, the ZeRO-1 baseline) skip a step whose
     gradients are not finite by themselves, on device (the training loop turns every gradient into NaN
-    when the global norm is not finite, :func:`megatron.training.grads.clip_and_poison_`); a fused
+    when the global norm is not finite, :func:`megatron.training.distributed.grads.clip_and_poison_`); a fused
     ``torch.optim`` optimizer (the baseline's AdamW) gets ``found_inf``, as torch's GradScaler passes it.
     Only a non-fused optimizer (``--optimizer sgd`` at level ``none``: torch's fused SGD mis-initialises
     its momentum when its first step is skipped) decides on the host.

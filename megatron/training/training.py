@@ -28,17 +28,17 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from . import cpu_compat
-from .core_comm import record_core_collectives, record_core_construction
-from .core_trace import check_trace_directory, trace_megatron_core
 from .config_rules import ConfigurationError
-from .grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
+from .distributed import cpu_compat
+from .distributed.core_collective_bytes import record_core_collectives, record_core_construction
+from .distributed.core_trace import check_trace_directory, trace_megatron_core
+from .distributed.grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
+from .distributed.pipeline_p2p import FP8P2PCommunicator
 from .health import SkipMonitor
 from .log import TrainingLogger
-from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
+from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
 from .optimizer import build_optimizer, owner_optimizer, step_optimizer
-from .p2p import FP8P2PCommunicator
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory"]
 
@@ -132,7 +132,7 @@ class _Datasets:
         # No evaluation asked for: no validation samples needed (a corpus too small for a validation split trains).
         eval_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
         if args.mock_data:
-            from .mock_data import MockGPTDataset
+            from .data.mock_data import MockGPTDataset
 
             self.vocab_size = args.vocab_size
             self.train = MockGPTDataset(args.vocab_size, args.seq_length, needed, args.seed)
@@ -140,8 +140,8 @@ class _Datasets:
                                         args.seed + 1)
             self.tokenizer = None
             return
-        from .data import build_gpt_datasets, check_data_files, prepare_default_corpus
-        from .tokenizer import SentencePieceTokenizer
+        from .data.datasets import build_gpt_datasets, check_data_files, prepare_default_corpus
+        from .data.tokenizer import SentencePieceTokenizer
 
         if args.data_path is None:
             rank0 = dist.get_rank() == 0
@@ -160,7 +160,7 @@ class _Datasets:
 
 
 def _batches(dataset, args, dp_rank: int, dp_size: int, consumed: int = 0, cycle: bool = True):
-    from .data import gpt_batch_iterator
+    from .data.datasets import gpt_batch_iterator
 
     return gpt_batch_iterator(dataset, args.micro_batch_size, consumed_samples=consumed, data_parallel_rank=dp_rank,
                               data_parallel_size=dp_size, cycle=cycle)
@@ -365,7 +365,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
                 counter: CommBytesCounter | None = None) -> RunHistory:
     """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history. ``counter``
     (default: a new one) counts every byte this rank sends, start-up and evaluation included."""
-    from .checkpointing import load_checkpoint
+    from .checkpointing.checkpoint import load_checkpoint
     from .exit import ExitPolicy
 
     run = _Run(args, datasets, counter)
@@ -388,7 +388,7 @@ def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingL
 
 
 def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> RunHistory:
-    from .checkpointing import save_checkpoint
+    from .checkpointing.checkpoint import save_checkpoint
 
     health = SkipMonitor(args.max_skipped_steps, args.skipped_steps_window, announce=dist.get_rank() == 0)
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
@@ -569,7 +569,7 @@ def traced(directory: str | None):
     """``--collective-trace``: yields this rank's :class:`fp8.comm_trace.CollectiveTrace` (None without a
     directory), with megatron-core's own calls recorded too; on the way out (also after an error) the trace is
     written to ``directory/rank<R>.jsonl``; after a normal end rank 0 checks every rank's trace and raises
-    :class:`~megatron.training.core_trace.CollectiveTraceError` on a violation of NCCL's rules."""
+    :class:`~megatron.training.distributed.core_trace.CollectiveTraceError` on a violation of NCCL's rules."""
     if directory is None:
         yield None
         return

@@ -1,5 +1,5 @@
 """Tokenize raw text or JSONL into a megatron-core indexed dataset (library; the command line is
-``tools/preprocess_data.py``, the default corpus ``megatron.training.data.prepare_default_corpus`` uses
+``tools/preprocess_data.py``, the default corpus ``megatron.training.data.datasets.prepare_default_corpus`` uses
 :func:`preprocess`).
 
 Input is one file or a directory (read recursively, files in sorted relative-path order, hidden files
@@ -381,7 +381,7 @@ def preprocess(
     import numpy
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
+    from megatron.training.data.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
 
     if tokenizer_model is not None:
         load_sentencepiece_model(tokenizer_model)  # fail before any work on a bad model

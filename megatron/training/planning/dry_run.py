@@ -23,8 +23,8 @@ __all__ = ["dry_run"]
 def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: int) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .model import build_model, transformer_config_from_args
-    from .training import initialize_model_parallel
+    from ..model import build_model, transformer_config_from_args
+    from ..training import initialize_model_parallel
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -42,12 +42,12 @@ def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: in
 def dry_run(args: argparse.Namespace) -> dict:
     """Validate ``args`` for its layout, build each distinct pipeline stage on the meta device and print
     (and return) parameters per rank with the memory planner's figures."""
-    from .model import padded_vocab_size
+    from ..model import padded_vocab_size
 
     tp, pp, dp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
     world = tp * pp * dp
     if args.vocab_size is None and args.tokenizer_model:
-        from .tokenizer import SentencePieceTokenizer
+        from ..data.tokenizer import SentencePieceTokenizer
 
         args.vocab_size = SentencePieceTokenizer(args.tokenizer_model).vocab_size
     vocab = padded_vocab_size(args.vocab_size or 50257, args)

@@ -114,10 +114,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .config_rules import OPT_LEVELS, check_config, normalize_opt_level
+from ..config_rules import OPT_LEVELS, check_config, normalize_opt_level
 
-__all__ = ["PlannerConfig", "plan_memory", "format_plan", "CATEGORIES", "OPT_LEVELS", "FIGURE1_LEVELS",
-           "largest_model", "figure1", "whole_tensor_partition"]
+__all__ = ["PlannerConfig", "plan_memory", "format_plan", "CATEGORIES", "OPT_LEVELS", "whole_tensor_partition",
+           "default_min_fp8_dim", "GRAD_ACCUMULATION", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
+           "RECOMPUTE_GRANULARITIES"]
 
 CATEGORIES = (
     "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata",
@@ -126,10 +127,10 @@ CATEGORIES = (
 """Keys of ``plan_memory(...)["bytes"]``."""
 
 _IMPLEMENTATIONS = ("megatron-core", "transformers")
-_NORMS = ("LayerNorm", "RMSNorm")
-_POSITIONS = ("learned_absolute", "rope")
-_RECOMPUTE = ("none", "selective", "full")
-_GRAD_ACCUMULATION = ("fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+GRAD_ACCUMULATION = ("fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
 _RECIPES = ("tensorwise", "rowwise", "blockwise")  # fp8.recipes.RECIPES
 _TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
 _MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
@@ -204,8 +205,8 @@ class PlannerConfig:
         object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
         if self.fp8_recipe not in _RECIPES:
             raise ValueError(f"--fp8-recipe must be one of {'|'.join(_RECIPES)}, got {self.fp8_recipe!r}")
-        if self.grad_accumulation not in _GRAD_ACCUMULATION:
-            raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(_GRAD_ACCUMULATION)}, "
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(GRAD_ACCUMULATION)}, "
                              f"got {self.grad_accumulation!r}")
         if self.implementation not in _IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {'|'.join(_IMPLEMENTATIONS)}, got {self.implementation!r}")
@@ -218,13 +219,13 @@ class PlannerConfig:
                 "normalization='RMSNorm', swiglu=True, position_embedding_type='rope', add_bias_linear=False, "
                 "make_vocab_size_divisible_by=1 (transformers does not pad the vocabulary), tensor and pipeline "
                 "parallel size 1 and hidden_dropout=0; plan other models with implementation='megatron-core'")
-        if self.normalization not in _NORMS:
-            raise ValueError(f"--normalization must be one of {'|'.join(_NORMS)}, got {self.normalization!r}")
-        if self.position_embedding_type not in _POSITIONS:
-            raise ValueError(f"--position-embedding-type must be one of {'|'.join(_POSITIONS)}, "
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization must be one of {'|'.join(NORMALIZATIONS)}, got {self.normalization!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"--position-embedding-type must be one of {'|'.join(POSITION_EMBEDDINGS)}, "
                              f"got {self.position_embedding_type!r}")
-        if self.recompute_granularity not in _RECOMPUTE:
-            raise ValueError(f"recompute_granularity must be one of {'|'.join(_RECOMPUTE)}, "
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute_granularity must be one of {'|'.join(RECOMPUTE_GRANULARITIES)}, "
                              f"got {self.recompute_granularity!r}")
         if not 0.0 <= self.hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}")
@@ -348,7 +349,7 @@ class PlannerConfig:
             or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and normalize_opt_level(level or "none") == "none"),
             pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
             # pretrain_gpt.py's --fp8-min-dim and its default (2048 on CUDA, 0 elsewhere), as the model applies it.
-            min_fp8_dim=get("fp8_min_dim", _default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
+            min_fp8_dim=get("fp8_min_dim", default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
             grad_accumulation=get("fp8_grad_accumulation", "fp32"),
@@ -372,7 +373,7 @@ class _Tensor:
     cols: int = 0
 
 
-def _default_min_fp8_dim() -> int:
+def default_min_fp8_dim() -> int:
     """pretrain_gpt.py's default ``--fp8-min-dim``: 2048 on CUDA (``fp8.convert.CUDA_MIN_FP8_DIM``), else 0."""
     import torch
 
@@ -761,84 +762,3 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  {'total':<22} {plan['total_gib']:10.3f} GiB "
                  f"(model state {plan['model_state_bytes_per_param']:.2f} B/param)")
     return "\n".join(lines)
-
-
-# -- Figure 1: the largest GPT per GPU count and opt level ---------------------------------------------
-_NONE_DO = "none+DO"
-FIGURE1_LEVELS = ("none", _NONE_DO, "O1", "O2", "O3")
-"""Figure 1's columns: the BF16 baseline without and with Megatron's distributed optimizer, then O1-O3."""
-
-
-def _figure1_config(hidden: int, gpus: int, tp: int, pp: int, level: str, seq: int) -> PlannerConfig:
-    layers = hidden // 128
-    return PlannerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 128, seq_length=seq,
-        vocab_size=50257, micro_batch_size=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        data_parallel_size=gpus // (tp * pp), sequence_parallel=tp > 1, recompute_granularity="full",
-        fp8_opt_level="none" if level == _NONE_DO else level, use_distributed_optimizer=level == _NONE_DO, bf16=True,
-        # Both sides sum micro-batch gradients accurately: BF16 in FP32 main gradients (Megatron's --bf16),
-        # FP8 levels in fp32 (grad_accumulation="fp32", the default).
-        fp32_grads=level in ("none", _NONE_DO),
-    )
-
-
-def _fits(hidden: int, gpus: int, level: str, capacity: float, seq: int, max_tp: int,
-          min_dp: int = 1) -> PlannerConfig | None:
-    """The first layout (smallest TP x PP, then smallest TP) under which this GPT fits, or None."""
-    layers = hidden // 128
-    layouts = []
-    tp = 1
-    while tp <= min(max_tp, gpus):
-        for pp in range(1, layers + 1):
-            if layers % pp == 0 and gpus % (tp * pp) == 0 and gpus // (tp * pp) >= min_dp:
-                layouts.append((tp * pp, tp, pp))
-        tp *= 2
-    for _, tp, pp in sorted(layouts):
-        try:
-            cfg = _figure1_config(hidden, gpus, tp, pp, level, seq)
-        except ValueError:  # e.g. heads not divisible by TP: not a valid layout for this shape
-            continue
-        if plan_memory(cfg)["total_bytes"] <= capacity:
-            return cfg
-    return None
-
-
-def largest_model(gpus: int, level: str, capacity: float = 0.9 * 80e9, seq: int = 2048,
-                  max_tp: int = 8, step: int = 256, min_dp: int = 1) -> tuple[PlannerConfig, dict] | None:
-    """The largest GPT of the family L = h / 128 layers, h / 128 heads (GPT-3 175B's shape ratio),
-    h a multiple of ``step``, that fits ``gpus`` GPUs of ``capacity`` bytes at ``level`` with micro-batch 1,
-    full recomputation and sequence parallelism, over every layout TP (power of two <= max_tp) x PP x DP
-    with DP >= ``min_dp``.
-    Returns (config, plan) or None. Binary search over h (fitting is monotone in h for a fixed family)."""
-    lo, hi = 0, 1
-    while _fits(hi * step, gpus, level, capacity, seq, max_tp, min_dp) is not None:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _fits(mid * step, gpus, level, capacity, seq, max_tp, min_dp) is not None:
-            lo = mid
-        else:
-            hi = mid
-    if lo == 0:
-        return None
-    cfg = _fits(lo * step, gpus, level, capacity, seq, max_tp, min_dp)
-    return cfg, plan_memory(cfg)
-
-
-def figure1(gpu_counts=(8, 16, 32, 64, 128, 256, 512), capacity: float = 0.9 * 80e9, seq: int = 2048,
-            min_dp: int = 1) -> list[dict]:
-    """Rows ``{"gpus", "level", "params", "hidden", "layers", "tp", "pp", "dp", "gib_per_gpu"}`` for each
-    GPU count and level of :data:`FIGURE1_LEVELS` (``params`` 0: nothing fits)."""
-    rows = []
-    for gpus in gpu_counts:
-        for level in FIGURE1_LEVELS:
-            found = largest_model(gpus, level, capacity, seq, min_dp=min_dp) if gpus >= min_dp else None
-            if found is None:
-                rows.append({"gpus": gpus, "level": level, "params": 0})
-                continue
-            cfg, plan = found
-            rows.append({"gpus": gpus, "level": level, "params": plan["params_total"], "hidden": cfg.hidden_size,
-                         "layers": cfg.num_layers, "tp": cfg.tensor_model_parallel_size,
-                         "pp": cfg.pipeline_model_parallel_size, "dp": cfg.data_parallel_size,
-                         "gib_per_gpu": plan["total_gib"]})
-    return rows

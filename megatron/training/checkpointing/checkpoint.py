@@ -318,7 +318,7 @@ def _raw_vocab(args: argparse.Namespace) -> int | None:
     """The vocabulary before padding: ``--vocab-size`` (mock data) or the tokenizer's."""
     if getattr(args, "mock_data", False) or not getattr(args, "tokenizer_model", None):
         return args.vocab_size
-    from .tokenizer import SentencePieceTokenizer
+    from ..data.tokenizer import SentencePieceTokenizer
 
     return SentencePieceTokenizer(args.tokenizer_model).vocab_size
 
