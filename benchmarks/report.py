@@ -3,7 +3,9 @@
 Every number in the report comes from a JSON file written by a script in ``benchmarks/`` (or, for the
 planner's predictions, from ``tools/memory_planner.py`` evaluated here). ``--run`` first (re)runs the
 benchmarks whose results are missing (``--rerun`` all of them); without it the report is built from the
-results on disk and names any that are missing::
+results on disk. A table whose results file is missing keeps the text the report already has (between its
+``<!-- report block: ... -->`` markers), so a fresh clone, which has no ``benchmarks/results/``, never erases
+measured tables; the command lists what it kept and the command that measures each::
 
     python benchmarks/report.py --run          # run what is missing, then write docs/results.md
     python benchmarks/report.py                # rebuild the report from benchmarks/results/*.json
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,7 +40,7 @@ def _torchrun(n: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", _port(), *args]
 
 
-# result file -> command producing it
+# result file -> command producing it (``python`` for ``sys.executable`` where it is shown to a user)
 BENCHMARKS = {
     "memory.json": [sys.executable, "benchmarks/memory.py"],
     "comm_2.json": _torchrun(2, "benchmarks/comm.py"),
@@ -50,6 +53,14 @@ BENCHMARKS = {
     "planner_validation.json": [sys.executable, "benchmarks/planner_validation.py"],
     "figure1.json": [sys.executable, "benchmarks/figure1.py", "--output", "benchmarks/results/figure1"],
 }
+
+
+def command_text(name: str) -> str:
+    """The command that writes results file ``name``, as a user types it."""
+    cmd = BENCHMARKS[name]
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        return f"torchrun --nproc_per_node {cmd[4]} " + " ".join(cmd[7:])
+    return "python " + " ".join(cmd[1:])
 
 
 def run_missing(rerun: bool) -> None:
@@ -65,8 +76,32 @@ def _load(name: str):
     return json.loads(path.read_text()) if path.exists() else None
 
 
+_BLOCK = re.compile(r"<!-- report block: (?P<id>[\w-]+) -->\n(?P<text>.*?)<!-- end of report block: (?P=id) -->\n",
+                    re.S)
+_previous: dict[str, str] = {}  # block id -> its text in the report being rewritten
+kept: list[tuple[str, list[str]]] = []  # (block id, missing results files) of the blocks kept from it
+not_measured: list[tuple[str, list[str]]] = []  # the same, for blocks the report did not have either
+
+
 def _missing(name: str) -> str:
-    return f"_Not measured yet: run `{' '.join(BENCHMARKS[name][1:])}` (or `python benchmarks/report.py --run`)._\n"
+    return f"_Not measured yet: run `{command_text(name)}` (or `python benchmarks/report.py --run`)._\n"
+
+
+def block(block_id: str, files: list[str], render, fallback: str | None = None) -> str:
+    """The text ``render()`` makes from results ``files``, between markers; where one of the files is missing,
+    the text the report already has for this block, or, if it has none, ``fallback`` (default: the commands that
+    measure the missing files)."""
+    missing = [f for f in files if not (RESULTS / f).exists()]
+    if not missing:
+        text = render()
+    elif block_id in _previous:
+        text = _previous[block_id]
+        kept.append((block_id, missing))
+    else:
+        text = fallback if fallback is not None else "".join(_missing(f) for f in missing)
+        not_measured.append((block_id, missing))
+    text = text if text.endswith("\n") else text + "\n"
+    return f"<!-- report block: {block_id} -->\n{text}<!-- end of report block: {block_id} -->\n"
 
 
 def _pct(new: float, old: float, digits: int = 1) -> str:
@@ -80,10 +115,14 @@ def section_memory() -> str:
            "an FP16 second moment, with FP8 weights and gradients, and reports 39% less real memory than BF16 for "
            "GPT-175B on H100 (O3, with its FP8 distributed optimizer).\n",
            "Measured here (`benchmarks/memory.py`, `fp8.memory_report` at the peak of a step, bytes actually held):\n"]
+    out.append(block("memory", ["memory.json"], _memory_table))
+    out.append(block("memory-demo-gpt", ["loss_parity.json"], _memory_demo_table))
+    return "\n".join(out)
+
+
+def _memory_table() -> str:
     mem = _load("memory.json")
-    if mem is None:
-        return "\n".join(out) + _missing("memory.json")
-    out.append("| variant | whole GPT | FP8 layers only |\n| --- | ---: | ---: |")
+    out = ["| variant | whole GPT | FP8 layers only |\n| --- | ---: | ---: |"]
     whole = {r["variant"]: r["bytes_per_param"]["total"] for r in mem["rows"] if r.get("model") == "GPT"}
     layers = {r["variant"]: r["bytes_per_param"]["total"] for r in mem["rows"] if r.get("model") != "GPT"}
     for variant in whole:
@@ -98,15 +137,18 @@ def section_memory() -> str:
         for r in dp:
             out.append(f"| {r['world_size']} | {r['variant']} | {r['max_rank']['total']:.2f} |")
         out.append("")
+    return "\n".join(out)
+
+
+def _memory_demo_table() -> str:
     parity = _load("loss_parity.json")
-    if parity:
-        params = parity["summaries"][0].get("params_on_rank", 0)
-        out.append(f"The Megatron demo GPT (`benchmarks/loss_parity.py`, {params:,} parameters, data-parallel rank 0; "
-                   f"its embeddings, norms and biases stay in high precision):\n")
-        out.append("| level | model state bytes/parameter |\n| --- | ---: |")
-        for s in parity["summaries"]:
-            out.append(f"| {s['level']} | {s['model_state_bytes_per_param']:.2f} |")
-        out.append("")
+    params = parity["summaries"][0].get("params_on_rank", 0)
+    out = [f"The Megatron demo GPT (`benchmarks/loss_parity.py`, {params:,} parameters, data-parallel rank 0; "
+           f"its embeddings, norms and biases stay in high precision):\n",
+           "| level | model state bytes/parameter |\n| --- | ---: |"]
+    for s in parity["summaries"]:
+        out.append(f"| {s['level']} | {s['model_state_bytes_per_param']:.2f} |")
+    out.append("")
     return "\n".join(out)
 
 
@@ -114,47 +156,53 @@ def section_comm() -> str:
     out = ["## Communication per training step\n",
            "FP8-LM: FP8 gradients and collectives cut communication by 63-65% against BF16 (data parallel), "
            "with automatic scaling of the FP8 all-reduce.\n"]
+    out.append(block("comm-data-parallel", ["comm_2.json", "comm_o3_4.json"], _comm_dp_table))
+    out.append(block("comm-megatron", ["megatron_comm.json"], _comm_megatron_table))
+    return "\n".join(out)
+
+
+def _comm_dp_table() -> str:
+    out = []
     dp = _load("comm_2.json")
-    if dp is None:
-        out.append(_missing("comm_2.json"))
-    else:
-        out.append("Data parallel, bytes sent per rank and step (`benchmarks/comm.py`, "
-                   f"{dp['bytes']['torch DDP FP32']['elements'] / 1e6:.1f}M-parameter GPT):\n")
-        out.append("| ranks | torch DDP FP32 | torch DDP BF16 grads | fp8 DDP (O1/O2) | vs FP32 | vs BF16 | fp8 O3 |")
-        out.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name in ("comm_2.json", "comm_o3_4.json", "comm_4.json"):
-            d = _load(name)
-            if d is None or (name == "comm_4.json" and _load("comm_o3_4.json")):
-                continue
-            b = d["bytes"]
-            o3 = b.get("fp8 O3 (ours)", {}).get("bytes_per_step")
-            out.append(
-                f"| {d['world_size']} | {b['torch DDP FP32']['bytes_per_step'] / 1e6:.1f} MB | "
-                f"{b['torch DDP BF16 grads']['bytes_per_step'] / 1e6:.1f} MB | {b['fp8 DDP (ours)']['bytes_per_step'] / 1e6:.1f} MB | "
-                f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP FP32']['bytes_per_step'])} | "
-                f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP BF16 grads']['bytes_per_step'])} | "
-                + (f"{o3 / 1e6:.1f} MB |" if o3 else "- |"))
-        out.append("")
+    out.append("Data parallel, bytes sent per rank and step (`benchmarks/comm.py`, "
+               f"{dp['bytes']['torch DDP FP32']['elements'] / 1e6:.1f}M-parameter GPT):\n")
+    out.append("| ranks | torch DDP FP32 | torch DDP BF16 grads | fp8 DDP (O1/O2) | vs FP32 | vs BF16 | fp8 O3 |")
+    out.append("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in ("comm_2.json", "comm_o3_4.json", "comm_4.json"):
+        d = _load(name)
+        if d is None or (name == "comm_4.json" and _load("comm_o3_4.json")):
+            continue
+        b = d["bytes"]
+        o3 = b.get("fp8 O3 (ours)", {}).get("bytes_per_step")
+        out.append(
+            f"| {d['world_size']} | {b['torch DDP FP32']['bytes_per_step'] / 1e6:.1f} MB | "
+            f"{b['torch DDP BF16 grads']['bytes_per_step'] / 1e6:.1f} MB | {b['fp8 DDP (ours)']['bytes_per_step'] / 1e6:.1f} MB | "
+            f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP FP32']['bytes_per_step'])} | "
+            f"{_pct(b['fp8 DDP (ours)']['bytes_per_step'], b['torch DDP BF16 grads']['bytes_per_step'])} | "
+            + (f"{o3 / 1e6:.1f} MB |" if o3 else "- |"))
+    out.append("")
+    return "\n".join(out)
+
+
+def _comm_megatron_table() -> str:
+    out = []
     mc = _load("megatron_comm.json")
-    if mc is None:
-        out.append(_missing("megatron_comm.json"))
-    else:
-        out.append("Megatron GPT, bytes sent per iteration by all ranks together (`benchmarks/megatron_comm.py`; "
-                   "4 layers, hidden 256, seq 128, global batch 16; baseline in FP32 on CPU, so FP8 payloads are a "
-                   "quarter of it, and half of a BF16 baseline's):\n")
-        out.append("| layout | traffic | baseline | O1 | O2 | O3 | O2 vs baseline |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-        for layout, by_level in mc["results"].items():
-            groups = by_level["none"]["groups"].keys()
-            for g in list(groups) + ["total"]:
-                vals = [by_level[l]["total"] if g == "total" else by_level[l]["groups"][g] for l in ("none", "O1", "O2", "O3")]
-                if not any(vals):
-                    continue
-                out.append(f"| {layout} | {g} | " + " | ".join(f"{v / 2**20:.2f} MiB" for v in vals)
-                           + f" | {_pct(vals[2], vals[0]) if vals[0] else 'n/a'} |")
-        out.append("\nSequence-parallel all-gathers/reduce-scatters and pipeline messages move 1-byte values (plus one "
-                   "4-byte scale per pipeline message); the tied-embedding gradient all-reduce between the first and "
-                   "last pipeline stage stays in high precision; O3 adds the all-gather of updated weights (FP8 payloads "
-                   "for FP8 weights, high precision for the embedding) in exchange for sharded optimizer state.\n")
+    out.append("Megatron GPT, bytes sent per iteration by all ranks together (`benchmarks/megatron_comm.py`; "
+               "4 layers, hidden 256, seq 128, global batch 16; baseline in FP32 on CPU, so FP8 payloads are a "
+               "quarter of it, and half of a BF16 baseline's):\n")
+    out.append("| layout | traffic | baseline | O1 | O2 | O3 | O2 vs baseline |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for layout, by_level in mc["results"].items():
+        groups = by_level["none"]["groups"].keys()
+        for g in list(groups) + ["total"]:
+            vals = [by_level[l]["total"] if g == "total" else by_level[l]["groups"][g] for l in ("none", "O1", "O2", "O3")]
+            if not any(vals):
+                continue
+            out.append(f"| {layout} | {g} | " + " | ".join(f"{v / 2**20:.2f} MiB" for v in vals)
+                       + f" | {_pct(vals[2], vals[0]) if vals[0] else 'n/a'} |")
+    out.append("\nSequence-parallel all-gathers/reduce-scatters and pipeline messages move 1-byte values (plus one "
+               "4-byte scale per pipeline message); the tied-embedding gradient all-reduce between the first and "
+               "last pipeline stage stays in high precision; O3 adds the all-gather of updated weights (FP8 payloads "
+               "for FP8 weights, high precision for the embedding) in exchange for sharded optimizer state.\n")
     return "\n".join(out)
 
 
@@ -172,9 +220,13 @@ def _parity_table(parity: dict) -> str:
 def section_loss() -> str:
     out = ["## Loss parity on the demo GPT\n",
            "FP8-LM: FP8 training matches BF16 loss curves without changing hyper-parameters.\n"]
+    out.append(block("loss-parity", ["loss_parity.json"], _loss_parity_block))
+    return "\n".join(out)
+
+
+def _loss_parity_block() -> str:
+    out = []
     parity = _load("loss_parity.json")
-    if parity is None:
-        return "\n".join(out) + _missing("loss_parity.json")
     out.append(f"`benchmarks/loss_parity.py`: megatron-core GPT (4 layers, hidden 128) on Shakespeare, "
                f"{parity['iters']} iterations of 16 x 128 tokens over {parity.get('data_parallel', 1)} data-parallel "
                f"ranks (FP8 levels: FP8 gradient all-reduce; O3: sharded optimizer), same seed and data per level, "
@@ -209,17 +261,24 @@ def section_grad_accumulation() -> str:
            "an E4M3 step of the running sum is lost; fp8lm sums them in fp32 by default "
            "(`Float8LinearConfig(grad_accumulation=\"fp32\")`, 4 bytes per element while held) and quantizes the sum "
            "once for the FP8 all-reduce. See [precision.md](precision.md).\n"]
+    out.append(block("grad-accumulation", ["grad_accumulation.json"], _grad_accumulation_block))
+    out.append(block("loss-parity-accumulation", ["loss_parity_accum.json"], _loss_parity_accum_block))
+    return "\n".join(out)
+
+
+def _grad_accumulation_block() -> str:
+    out = []
     data = _load("grad_accumulation.json")
-    if data is None:
-        out.append(_missing("grad_accumulation.json"))
-    else:
-        out.append(f"`benchmarks/grad_accumulation.py`: one `Float8Linear(256, 256)`, N correlated micro-batches of "
-                   f"32 tokens, relative error of the accumulated weight gradient against the exact fp64 sum (worst of "
-                   f"{data['seeds']} seeds):\n")
-        out.append(grad_accumulation_table(data) + "\n")
+    out.append(f"`benchmarks/grad_accumulation.py`: one `Float8Linear(256, 256)`, N correlated micro-batches of "
+               f"32 tokens, relative error of the accumulated weight gradient against the exact fp64 sum (worst of "
+               f"{data['seeds']} seeds):\n")
+    out.append(grad_accumulation_table(data) + "\n")
+    return "\n".join(out)
+
+
+def _loss_parity_accum_block() -> str:
+    out = []
     parity = _load("loss_parity_accum.json")
-    if parity is None:
-        return "\n".join(out) + _missing("loss_parity_accum.json")
     out.append(f"Loss parity with accumulation (`benchmarks/loss_parity.py --accumulate "
                f"{parity['micro_batches_per_rank']}`): the demo GPT, {parity['iters']} iterations, global batch "
                f"{parity['global_batch_size']} sequences of 128 tokens over {parity['data_parallel']} data-parallel ranks "
@@ -256,34 +315,39 @@ def section_planner() -> str:
         layout = f"TP{kw['tensor_model_parallel_size']} PP{kw['pipeline_model_parallel_size']} DP{kw['data_parallel_size']}"
         out.append(f"| {name} | {layout} | " + " | ".join(f"{t:.1f}" for t in totals) + f" | {_pct(totals[3], totals[0])} |")
     out.append("")
-    fig = _load("figure1.json")
-    if fig is None:
-        out.append(_missing("figure1.json"))
-    else:
-        md = RESULTS / "figure1.md"
-        out.append("FP8-LM's Figure 1 question, the largest GPT that fits N x 80 GB GPUs "
-                   "(`python benchmarks/figure1.py`):\n")
-        if md.exists():
-            out.append(md.read_text())
-        png = RESULTS / "figure1.png"
-        if png.exists():
-            FIGURES.mkdir(parents=True, exist_ok=True)
-            shutil.copy(png, FIGURES / "figure1.png")
-            out.append("![largest GPT per GPU count](figures/figure1.png)\n")
+    out.append(block("figure1", ["figure1.json"], _figure1_block))
+    out.append(block("planner-validation", ["planner_validation.json"], _planner_validation_block))
+    return "\n".join(out)
+
+
+def _figure1_block() -> str:
+    out = []
+    md = RESULTS / "figure1.md"
+    out.append("FP8-LM's Figure 1 question, the largest GPT that fits N x 80 GB GPUs "
+               "(`python benchmarks/figure1.py`):\n")
+    if md.exists():
+        out.append(md.read_text())
+    png = RESULTS / "figure1.png"
+    if png.exists():
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, FIGURES / "figure1.png")
+        out.append("![largest GPT per GPU count](figures/figure1.png)\n")
+    return "\n".join(out)
+
+
+def _planner_validation_block() -> str:
+    out = []
     val = _load("planner_validation.json")
-    if val is None:
-        out.append(_missing("planner_validation.json"))
-    else:
-        s = val["summary"]
-        out.append("The planner against memory measured here (`benchmarks/planner_validation.py`: `fp8.memory_report` "
-                   "after a step and the peak bytes autograd holds for backward, on TinyGPT and on the megatron-core GPT "
-                   "at TP, TP+SP, PP, TP x PP, DP x TP, DP x PP, levels none/O1/O2/O3, with and without recomputation; "
-                   "details and the known gaps in [scale.md](scale.md)):\n")
-        out.append("| quantity | error |\n| --- | ---: |")
-        for key, value in s.items():
-            if isinstance(value, (int, float)):
-                out.append(f"| {key.replace('_', ' ')} | {value:.4%} |")
-        out.append("")
+    s = val["summary"]
+    out.append("The planner against memory measured here (`benchmarks/planner_validation.py`: `fp8.memory_report` "
+               "after a step and the peak bytes autograd holds for backward, on TinyGPT and on the megatron-core GPT "
+               "at TP, TP+SP, PP, TP x PP, DP x TP, DP x PP, levels none/O1/O2/O3, with and without recomputation; "
+               "details and the known gaps in [scale.md](scale.md)):\n")
+    out.append("| quantity | error |\n| --- | ---: |")
+    for key, value in s.items():
+        if isinstance(value, (int, float)):
+            out.append(f"| {key.replace('_', ' ')} | {value:.4%} |")
+    out.append("")
     return "\n".join(out)
 
 
@@ -297,24 +361,38 @@ def _planner_config(kw: dict, level: str):
 
 def section_gpu() -> str:
     out = ["## GPU speed\n", "FP8-LM: GPT-175B trains 75% faster than BF16 (Megatron-LM) on H100.\n"]
-    full = _load("gpu_step.json")
-    if full is None:
-        out.append("No GPU was lent to the sessions that produced this report: `benchmarks/gpu_step.py` has only run "
-                   "in its CPU smoke mode (`benchmarks/results/gpu_step_smoke.json`), which checks the code paths, not "
-                   "speed. See [gpu.md](gpu.md).\n")
-    else:
-        out.append("```\n" + json.dumps(full.get("summary", full), indent=1)[:4000] + "\n```\n")
+    out.append(block("gpu-step", ["gpu_step.json"], _gpu_step_block, fallback=_NO_GPU))
     return "\n".join(out)
 
 
-def main() -> None:
+def _gpu_step_block() -> str:
+    full = _load("gpu_step.json")
+    return "```\n" + json.dumps(full.get("summary", full), indent=1)[:4000] + "\n```\n"
+
+
+_NO_GPU = ("No GPU was lent to the sessions that produced this report: `benchmarks/gpu_step.py` has only run in its CPU "
+           "smoke mode (`benchmarks/results/gpu_step_smoke.json`), which checks the code paths, not speed. See "
+           "[gpu.md](gpu.md).\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    global RESULTS, FIGURES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", action="store_true", help="run the benchmarks whose results are missing first")
     p.add_argument("--rerun", action="store_true", help="run every benchmark first")
-    p.add_argument("--out", default=str(DOCS / "results.md"))
-    a = p.parse_args()
+    p.add_argument("--out", default=str(DOCS / "results.md"),
+                   help="the report to rewrite (its figures go to figures/ beside it)")
+    p.add_argument("--results", default=str(RESULTS), help="the folder of the benchmarks' JSON results")
+    a = p.parse_args(argv)
+    if (a.run or a.rerun) and Path(a.results).resolve() != RESULTS.resolve():
+        p.error(f"--run writes the benchmarks' results to {RESULTS}; drop --results or --run")
+    RESULTS, FIGURES = Path(a.results), Path(a.out).parent / "figures"
     if a.run or a.rerun:
         run_missing(a.rerun)
+    out = Path(a.out)
+    previous = out.read_text() if out.exists() else ""
+    _previous.clear(), kept.clear(), not_measured.clear()
+    _previous.update({m["id"]: m["text"] for m in _BLOCK.finditer(previous)})
     parts = [
         "# Results: FP8-LM's claims beside ours\n",
         "Generated by `python benchmarks/report.py` from the JSON written by the scripts in `benchmarks/`; do not "
@@ -323,9 +401,25 @@ def main() -> None:
         section_memory(), section_comm(), section_loss(), section_grad_accumulation(), section_planner(),
         section_gpu(),
     ]
-    Path(a.out).write_text("\n".join(parts))
-    print(f"wrote {a.out}")
+    measured = [(b, m) for b, m in not_measured if b != "gpu-step"]
+    if measured and previous.strip() and not _previous:
+        # A report without block markers (written by an older report.py): its tables cannot be told apart, so
+        # rewriting it would erase the ones whose results are not on disk.
+        names = sorted({f for _, m in measured for f in m if f in BENCHMARKS})
+        print(f"report.py: {out} has measured tables but no report-block markers, and these results are missing "
+              f"from {RESULTS}: {', '.join(names)}; rewriting it would erase those tables. Measure them first:\n"
+              + "\n".join(f"  {command_text(n)}" for n in names)
+              + "\nor all at once: python benchmarks/report.py --run", file=sys.stderr)
+        return 2
+    out.write_text("\n".join(parts))
+    print(f"wrote {out}")
+    for block_id, missing in kept:
+        print(f"  kept the table '{block_id}' as it was: missing "
+              + ", ".join(f"{RESULTS / f} (`{command_text(f)}`)" if f in BENCHMARKS else str(RESULTS / f) for f in missing))
+    for block_id, missing in measured:
+        print(f"  not measured yet: '{block_id}': run " + ", ".join(f"`{command_text(f)}`" for f in missing))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Quickstart: train TinyGPT on Shakespeare in FP32 (none) and FP8 (O1) and compare.
+"""Quickstart: train TinyGPT on Shakespeare in FP32 (none) and FP8 (O1, O2) and compare.
 
 Every opt level trains from the same seed on the same batches, is evaluated on
 the same fixed validation batches, and reports its losses, wall time and the
@@ -70,7 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--levels",
         type=parse_levels,
         default=["none", "O1", "O2"],
-        help="comma-separated opt levels, e.g. none,O1,O2 (O0 = none); O2:exp_avg_sq=e4m3 overrides a precision role",
+        help="comma-separated opt levels to train (default: none,O1,O2; O0 = none); "
+        "O2:exp_avg_sq=e4m3 overrides a precision role",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a JSON summary")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -350,5 +350,3 @@ def load_checkpoint(
     optimizer.skipped_steps = int(meta["skipped_steps"])
     return meta
 
-
-_resolve = resolve_checkpoint  # the name tools/convert_checkpoint.py imported

@@ -53,7 +53,7 @@ def run_task(task: dict, seed: int, out: str) -> None:
     if task.get("init_only"):  # build the model and save it untrained (iteration 0), or as loaded (--load)
         from megatron.training.checkpointing.checkpoint import load_checkpoint, save_checkpoint
 
-        run = training._Run(args, training._Datasets(args))
+        run = training.TrainingRun(args, training.Datasets(args))
         iteration = load_checkpoint(args.load, run, args.ckpt_step) if args.load else 0
         save_checkpoint(task["init_only"], run, iteration)
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
@@ -63,8 +63,8 @@ def run_task(task: dict, seed: int, out: str) -> None:
         import torch
         from safetensors.torch import load_file
 
-        datasets = training._Datasets(args)
-        run = training._Run(args, datasets)
+        datasets = training.Datasets(args)
+        run = training.TrainingRun(args, datasets)
         (chunk,) = run.bare_chunks
         state = load_file(task["export_eval"])
         own = chunk.state_dict()
@@ -82,7 +82,7 @@ def run_task(task: dict, seed: int, out: str) -> None:
             json.dump(result, f)
         return
     try:
-        datasets = training._Datasets(args)
+        datasets = training.Datasets(args)
         logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
         history = training.train_level(args, datasets, logger)
         result["iterations"] = [r["iteration"] for r in history["train"]]

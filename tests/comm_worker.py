@@ -182,7 +182,7 @@ def main() -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         training.initialize_distributed(args)
-        datasets = training._Datasets(args)
+        datasets = training.Datasets(args)
         logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
         counter = CommBytesCounter()
         sent_before, calls_before = watch.sent, watch.calls

@@ -1,6 +1,6 @@
 """Worker of tests/test_hf_export.py: the megatron-core model's logits for fixed tokens, with a
 ``pretrain_gpt.py`` checkpoint loaded (``--load``, any saved layout, resharded to this launch's), through
-``pretrain_gpt.py``'s own set-up (``training._Run``) and ``load_checkpoint``.
+``pretrain_gpt.py``'s own set-up (``training.TrainingRun``) and ``load_checkpoint``.
 
     python tests/hf_export_worker.py OUT.pt TOKENS_JSON PRETRAIN_GPT_FLAGS...
 """

@@ -47,7 +47,7 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     training.initialize_distributed(args)
-    datasets = training._Datasets(args)
+    datasets = training.Datasets(args)
     logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
     history = training.train_level(args, datasets, logger)
     rank = dist.get_rank()

@@ -29,7 +29,7 @@ def init_gloo_worker(rank: int, world: int, port: int) -> None:
 
 
 def megatron_run(flags: list[str], world: int):
-    """``(args, run, datasets)``: pretrain_gpt.py's training set-up (``megatron.training.training._Run``) for
+    """``(args, run, datasets)``: pretrain_gpt.py's training set-up (``megatron.training.training.TrainingRun``) for
     ``flags`` in this worker, megatron-core's parallel state (re-)initialised."""
     from megatron.core import parallel_state
     from megatron.training import training
@@ -39,8 +39,8 @@ def megatron_run(flags: list[str], world: int):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     training.initialize_distributed(args)
-    datasets = training._Datasets(args)
-    return args, training._Run(args, datasets), datasets
+    datasets = training.Datasets(args)
+    return args, training.TrainingRun(args, datasets), datasets
 
 
 def free_port() -> int:

@@ -210,3 +210,19 @@ def test_generate_extends_sequence(seed: int) -> None:
         generator=torch.Generator().manual_seed(seed),
     )
     assert out.shape == (1, 45) and int(out.max()) < 256
+
+
+def test_quickstart_help_names_the_levels_it_trains() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from examples.quickstart import parse_args
+
+    root = Path(__file__).resolve().parent.parent
+    levels = parse_args([]).levels
+    help_text = subprocess.run([sys.executable, "examples/quickstart.py", "--help"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout
+    assert ",".join(levels) in help_text.replace("\n", "").replace(" ", "")
+    first_line = help_text.split("\n\n")[1].replace("\n", " ")
+    assert all(level in first_line for level in levels), first_line

@@ -26,11 +26,11 @@ def tiny_model(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from megatron.training.data.datasets import prepare_default_corpus
-    from megatron.training.checkpointing.hf_export import _write_tokenizer
+    from megatron.training.checkpointing.hf_export import write_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     _, spm = prepare_default_corpus(log=None)
-    assert _write_tokenizer(spm, out) is None
+    assert write_tokenizer(spm, out) is None
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
@@ -304,3 +304,19 @@ def test_export_transposes_every_converted_conv1d_back(tmp_path):
         layer = model.transformer.h[0].get_submodule(name)
         master = optimizer.master_value(layer.weight).t().to(torch.bfloat16)
         assert torch.equal(loaded[f"transformer.h.0.{name}.weight"], master), name
+
+
+@pytest.mark.parametrize("script", [sft, dpo])
+def test_missing_corpus_names_the_finetune_fix(script, tmp_path, monkeypatch, capsys):
+    """Without the corpus package the demo task cannot be built: the error names the install and sft/dpo's own
+    flags (--data, --model), not pretrain_gpt.py's."""
+    from megatron.training.data import corpus
+
+    monkeypatch.setenv("FP8LM_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "_find_installed_plays", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--max-steps", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "requirements-corpus.txt" in err
+    assert "--data FILE.jsonl" in err and "--model DIR" in err and "--data-path" not in err and "--mock-data" not in err

@@ -288,8 +288,8 @@ flags = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", 
 args = validate_args(parse_args(flags), world_size=1)
 training.initialize_distributed(args)
 assert torch.distributed.get_backend() == "nccl"
-run = training._Run(args, training._Datasets(args))
-source = run.data_iterators(training._Datasets(args).train)
+run = training.TrainingRun(args, training.Datasets(args))
+source = run.data_iterators(training.Datasets(args).train)
 batches = [{k: v.to(run.device) for k, v in next(source).items()} for _ in range(6 * args.num_microbatches)]
 data = iter(batches)
 run.train_step(data, 0)

@@ -216,3 +216,77 @@ def test_known_exceptions_are_still_needed():
     edges = {(name, t) for name, targets in _local_edges("fp8").items() for t in targets}
     stale = sorted(KNOWN_EXCEPTIONS - edges)
     assert not stale, f"remove these from KNOWN_EXCEPTIONS, the imports are gone: {stale}"
+
+
+# -- public seams: no module reaches into another module's private names -------------------------------------------
+IMPORTERS = ("fp8", "megatron/training", "tools", "examples", "benchmarks")
+
+
+def _exported(path: Path) -> set[str] | None:
+    """The module's ``__all__`` (None where it has none)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _seam_violations(path: Path, name: str, sources: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Imports of another project module's private names (``from m import _x``, ``m._x`` on a module imported
+    under a name) or of names missing from its ``__all__``."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    where = path.relative_to(root)
+    out, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                module = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module not in sources or module == name:
+                continue
+            exported = _exported(sources[module])
+            for alias in node.names:
+                if f"{module}.{alias.name}" in sources:
+                    modules[alias.asname or alias.name] = f"{module}.{alias.name}"
+                elif _private(alias.name):
+                    out.append(f"{where}:{node.lineno} imports the private {module}.{alias.name}")
+                elif exported is not None and alias.name != "*" and alias.name not in exported:
+                    out.append(f"{where}:{node.lineno} imports {module}.{alias.name}, not in its __all__")
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname: a.name for a in node.names if a.asname and a.name in sources})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and _private(node.attr)):
+            out.append(f"{where}:{node.lineno} uses the private {modules[node.value.id]}.{node.attr}")
+    return out
+
+
+def _all_sources() -> dict[str, Path]:
+    found = dict(SOURCES)
+    for folder in IMPORTERS[2:]:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found[_module_name(path)] = path
+    found["pretrain_gpt"] = ROOT / "pretrain_gpt.py"
+    return found
+
+
+def test_the_seam_check_sees_private_and_unexported_imports(tmp_path):
+    (tmp_path / "a.py").write_text("__all__ = ['pub']\n_hidden = 1\npub = 2\nother = 3\n")
+    (tmp_path / "b.py").write_text("from a import _hidden, pub, other\nimport a as m\nm._hidden\n")
+    sources = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    found = _seam_violations(tmp_path / "b.py", "b", sources, root=tmp_path)
+    assert len(found) == 3 and "private a._hidden" in found[0] and "a.other, not in its __all__" in found[1]
+
+
+def test_modules_use_each_other_through_public_names():
+    """Across modules of the project (fp8, megatron/training, tools, examples, benchmarks, pretrain_gpt.py), a name
+    used is public: no leading underscore, and in the module's ``__all__`` where it has one."""
+    sources = _all_sources()
+    violations = [v for name, path in sorted(sources.items()) for v in _seam_violations(path, name, sources)]
+    assert not violations, "\n".join(violations)

@@ -151,3 +151,29 @@ def test_fp8_grad_accumulation_flag_reaches_the_linear_recipe(flag, expected):
     assert fp8_recipe_from_args(args).grad_accumulation == expected
     with pytest.raises(SystemExit):
         parse_args(["--fp8-grad-accumulation", "bf16"])
+
+
+def _summary(level, val_loss):
+    return {"level": level, "final_train_loss": val_loss, "final_val_loss": val_loss, "tokens_per_s": 100.0,
+            "model_state_bytes_per_param": 10.0, "comm_bytes_per_iteration": {}, "skipped_steps": 0}
+
+
+def test_summary_compares_only_with_a_baseline_that_was_trained():
+    from megatron.training.log import format_summary
+
+    with_base = format_summary([_summary("none", 4.0), _summary("O2", 4.2)])
+    assert "+5.00%" in with_base and "no baseline" not in with_base
+    without = format_summary([_summary("O2", 4.2), _summary("O1", 4.0)])
+    assert "%" not in without and "--compare none" in without
+    rows = [line.split() for line in without.splitlines()[1:3]]
+    assert [row[3] for row in rows] == ["-", "-"]
+
+
+def test_a_run_without_baseline_prints_no_comparison():
+    proc = _run(["pretrain_gpt.py", *SMALL, "--global-batch-size", "2", "--train-iters", "2", "--eval-interval", "2",
+                 "--eval-iters", "1", "--fp8-opt-level", "O2"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = proc.stdout[proc.stdout.index("level  train loss"):]
+    assert "+0.00%" not in summary and "no baseline was trained" in summary
+    o2 = next(line for line in summary.splitlines() if line.startswith("O2 "))
+    assert o2.split()[3] == "-"

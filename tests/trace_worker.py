@@ -69,10 +69,10 @@ def p2p(out: str, legacy: bool, flags: list[str]) -> None:
     training.initialize_distributed(args)
     trace = CollectiveTrace(dist.get_rank())
     counter = CommBytesCounter(trace=trace)
-    datasets = training._Datasets(args)
+    datasets = training.Datasets(args)
     core = trace_megatron_core(trace)
     try:
-        run = training._Run(args, datasets, counter)
+        run = training.TrainingRun(args, datasets, counter)
         if legacy:
             current = run.schedule_kwargs["p2p_communicator"]
             replay = _legacy_communicator_class()(run.pp_group, run.config, fp8=True, device=run.device, counter=counter)

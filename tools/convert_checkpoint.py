@@ -32,15 +32,14 @@ import json
 import os
 import secrets
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8.checkpoint import _resolve  # noqa: E402
+from fp8.checkpoint import resolve_checkpoint  # noqa: E402
 from fp8.optim.precision import decode  # noqa: E402
 
 __all__ = ["load_flat", "export_state_dict", "main"]
@@ -50,11 +49,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "bfloat16": torch.bfloa
 
 def load_flat(path: str | Path) -> dict[str, object]:
     """Every entry of the checkpoint at ``path`` (flat DCP keys), read in this process."""
-    flat: dict[str, object] = {}
-    # As torch.distributed.checkpoint.format_utils.dcp_to_torch_save reads a whole checkpoint.
-    _load_state_dict(flat, storage_reader=dcp.FileSystemReader(str(_resolve(Path(path)))),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return flat
+    # torch's public reader of a whole DCP checkpoint writes one torch.save file: read it back, then drop it.
+    with tempfile.TemporaryDirectory(prefix="fp8lm-convert-") as tmp:
+        single = Path(tmp) / "checkpoint.pt"
+        dcp_to_torch_save(resolve_checkpoint(Path(path)), single)
+        return torch.load(single, map_location="cpu", weights_only=False)
 
 
 def _meta(flat: dict) -> dict:
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--iteration: {args.checkpoint} is an engine checkpoint (one iteration), not a "
                              "--save directory: leave --iteration out")
         else:
-            resolved = _resolve(Path(args.checkpoint))
+            resolved = resolve_checkpoint(Path(args.checkpoint))
             if not (resolved / ".metadata").is_file():
                 raise ValueError(f"checkpoint {args.checkpoint!r} is not a checkpoint (no .metadata, no "
                                  "latest_checkpointed_iteration.txt): pass a pretrain_gpt.py --save directory, one "

@@ -538,14 +538,14 @@ def demo_base_model(log=print) -> Path:
     import tempfile
 
     from megatron.training.data import corpus
-    from megatron.training.data.datasets import _exclusive_lock, prepare_default_corpus
-    from megatron.training.checkpointing.hf_export import _write_tokenizer
+    from megatron.training.data.datasets import exclusive_lock, prepare_default_corpus
+    from megatron.training.checkpointing.hf_export import write_tokenizer
 
     directory = demo_base_dir()
     if (directory / "done").is_file():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(directory.parent / f".{directory.name}.lock"):
+    with exclusive_lock(directory.parent / f".{directory.name}.lock"):
         if (directory / "done").is_file():
             return directory
         from transformers import LlamaForCausalLM
@@ -554,7 +554,7 @@ def demo_base_model(log=print) -> Path:
         _, spm_model = prepare_default_corpus(log=None)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-build-", dir=directory.parent))
         try:
-            problem = _write_tokenizer(spm_model, staging)
+            problem = write_tokenizer(spm_model, staging)
             if problem:
                 raise RuntimeError(f"demo base model: could not write tokenizer.json: {problem}")
             from megatron.training.data.tokenizer import load_sentencepiece_model
@@ -612,11 +612,16 @@ def die(message: str) -> None:
 # -- the scripts' shared skeleton ----------------------------------------------------------------------------------
 def run_main(args: argparse.Namespace, run) -> int:
     """``run(args, rt)`` on the runtime ``args`` ask for; bad data or flags found on the way: one line, exit 2."""
+    from megatron.training.data.corpus import MissingCorpusError
+
     try:
         rt = setup_runtime(args)
         return run(args, rt)
     except DataError as e:
         die(str(e))
+    except MissingCorpusError as e:  # the demo task and the demo base model are built from the corpus
+        die(str(e.with_alternative("pass --data FILE.jsonl (your examples) and --model DIR (a transformers "
+                                   "causal-LM directory with its tokenizer) to fine-tune without the demo corpus")))
     return 0
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .config_rules import OPT_LEVELS, ConfigurationError, check_config, normalize_opt_level, opt_level_arg
 
-__all__ = ["parse_args", "validate_args", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
+__all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
 
 OPT_LEVEL_CHOICES = OPT_LEVELS
 
@@ -29,7 +29,7 @@ DEMO_DEFAULTS = {
 corpus, FP8 O2 beside the baseline, on CPU in a few minutes."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py", description="Pretrain a GPT with megatron-core in FP8 (fp8lm).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``; with no arguments at all, the embedded default demo run (:data:`DEMO_DEFAULTS`)."""
-    parser = _parser()
+    parser = build_parser()
     demo = argv is not None and len(argv) == 0
     args = parser.parse_args(argv)
     args.demo = demo

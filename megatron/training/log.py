@@ -22,17 +22,23 @@ def _fmt_bytes(n: float) -> str:
 
 
 def format_summary(summaries: list[dict]) -> str:
-    """The side-by-side table of the levels' final losses, speed, state memory and traffic."""
-    base = next((s for s in summaries if s["level"] == "none"), summaries[0])
+    """The side-by-side table of the levels' final losses, speed, state memory and traffic.
+
+    The ``vs base`` column compares each level's validation loss with the baseline's (level ``none``) only
+    when the baseline was trained in this run; otherwise it reads ``-`` and a line says how to train it."""
+    base = next((s for s in summaries if s["level"] == "none"), None)
     lines = [
         f"{'level':<6} {'train loss':>10} {'val loss':>9} {'vs base':>8} {'tokens/s':>9} {'state B/param':>13} "
         f"{'comm/iter':>10} {'skipped':>7}",
     ]
     for s in summaries:
-        delta = (s["final_val_loss"] / base["final_val_loss"] - 1) * 100 if base["final_val_loss"] else float("nan")
+        if base is not None and base["final_val_loss"]:
+            vs_base = f"{(s['final_val_loss'] / base['final_val_loss'] - 1) * 100:>+7.2f}%"
+        else:
+            vs_base = f"{'-':>8}"
         comm = sum(s["comm_bytes_per_iteration"].values())
         lines.append(
-            f"{s['level']:<6} {s['final_train_loss']:>10.4f} {s['final_val_loss']:>9.4f} {delta:>+7.2f}% "
+            f"{s['level']:<6} {s['final_train_loss']:>10.4f} {s['final_val_loss']:>9.4f} {vs_base} "
             f"{s['tokens_per_s']:>9.0f} {s['model_state_bytes_per_param']:>13.2f} {_fmt_bytes(comm):>10} "
             f"{s['skipped_steps']:>7}"
         )
@@ -42,6 +48,8 @@ def format_summary(summaries: list[dict]) -> str:
         for tag in tags:
             row = "  ".join(f"{s['level']}={_fmt_bytes(s['comm_bytes_per_iteration'].get(tag, 0.0))}" for s in summaries)
             lines.append(f"  {tag:<22} {row}")
+    if base is None:
+        lines.append("vs base: no baseline was trained in this run (add --compare none to train one beside it)")
     return "\n".join(lines)
 
 
@@ -79,7 +87,7 @@ def plot_loss_curves(histories: list[dict], path: str, title: str = "") -> str:
             ax.plot([v["iteration"] for v in h["valid"]], [v["val_loss"] for v in h["valid"]], "o--",
                     color=line.get_color(), label=f"{h['level']} valid")
     ax.set_ylabel("loss")
-    ax.set_title(title or "GPT loss: FP8 levels vs baseline")
+    ax.set_title(title or ("GPT loss: FP8 levels vs baseline" if base is not None else "GPT loss by level"))
     ax.grid(alpha=0.3)
     ax.legend()
     if rows == 2:

@@ -34,7 +34,7 @@ from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.tensor import Float8Tensor
 
-__all__ = ["cast_to_bf16_", "MainGrads", "BF16MasterOptimizer", "main_grad_bytes"]
+__all__ = ["cast_to_bf16_", "MainGrads", "BF16MasterOptimizer", "main_grad_bytes", "bf16_params"]
 
 
 @torch.no_grad()

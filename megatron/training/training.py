@@ -40,7 +40,8 @@ from .mixed_precision import cast_to_bf16_, main_grad_bytes
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
 from .optimizer import build_optimizer, owner_optimizer, step_optimizer
 
-__all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory"]
+__all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory", "TrainingRun",
+           "Datasets", "traced"]
 
 
 def _free_port() -> int:
@@ -124,7 +125,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-class _Datasets:
+class Datasets:
     """Train/valid datasets of the run (real data through megatron-core, or mock)."""
 
     def __init__(self, args: argparse.Namespace, counter: CommBytesCounter | None = None) -> None:
@@ -185,10 +186,10 @@ def _to_device(chunk: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return chunk
 
 
-class _Run:
+class TrainingRun:
     """Everything one level's training needs on this rank."""
 
-    def __init__(self, args: argparse.Namespace, datasets: _Datasets, counter: CommBytesCounter | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, datasets: Datasets, counter: CommBytesCounter | None = None) -> None:
         self.args = args
         self.counter = counter if counter is not None else CommBytesCounter()
         cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
@@ -361,14 +362,14 @@ class _Run:
         return None
 
 
-def train_level(args: argparse.Namespace, datasets: _Datasets, logger: TrainingLogger,
+def train_level(args: argparse.Namespace, datasets: Datasets, logger: TrainingLogger,
                 counter: CommBytesCounter | None = None) -> RunHistory:
     """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history. ``counter``
     (default: a new one) counts every byte this rank sends, start-up and evaluation included."""
     from .checkpointing.checkpoint import load_checkpoint
     from .exit import ExitPolicy
 
-    run = _Run(args, datasets, counter)
+    run = TrainingRun(args, datasets, counter)
     start = 0
     run.consumed_samples = 0
     if args.load:
@@ -435,7 +436,7 @@ class _PendingRecords:
 
     _KEYS = ("loss", "grad_norm", "skipped", "skipped_steps", "mu")
 
-    def __init__(self, args: argparse.Namespace, run: _Run) -> None:
+    def __init__(self, args: argparse.Namespace, run: TrainingRun) -> None:
         self.args, self.run = args, run
         self.items: list[dict] = []
         self.t_last = time.perf_counter()
@@ -513,7 +514,7 @@ def _sum_over_ranks_per_iteration(world: Collectives, per_iteration: list[dict[s
     return out
 
 
-def _summary(history: RunHistory, run: _Run) -> dict:
+def _summary(history: RunHistory, run: TrainingRun) -> dict:
     train = history["train"]
     tail = train[-10:] if train else []
     memory = next((r["memory"] for r in reversed(train) if "memory" in r), {})
@@ -547,7 +548,7 @@ def pretrain(args: argparse.Namespace) -> list[RunHistory]:
     initialize_distributed(args)
     with traced(args.collective_trace) as trace:
         logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
-        datasets = _Datasets(args, CommBytesCounter(trace=trace))
+        datasets = Datasets(args, CommBytesCounter(trace=trace))
         logger.banner(datasets, dist.get_world_size())
         levels = list(args.compare_levels) + [args.fp8_opt_level]
         levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HFExportError", "architecture_of", "hf_state_dict", "hf_config", "export_hf"]
+__all__ = ["HFExportError", "architecture_of", "hf_state_dict", "hf_config", "export_hf", "write_tokenizer"]
 
 LAYERNORM_EPS = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon (the trainer does not change it)
 ROPE_THETA = 10000.0  # megatron-core GPTModel(rotary_base=10000), rotary_percent 1.0, not interleaved
@@ -264,7 +264,7 @@ def _tokenizer_json(sp, model_bytes: bytes):
     return tokenizer
 
 
-def _write_tokenizer(model_path: str, outdir: Path) -> str | None:
+def write_tokenizer(model_path: str, outdir: Path) -> str | None:
     """The run's sentencepiece model as ``tokenizer.json`` (a fast tokenizer: no ``protobuf`` needed) plus
     ``tokenizer.model``, with a ``tokenizer_config.json`` adding no BOS/EOS (the trainer's tokenizer adds
     none: documents end with ``</s>`` in the data). Returns why ``tokenizer.json`` was not written, or None."""
@@ -311,7 +311,7 @@ def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: t
     config.save_pretrained(str(outdir))
     tokenizer = None
     if args.get("tokenizer_model"):
-        skipped = _write_tokenizer(args["tokenizer_model"], outdir)
+        skipped = write_tokenizer(args["tokenizer_model"], outdir)
         tokenizer = str(outdir / ("tokenizer.model" if skipped else "tokenizer.json"))
     return {"architecture": config.architectures[0], "arch": arch, "tensors": len(tensors),
             "elements": sum(t.numel() for t in tensors.values()), "vocab": vocab, "tokenizer": tokenizer}

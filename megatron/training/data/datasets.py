@@ -343,7 +343,7 @@ def _valid_corpus(directory: Path, vocab_size: int) -> dict | None:
 
 
 @contextmanager
-def _exclusive_lock(path: Path):
+def exclusive_lock(path: Path):
     """An exclusive ``flock`` on ``path`` (other processes wait); a no-op where ``fcntl`` is missing."""
     try:
         import fcntl
@@ -389,7 +389,7 @@ def prepare_default_corpus(
     result = (str(data_prefix), str(model))
     if _valid_corpus(directory, vocab_size) is not None:
         return result
-    with _exclusive_lock(directory.parent / f".{directory.name}.lock"):
+    with exclusive_lock(directory.parent / f".{directory.name}.lock"):
         if _valid_corpus(directory, vocab_size) is not None:  # another process built it meanwhile
             return result
         started = time.perf_counter()
