@@ -272,3 +272,29 @@ def test_transformers_implementation_is_refused_for_other_models():
         PlannerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, implementation="transformers")
     with pytest.raises(ValueError, match="implementation must be one of"):
         PlannerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, implementation="hf")
+
+
+def _cli_plan(*flags: str) -> dict:
+    out = subprocess.run([sys.executable, "tools/memory_planner.py", "--num-layers", "2", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "100", "--json", *flags],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_planner_flags_mean_what_pretrain_gpts_mean():
+    """--bf16 is pretrain_gpt.py's (FP32 main gradients at none: 18 B/param, not FP8-LM's 16), and --fp8-min-dim
+    keeps the same linears in high precision as the model: each layer's four linears (64x192, 64x64, 64x256,
+    256x64) are FP8 at 0, none at 2048."""
+    assert _cli_plan("--bf16")["model_state_bytes_per_param"] == pytest.approx(18.0, abs=0.01)
+    per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64
+    assert _cli_plan("--fp8-opt-level", "O2", "--fp8-min-dim", "0")["fp8_params_per_gpu"] == 2 * per_layer
+    assert _cli_plan("--fp8-opt-level", "O2", "--fp8-min-dim", "2048")["fp8_params_per_gpu"] == 0
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.planning.memory_plan import PlannerConfig
+
+    for min_dim in (0, 2048):  # pretrain_gpt.py's arguments plan the same
+        args = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                         "--seq-length", "32", "--vocab-size", "100", "--mock-data", "--bf16",
+                                         "--fp8-min-dim", str(min_dim)]), world_size=1)
+        assert PlannerConfig.from_args(args).min_fp8_dim == min_dim
+        assert PlannerConfig.from_args(args).fp32_grads is False  # O2: FP8 levels keep their own gradients

@@ -75,8 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--implementation", choices=("megatron-core", "transformers"), default="megatron-core",
                    help="whose layers save the activations: pretrain_gpt.py's megatron-core GPT, or transformers' "
                         "LlamaForCausalLM trained with fp8.initialize (RMSNorm, SwiGLU, RoPE; one device)")
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--bf16", action="store_true",
+                   help="pretrain_gpt.py's --bf16 (Megatron's): BF16 parameters, FP32 main gradients at level none "
+                        "(18 B/param for the baseline)")
     p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    p.add_argument("--fp8-min-dim", type=int, default=None,
+                   help="linears whose per-rank GEMM has min(in, out) below this stay in high precision, as "
+                        "pretrain_gpt.py's flag; default: pretrain_gpt.py's on this machine (2048 with CUDA, else 0): "
+                        "pass 2048 to plan a GPU run's default from a CPU machine")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="BF16 baseline: Megatron's ZeRO-1")
     p.add_argument("--hidden-dropout", type=float, default=0.0)
     p.add_argument("--attention-dropout", type=float, default=0.0, help=argparse.SUPPRESS)

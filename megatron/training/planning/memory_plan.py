@@ -343,13 +343,16 @@ class PlannerConfig:
             sequence_parallel=bool(get("sequence_parallel", False)), recompute_granularity=recompute,
             data_parallel_size=dp, fp8_opt_level=normalize_opt_level(level or "none"),
             bf16=bool(get("bf16", False)),
-            # pretrain_gpt.py's --bf16 (validated args carry params_dtype) is Megatron's: FP32 main gradients at
-            # level none (megatron/training/mixed_precision.py), stepped by torch's fused AdamW.
+            # --bf16 is pretrain_gpt.py's (and Megatron's) wherever it is given, the planner's command line
+            # included: FP32 main gradients at level none (megatron/training/mixed_precision.py), stepped by
+            # torch's fused AdamW: 18 B/param. FP8-LM's 16 B/param accounting (BF16 gradients) is
+            # PlannerConfig(bf16=True) without fp32_grads, in Python.
             fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))
-            or (bool(get("bf16", False)) and hasattr(args, "params_dtype") and normalize_opt_level(level or "none") == "none"),
-            pretrain_bf16=bool(get("bf16", False)) and hasattr(args, "params_dtype"),
-            # pretrain_gpt.py's --fp8-min-dim and its default (2048 on CUDA, 0 elsewhere), as the model applies it.
-            min_fp8_dim=get("fp8_min_dim", default_min_fp8_dim() if hasattr(args, "params_dtype") else 0),
+            or (bool(get("bf16", False)) and normalize_opt_level(level or "none") == "none"),
+            pretrain_bf16=bool(get("bf16", False)),
+            # pretrain_gpt.py's --fp8-min-dim and its default on this machine (2048 on CUDA, 0 elsewhere), as the
+            # model applies it.
+            min_fp8_dim=default_min_fp8_dim() if get("fp8_min_dim") is None else int(get("fp8_min_dim")),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
             grad_accumulation=get("fp8_grad_accumulation", "fp32"),
