@@ -8,7 +8,8 @@ plus a 0-d fp32 ``scale`` that the tensor owns; its value is ``payload / scale``
 What an op does with a ``Float8Tensor`` operand is explicit: :data:`OP_TABLE` maps the ops with an FP8
 meaning to their handlers (views, copies, moves, ``copy_``, gradient accumulation, and ``mm``/``addmm``, so
 ``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` run the FP8 GEMM of :mod:`fp8.gemm`, a plain
-operand cast to E4M3 with a current scale); :data:`DEQUANTIZE_OPS` lists the ops allowed to run on the
+operand cast to E4M3 with a current scale, for evaluation only: with grad enabled and an operand requiring
+grad they raise, since training goes through the one FP8 linear recipe, :class:`fp8.Float8Linear`); :data:`DEQUANTIZE_OPS` lists the ops allowed to run on the
 dequantized value (they return ordinary tensors); any other op raises ``NotImplementedError`` naming it
 (call ``.dequantize()`` first). In-place operations on a ``Float8Tensor`` compute in fp32 and re-quantize
 the result into it with a fresh power-of-two scale taken from the result's amax (current scaling), so
@@ -399,6 +400,13 @@ def _mm(func, args, kwargs):
     ``torch._scaled_mm`` cannot run) in the promoted dtype of the operands, a plain operand cast to E4M3
     with a current scale."""
     a, b = args
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b)):
+        # Autograd would record this GEMM with torch's own backward: a second, implicit FP8 training recipe
+        # (current-scaled gradients, none of the recipe's formats, accumulation or collectives).
+        raise RuntimeError(
+            "a GEMM with a Float8Tensor operand that requires grad (e.g. F.linear(x, fp8_weight) while training) "
+            "would train outside the FP8 linear recipe: use fp8.Float8Linear (fp8.initialize converts nn.Linear), "
+            "or run it under torch.no_grad() / on a frozen model (fp8.freeze) for evaluation")
     out_dtype = torch.promote_types(a.dtype, b.dtype)
     return fp8_mm_payload(*_gemm_operand(a), *_gemm_operand(b), out_dtype, a_block=_gemm_block(a),
                           b_block=_gemm_block(b))

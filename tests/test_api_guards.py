@@ -221,3 +221,18 @@ def test_fp8_checkpoint_is_available_after_import_fp8_without_importing_it_up_fr
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
     with pytest.raises(AttributeError, match="module 'fp8' has no attribute 'no_such_module'"):
         fp8.no_such_module
+
+
+def test_training_through_a_bare_fp8_weight_outside_the_recipe_raises():
+    """F.linear / @ on a Float8Tensor that requires grad, with grad enabled, would be a second, implicit FP8
+    training GEMM: refused, naming Float8Linear; evaluation (no_grad, or a weight not requiring grad) runs."""
+    weight = torch.nn.Parameter(fp8.to_float8(torch.randn(32, 16)))
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="Float8Linear"):
+        torch.nn.functional.linear(x, weight)
+    with pytest.raises(RuntimeError, match="Float8Linear"):
+        x @ weight.t()
+    with torch.no_grad():
+        out = torch.nn.functional.linear(x, weight)
+    frozen = fp8.to_float8(torch.randn(32, 16))  # requires no grad: evaluation of a frozen weight
+    assert out.shape == (4, 32) and torch.nn.functional.linear(x, frozen).shape == (4, 32)
