@@ -67,7 +67,7 @@ def _meta_checks(results: dict) -> None:
     for p in model.parameters():
         p.grad = torch.empty_like(p)
         p.tensor_model_parallel = p.dim() == 2
-    norm = global_grad_norm([model], 0, group, True)
+    norm = global_grad_norm([model], 0, Collectives(group), True)
     results["norm_device"] = str(norm.device)
     finite = clip_and_poison_([p.grad for p in model.parameters()], norm, 1.0)
     results["finite_device"] = str(finite.device)

@@ -26,12 +26,15 @@ class CountingHookState:
     dtype: torch.dtype | None = None
     tag: str = "grads"
 
+    def __post_init__(self) -> None:
+        self.comm = Collectives(self.group, self.counter)  # one per hook state, built once
+
 
 def counting_allreduce_hook(state: CountingHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch DDP comm hook: average the bucket over the group with one all-reduce in ``state.dtype``
     and count its bytes. Register with ``ddp.register_comm_hook(CountingHookState(counter), counting_allreduce_hook)``;
     ``dtype=torch.bfloat16`` reproduces ``bf16_compress_hook`` (which needs CUDA) on any backend."""
-    comm = Collectives(state.group, state.counter)
+    comm = state.comm
     buffer = bucket.buffer()
     wire = buffer if state.dtype in (None, buffer.dtype) else buffer.to(state.dtype)
     wire.div_(comm.world_size)

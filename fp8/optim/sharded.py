@@ -53,7 +53,9 @@ class ShardedFP8Optimizer(FP8Optimizer):
     """Mixin over an :class:`FP8Optimizer` (Adam, AdamW, SGD): states for owned parameters only.
 
     ``process_group`` is the data-parallel group (None: the default group); ``counter`` (a
-    :class:`fp8.distributed.CommBytesCounter`) records the weight all-gather's bytes. ``partition``
+    :class:`fp8.distributed.CommBytesCounter`) records the weight all-gather's bytes; ``gather_weights=False``
+    leaves the all-gather of updated parameters to the caller (Megatron's BF16 ZeRO-1 baseline gathers its BF16
+    parameters, not the FP32 masters this optimizer steps). ``partition``
     (:class:`ParamPartition`) and ``owned_params`` describe the ownership; ``param_groups`` hold all
     parameters (hyper-parameters and LR schedulers work as usual). The step needs each parameter's
     gradient on its owner only: at world size > 1 a gradient on a non-owner means the model was not
@@ -61,10 +63,11 @@ class ShardedFP8Optimizer(FP8Optimizer):
     """
 
     def __init__(self, params, *args: Any, process_group: dist.ProcessGroup | None = None,
-                 counter: CommBytesCounter | None = None, **kwargs: Any) -> None:
+                 counter: CommBytesCounter | None = None, gather_weights: bool = True, **kwargs: Any) -> None:
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
         groups = _normalize_groups(params)
         self.process_group = process_group
+        self.gather_weights = gather_weights
         self._comm = Collectives(process_group, counter)
         seen: dict[int, torch.Tensor] = {}
         for group in groups:
@@ -88,6 +91,12 @@ class ShardedFP8Optimizer(FP8Optimizer):
     def world_size(self) -> int:
         """Size of the data-parallel group."""
         return self._comm.world_size
+
+    @property
+    def comm(self) -> Collectives:
+        """The data-parallel group's :class:`fp8.comm.Collectives` (the weight all-gather and the agreement
+        collectives go through it; a wrapper gathering other tensors to the same owners may use it too)."""
+        return self._comm
 
     @property
     def counter(self) -> CommBytesCounter | None:
@@ -159,8 +168,9 @@ class ShardedFP8Optimizer(FP8Optimizer):
     @torch.no_grad()
     def gather_params(self) -> None:
         """Copy every parameter from its owner to all ranks: FP8 weights as ``uint8`` payload plus fp32
-        scale (tags ``"fp8 weights"``, ``"fp8 weight scales"``), others in their own dtype (``"weights"``)."""
-        if self.world_size == 1:
+        scale (tags ``"fp8 weights"``, ``"fp8 weight scales"``), others in their own dtype (``"weights"``). Nothing
+        with ``gather_weights=False`` (the caller gathers what it needs from the same owners)."""
+        if self.world_size == 1 or not self.gather_weights:
             return
         fp8 = [p for p in self._sharded_params if isinstance(p, Float8Tensor)]
         plain: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -232,9 +242,11 @@ def convert_to_sharded(
     process_group: dist.ProcessGroup | None = None,
     *,
     scaling_module: torch.nn.Module | None = None,
+    gather_weights: bool = True,
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
-    :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``."""
+    :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``; ``gather_weights``
+    as :class:`ShardedFP8Optimizer`'s."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
     return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
-                            process_group=process_group, scaling_module=scaling_module)
+                            process_group=process_group, scaling_module=scaling_module, gather_weights=gather_weights)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8.cast import payload_and_scale
 from fp8.comm import Collectives, CommBytesCounter
 from fp8.distributed.gather import start_owner_gather
 from fp8.optim.base import FP8Optimizer
@@ -78,6 +79,7 @@ class MainGrads:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.owns = owns
+        self.comm = Collectives(dp_group) if self.dp_size > 1 else None  # built once; counted once a counter is set
         for p in self.params:
             p.main_grad = None
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
@@ -96,8 +98,18 @@ class MainGrads:
         for p in self.params:
             p.main_grad = None
 
+    @property
+    def counter(self) -> CommBytesCounter | None:
+        """The byte counter of the data-parallel reduction (settable)."""
+        return None if self.comm is None else self.comm.counter
+
+    @counter.setter
+    def counter(self, counter: CommBytesCounter | None) -> None:
+        if self.comm is not None:
+            self.comm.counter = counter
+
     @torch.no_grad()
-    def finish(self, counter: CommBytesCounter | None = None) -> None:
+    def finish(self) -> None:
         """After the step's backward passes: average the main gradients over data parallel (one flat FP32
         all-reduce; a parameter without a gradient on some rank counts as zeros), then keep only the
         owned ones under a sharded optimizer."""
@@ -106,7 +118,7 @@ class MainGrads:
                                                                                device=p.device)
                      for p in self.params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            Collectives(self.dp_group, counter).all_reduce(flat, tag="bf16 main grads").wait()
+            self.comm.all_reduce(flat, tag="bf16 main grads").wait()
             flat.div_(self.dp_size)
             offset = 0
             for p, g in zip(self.params, grads):
@@ -148,7 +160,7 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
                 master.grad = param.main_grad
             elif param.grad is None:
                 master.grad = None
-            elif isinstance(param.grad, Float8Tensor):
+            elif payload_and_scale(param.grad) is not None:  # a scaled gradient: E4M3 or the FP16 sum
                 master.grad = param.grad.dequantize(master.dtype)
             else:
                 master.grad = param.grad.to(master.dtype)
@@ -172,7 +184,7 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
                     param.copy_(master)
                 owners.append(optimizer.owner(master))
                 master.grad = None
-            start_owner_gather([p for _, p in self.pairs], owners, optimizer._comm, "weights")()
+            start_owner_gather([p for _, p in self.pairs], owners, optimizer.comm, "weights")()
             return loss
         return super().step(closure)
 

@@ -93,10 +93,6 @@ def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | N
     return optimizer if isinstance(optimizer, ShardedFP8Optimizer) else None
 
 
-def _no_gather() -> None:
-    return None
-
-
 def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
                    dp_group) -> BF16MasterOptimizer:
     """Megatron's ``--bf16`` baseline: FP32 masters (sharded over data parallel with
@@ -106,8 +102,8 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
     if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
         # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
         # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
-        inner = convert_to_sharded(base, {}, "O1", {}, dp_group)
-        inner.gather_params = _no_gather  # BF16MasterOptimizer gathers the BF16 parameters instead
+        # BF16MasterOptimizer gathers the BF16 parameters from the owners, not the FP32 masters.
+        inner = convert_to_sharded(base, {}, "O1", {}, dp_group, gather_weights=False)
         with torch.no_grad():
             for master in masters.values():
                 if not inner.owns(master):

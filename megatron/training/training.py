@@ -242,6 +242,13 @@ class TrainingRun:
         norm_group = parallel_state.get_model_parallel_group()
         sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
         self.norm_group = dist.group.WORLD if sharded and self.dp_size > 1 else norm_group
+        # One Collectives per group, built once: the step's gradient sums and norm go through these.
+        self.tp_comm = Collectives(self.tp_group, self.counter)
+        self.norm_comm = Collectives(self.norm_group, self.counter)
+        in_embd = self.embd_group is not None and dist.get_rank(self.embd_group) >= 0
+        self.embd_comm = Collectives(self.embd_group, self.counter) if in_embd else None
+        if self.main_grads is not None:
+            self.main_grads.counter = self.counter
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
@@ -323,11 +330,9 @@ class TrainingRun:
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
         if self.main_grads is not None:
-            self.main_grads.finish(self.counter)  # --bf16: FP32 main gradients reduced over data parallel
-        finalize_model_grads(self.bare_chunks, self.tp_group, self.embd_group, self.tied and self.pp_size > 1,
-                             self.counter)
-        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_group, self.first_stage, self.device,
-                                self.counter)
+            self.main_grads.finish()  # --bf16: FP32 main gradients reduced over data parallel
+        finalize_model_grads(self.bare_chunks, self.tp_comm, self.embd_comm, self.tied and self.pp_size > 1)
+        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device)
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
         finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)

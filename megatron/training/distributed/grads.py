@@ -11,30 +11,30 @@ replicated parameters on tensor-parallel rank 0, the tied copy once).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fp8.comm import Collectives, CommBytesCounter
+from fp8.cast import payload_and_scale
+from fp8.comm import Collectives
 from fp8.optim.clip import _norm as _fp8_norm
 from fp8.tensor import Float8Tensor
 
 __all__ = ["finalize_model_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
 
 
-def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_embeddings: bool,
-                         counter: CommBytesCounter | None = None) -> None:
-    """Sum sequence-parallel parameter gradients over ``tp_group`` and tied embedding gradients over
-    ``embd_group`` (when ``tied_embeddings`` and the pipeline has more than one stage)."""
+def finalize_model_grads(chunks: list[nn.Module], tp_comm: Collectives, embd_comm: Collectives | None,
+                         tied_embeddings: bool) -> None:
+    """Sum sequence-parallel parameter gradients over ``tp_comm``'s group and tied embedding gradients over
+    ``embd_comm``'s (when ``tied_embeddings`` and the pipeline has more than one stage)."""
     sp_grads = [main_grad(p) for c in chunks for p in c.parameters()
                 if getattr(p, "sequence_parallel", False) and main_grad(p) is not None]
-    if sp_grads and dist.get_world_size(tp_group) > 1:
+    if sp_grads and tp_comm.world_size > 1:
         flat = torch.cat([g.reshape(-1) for g in sp_grads])
-        Collectives(tp_group, counter).all_reduce(flat, tag="sp param grads").wait()
+        tp_comm.all_reduce(flat, tag="sp param grads").wait()
         offset = 0
         for g in sp_grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-    if tied_embeddings and embd_group is not None and dist.get_world_size(embd_group) > 1:
+    if tied_embeddings and embd_comm is not None and embd_comm.world_size > 1:
         for chunk in chunks:
             if not (getattr(chunk, "pre_process", False) or getattr(chunk, "post_process", False)):
                 continue
@@ -44,7 +44,7 @@ def finalize_model_grads(chunks: list[nn.Module], tp_group, embd_group, tied_emb
                 continue
             if isinstance(grad, Float8Tensor):
                 raise RuntimeError("tied embeddings are expected in high precision")
-            Collectives(embd_group, counter).all_reduce(grad, tag="tied embedding grads").wait()
+            embd_comm.all_reduce(grad, tag="tied embedding grads").wait()
 
 
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -76,7 +76,7 @@ def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     parts = [torch.zeros((), dtype=torch.float32, device=device)]
     plain: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        if isinstance(g, Float8Tensor):
+        if payload_and_scale(g) is not None:  # a scaled gradient: E4M3, or the FP16 sum of grad_accumulation="fp16"
             parts.append(_fp8_norm(g, 2.0).square().reshape(()))
         else:
             plain.setdefault((g.device, g.dtype), []).append(g)
@@ -87,9 +87,9 @@ def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 
 @torch.no_grad()
-def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stage: bool,
-                     device: torch.device | None = None, counter: CommBytesCounter | None = None) -> torch.Tensor:
-    """L2 norm (0-d fp32 tensor on ``device``) of all gradients of the model across ``group`` (the ranks
+def global_grad_norm(chunks: list[nn.Module], tp_rank: int, comm: Collectives, pp_first_stage: bool,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """L2 norm (0-d fp32 tensor on ``device``) of all gradients of the model across ``comm``'s group (the ranks
     holding distinct parts of the model: tensor x pipeline parallel, and data parallel when gradients
     are sharded, O3). ``device`` (default: the first parameter's) is where the partial sums live and
     what is all-reduced: the process group's device (CUDA for NCCL). No host synchronisation."""
@@ -111,8 +111,8 @@ def global_grad_norm(chunks: list[nn.Module], tp_rank: int, group, pp_first_stag
                 continue  # the last stage's copy of a tied embedding: counted on the first stage
             counted.append(grad)
     total = _squared_norms(counted, device if device is not None else torch.device("cpu"))
-    if dist.get_world_size(group) > 1:
-        Collectives(group, counter).all_reduce(total, tag="grad norm").wait()
+    if comm.world_size > 1:
+        comm.all_reduce(total, tag="grad norm").wait()
     return total.sqrt()
 
 
@@ -131,7 +131,7 @@ def clip_and_poison_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: fl
         coef = torch.ones_like(norm)
     coef = torch.where(finite, coef, torch.full_like(coef, float("nan")))
     for g in grads:
-        if isinstance(g, Float8Tensor):
+        if payload_and_scale(g) is not None:  # scaled gradients (E4M3, FP16 sums): exactly, through the scale
             g.scale.div_(coef)
         else:
             g.mul_(coef.to(g.dtype))
