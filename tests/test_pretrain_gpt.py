@@ -177,3 +177,23 @@ def test_a_run_without_baseline_prints_no_comparison():
     assert "+0.00%" not in summary and "no baseline was trained" in summary
     o2 = next(line for line in summary.splitlines() if line.startswith("O2 "))
     assert o2.split()[3] == "-"
+
+
+def test_a_level_stopped_before_evaluating_shows_no_nan_and_says_why(capsys):
+    """After a SIGTERM (or --exit-interval) before the first evaluation: no 'nan' nor '+nan%' in the summary, and the
+    note names the stop, not --eval-interval."""
+    import argparse
+
+    from megatron.training.log import TrainingLogger, format_summary
+
+    stopped = [{**_summary(level, 4.0), "final_val_loss": float("nan")} for level in ("none", "O2")]
+    table = format_summary(stopped)
+    assert "nan" not in table.lower()
+    args = argparse.Namespace(eval_interval=100, log_json=None, plot=None, no_progress=True, demo=False)
+    logger = TrainingLogger(args, rank=0, is_logging_rank=True)
+    history = {"summary": stopped[1],
+               "stopped": {"iteration": 3, "reason": "SIGTERM", "saved": False}}
+    logger.finish([history])
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower()
+    assert "stopped after iteration 3 (SIGTERM) before an evaluation" in out and "--eval-interval" not in out

@@ -32,13 +32,15 @@ def format_summary(summaries: list[dict]) -> str:
         f"{'comm/iter':>10} {'skipped':>7}",
     ]
     for s in summaries:
-        if base is not None and base["final_val_loss"]:
+        evaluated = base is not None and _number(base["final_val_loss"]) and _number(s["final_val_loss"])
+        if evaluated and base["final_val_loss"]:
             vs_base = f"{(s['final_val_loss'] / base['final_val_loss'] - 1) * 100:>+7.2f}%"
         else:
             vs_base = f"{'-':>8}"
+        val = f"{s['final_val_loss']:>9.4f}" if _number(s["final_val_loss"]) else f"{'-':>9}"
         comm = sum(s["comm_bytes_per_iteration"].values())
         lines.append(
-            f"{s['level']:<6} {s['final_train_loss']:>10.4f} {s['final_val_loss']:>9.4f} {vs_base} "
+            f"{s['level']:<6} {s['final_train_loss']:>10.4f} {val} {vs_base} "
             f"{s['tokens_per_s']:>9.0f} {s['model_state_bytes_per_param']:>13.2f} {_fmt_bytes(comm):>10} "
             f"{s['skipped_steps']:>7}"
         )
@@ -51,6 +53,11 @@ def format_summary(summaries: list[dict]) -> str:
     if base is None:
         lines.append("vs base: no baseline was trained in this run (add --compare none to train one beside it)")
     return "\n".join(lines)
+
+
+def _number(value) -> bool:
+    """A loss that was measured (a level stopped or run without evaluation has NaN)."""
+    return value is not None and not math.isnan(value)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -173,9 +180,10 @@ class TrainingLogger:
             print(line, flush=True)
 
     def end_level(self, summary: dict) -> None:
+        val = f"{summary['final_val_loss']:.4f}" if _number(summary["final_val_loss"]) else "- (not evaluated)"
         self._print(
             f"-- opt level {summary['level']} done in {time.perf_counter() - self.t_level:.1f} s: final val loss "
-            f"{summary['final_val_loss']:.4f}, model state {summary['model_state_bytes_per_param']:.2f} B/param"
+            f"{val}, model state {summary['model_state_bytes_per_param']:.2f} B/param"
         )
 
     def finish(self, histories: list[dict]) -> None:
@@ -192,5 +200,14 @@ class TrainingLogger:
             plot_loss_curves(histories, path)
             self._print(f"loss curves: {path}")
         self._print(f"total time {time.perf_counter() - self.t_start:.1f} s")
-        if any(math.isnan(s["final_val_loss"]) for s in summaries):
-            self._print("warning: a level ended without a validation loss (--eval-interval 0?)")
+        for history in histories:
+            if _number(history["summary"]["final_val_loss"]):
+                continue
+            stopped = history.get("stopped")
+            if stopped is not None:
+                why = f"it stopped after iteration {stopped['iteration']} ({stopped['reason']}) before an evaluation"
+            elif not self.args.eval_interval:
+                why = "--eval-interval is 0 (no evaluation asked for)"
+            else:
+                why = "no evaluation ran"
+            self._print(f"note: level {history['summary']['level']} has no validation loss: {why}")
