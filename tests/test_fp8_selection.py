@@ -89,6 +89,6 @@ def test_planner_applies_the_same_selection(monkeypatch):
     assert plan_memory(small)["fp8_params_per_gpu"] == 0
     assert plan_memory(every)["fp8_params_per_gpu"] == 2 * (3 * 64 * 64 + 64 * 64 + 2 * 4 * 64 * 64)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    from tools import memory_planner
+    from megatron.training.planning.memory_plan import default_min_fp8_dim
 
-    assert memory_planner.default_min_fp8_dim() == CUDA_MIN_FP8_DIM  # pretrain_gpt's CUDA default
+    assert default_min_fp8_dim() == CUDA_MIN_FP8_DIM  # pretrain_gpt's CUDA default
