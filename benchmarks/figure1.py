@@ -36,7 +36,7 @@ def _figure1_config(hidden: int, gpus: int, tp: int, pp: int, level: str, seq: i
         data_parallel_size=gpus // (tp * pp), sequence_parallel=tp > 1, recompute_granularity="full",
         fp8_opt_level="none" if level == _NONE_DO else level, use_distributed_optimizer=level == _NONE_DO, bf16=True,
         # Both sides sum micro-batch gradients accurately: BF16 in FP32 main gradients (Megatron's --bf16),
-        # FP8 levels in fp32 (grad_accumulation="fp32", the default).
+        # FP8 levels in scaled FP16 buffers (grad_accumulation="fp16", the default).
         fp32_grads=level in ("none", _NONE_DO),
     )
 

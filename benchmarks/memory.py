@@ -31,9 +31,12 @@ from fp8.comm import Collectives  # noqa: E402
 from examples import quickstart  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
 
-VARIANTS = ("FP32", "BF16 mixed precision", "O1", "O2", "O1, E4M3 gradients", "O2, E4M3 gradients")
-"""``O1``/``O2`` hold FP8-weight gradients as fp32 sums (``grad_accumulation="fp32"``, the default);
-``..., E4M3 gradients`` as 1-byte ``Float8Tensor``s (``grad_accumulation="fp8"``)."""
+VARIANTS = ("FP32", "BF16 mixed precision", "O1", "O2", "O1, fp32 gradient sums", "O2, fp32 gradient sums",
+            "O1, E4M3 gradients", "O2, E4M3 gradients")
+"""``O1``/``O2`` hold FP8-weight gradients as scaled FP16 sums (``grad_accumulation="fp16"``, the default);
+``..., fp32 gradient sums`` as fp32 tensors (``"fp32"``); ``..., E4M3 gradients`` as 1-byte ``Float8Tensor``s
+(``"fp8"``)."""
+_GRADS = {"": "fp16", "fp32 gradient sums": "fp32", "E4M3 gradients": "fp8"}
 
 
 def build(variant: str, model: torch.nn.Module):
@@ -45,7 +48,7 @@ def build(variant: str, model: torch.nn.Module):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     name, _, grads = variant.partition(", ")
     level = {"FP32": "none", "O1": "O1", "O2": "O2"}[name]
-    config = fp8.Float8LinearConfig(grad_accumulation="fp8" if grads else "fp32")
+    config = fp8.Float8LinearConfig(grad_accumulation=_GRADS[grads])
     return fp8.initialize(model, optimizer, opt_level=level, config=config)
 
 
@@ -192,7 +195,8 @@ def main() -> None:
     print(f"model-state bytes per parameter (fp8.memory_report, at the peak of a step); "
           f"GPT d_model={args.d_model} n_layer={args.n_layer}: {rows[0]['params']:,} parameters")
     header = f"{'model':<16} {'variant':<21}" + "".join(f"{c[:12]:>13}" for c in categories)
-    print("(O1/O2: FP8-weight gradients as fp32 sums, grad_accumulation='fp32'; 'E4M3 gradients': 'fp8')")
+    print("(O1/O2: FP8-weight gradients as scaled FP16 sums, grad_accumulation='fp16'; 'fp32 gradient sums': 'fp32'; "
+          "'E4M3 gradients': 'fp8')")
     print(header)
     for row in rows:
         print(f"{row['model']:<16} {row['variant']:<21}" + "".join(f"{row['bytes_per_param'][c]:>13.3f}" for c in categories))

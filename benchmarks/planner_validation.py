@@ -49,9 +49,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
+from fp8.cast import payload_and_scale  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
-from fp8.tensor import Float8Tensor  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 STATE_KEYS = {  # planner category -> fp8.memory_report category
@@ -152,7 +152,9 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    return [t.payload, t.scale] if isinstance(t, Float8Tensor) else [t]
+    """The storages behind ``t``: a scaled tensor's (Float8Tensor, ScaledFloat16Tensor) payload and scale, else ``t``."""
+    parts = payload_and_scale(t)
+    return list(parts) if parts is not None else [t]
 
 
 class _Held:

@@ -258,9 +258,9 @@ def grad_accumulation_table(data: dict) -> str:
 def section_grad_accumulation() -> str:
     out = ["## Gradient accumulation over micro-batches\n",
            "FP8-LM keeps weight gradients in FP8. Summed over many micro-batches in FP8, each contribution below half "
-           "an E4M3 step of the running sum is lost; fp8lm sums them in fp32 by default "
-           "(`Float8LinearConfig(grad_accumulation=\"fp32\")`, 4 bytes per element while held) and quantizes the sum "
-           "once for the FP8 all-reduce. See [precision.md](precision.md).\n"]
+           "an E4M3 step of the running sum is lost; fp8lm sums them in a scaled FP16 buffer by default "
+           "(`Float8LinearConfig(grad_accumulation=\"fp16\")`, 2 bytes per element while held; `\"fp32\"`: 4 bytes) and "
+           "quantizes the sum once for the FP8 all-reduce. See [precision.md](precision.md).\n"]
     out.append(block("grad-accumulation", ["grad_accumulation.json"], _grad_accumulation_block))
     out.append(block("loss-parity-accumulation", ["loss_parity_accum.json"], _loss_parity_accum_block))
     return "\n".join(out)
@@ -294,7 +294,7 @@ def section_planner() -> str:
     out = ["## Planned memory for GPT-3 7B, 13B and 175B (FP8-LM's layouts)\n",
            "`tools/memory_planner.py`, per GPU (worst rank), BF16 activations, sequence length 2048, micro-batch 1, "
            "sequence parallelism where TP > 1, full recomputation for 175B; BF16 (`none`) with FP32 main gradients "
-           "(Megatron's `--bf16`), FP8 levels with fp32 gradient sums (`--fp8-grad-accumulation fp32`), both summing "
+           "(Megatron's `--bf16`), FP8 levels with scaled FP16 gradient sums (`--fp8-grad-accumulation fp16`, the default), both summing "
            "micro-batches accurately:\n"]
     models = {
         "7B": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, tensor_model_parallel_size=1,
@@ -354,7 +354,7 @@ def _planner_validation_block() -> str:
 def _planner_config(kw: dict, level: str):
     from megatron.training.planning.memory_plan import PlannerConfig
 
-    # BF16 as Megatron's --bf16 (FP32 main gradients), FP8 levels with their default fp32 gradient sums.
+    # BF16 as Megatron's --bf16 (FP32 main gradients), FP8 levels with their default FP16 gradient sums.
     return PlannerConfig(seq_length=2048, vocab_size=50257, micro_batch_size=1, fp32_grads=level == "none",
                          sequence_parallel=kw["tensor_model_parallel_size"] > 1, fp8_opt_level=level, bf16=True, **kw)
 

@@ -23,12 +23,13 @@ from .memory import MEMORY_CATEGORIES, memory_report
 from .optim.clip import clip_grad_norm_
 from .scaling import ScalingConfig, ScalingState, compute_scale, set_amax_reduction_group, update_scales
 from .serialization import safe_globals
+from .scaled_fp16 import ScaledFloat16Tensor, to_scaled_fp16
 from .tensor import Float8Tensor, to_float8
 
 __all__ = [
     "E4M3", "E5M2", "FP8Format", "get_format",
     "ScalingConfig", "ScalingState", "compute_scale", "update_scales", "set_amax_reduction_group",
-    "Float8Tensor", "to_float8", "quantize", "dequantize", "quantize_transpose",
+    "Float8Tensor", "to_float8", "ScaledFloat16Tensor", "to_scaled_fp16", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
     "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear", "freeze",
     "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",

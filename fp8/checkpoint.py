@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .comm import Collectives, CommBytesCounter
 from .formats import byte_view
 from .optim.base import FP8Optimizer
+from .optim.levels import OptLevelMismatchError, level_name
+from .optim.precision import OptimizerPrecision
 from .optim.sharded import ShardedFP8Optimizer
 from .scaling import ScalingState
 from .tensor import Float8Tensor
@@ -129,7 +131,37 @@ def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, A
     fp8_dtypes = {n: str(p.payload.dtype).removeprefix("torch.") for n, p in module.named_parameters()
                   if isinstance(p, Float8Tensor) and id(p) in params}
     return {"version": CHECKPOINT_VERSION, "world_size": world, "param_groups": groups,
-            "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes, "config": _config(module, optimizer)}
+            "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes, "config": _config(module, optimizer),
+            "opt_level": optimizer.opt_level}
+
+
+def _saved_level(meta: dict[str, Any]) -> str | None:
+    """The opt level a checkpoint was written at: recorded, or told from its optimizer class and precision
+    (checkpoints written before the level was recorded); None when neither is known."""
+    if meta.get("opt_level"):
+        return str(meta["opt_level"])
+    config = meta.get("config")
+    if not config:
+        return None
+    try:
+        precision = OptimizerPrecision(**config["precision"])
+    except (TypeError, ValueError):
+        return None
+    return level_name("O3" if str(config["optimizer"]).startswith("Sharded") else "O2", precision)
+
+
+def _check_level(path: Path, meta: dict[str, Any], optimizer: Any) -> None:
+    """Refuse a checkpoint of another opt level (or an optimizer fp8.checkpoint does not hold) naming both."""
+    saved = _saved_level(meta)
+    mine = getattr(optimizer, "opt_level", None) or f"none ({type(optimizer).__name__})"
+    # The level itself (O2, O3) here; a precision difference within it is named by _check_config.
+    if isinstance(optimizer, FP8Optimizer) and (saved is None or saved.split()[0] == mine.split()[0]):
+        return
+    raise OptLevelMismatchError(
+        f"checkpoint {path} holds opt level {saved or 'O2/O3'} optimizer state and cannot be loaded into an opt level "
+        f"{mine} optimizer ({type(optimizer).__name__}): fp8.checkpoint reshards across data-parallel sizes but does "
+        f"not convert between opt levels (O1: FP32 master weights, O2: FP8/FP16 moments and masters, O3: O2's "
+        f"sharded). Load it at opt level {saved or 'O2/O3'}")
 
 
 def _config(module: nn.Module, optimizer: FP8Optimizer) -> dict[str, Any]:
@@ -336,6 +368,7 @@ def load_checkpoint(
     meta = json.loads(meta_holder["meta"].getvalue().decode())
     if meta.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint layout version {meta.get('version')}, expected {CHECKPOINT_VERSION}")
+    _check_level(path, meta, optimizer)
     _check_config(path, meta.get("config"), _split(model)[0], optimizer)
     saved_world = int(meta["world_size"])
     state = _state(model, optimizer, process_group, rank % saved_world)

@@ -20,7 +20,7 @@ from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 
 __all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
-           "announce_fp8_selection", "fp8_selection_message"]
+           "announce_fp8_selection", "fp8_selection_message", "ModuleFilter"]
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ A lookup gathers the rows' payloads and scales and returns ``payload / scale`` i
 values held, no GEMM. Trained (``fp8.initialize(..., fp8_embeddings=True)``), the table is an FP8 weight like a
 :class:`~fp8.linear.Float8Linear`'s: the optimizer keeps its master and refreshes the E4M3 rows (with their
 scales) after each step, and its gradient is the rows' summed output gradients (an fp32 dense table, scattered
-with ``index_add``) held per ``config.grad_accumulation``: fp32, or E4M3 with one scale per row
-(:func:`fp8.linear.weight_grad`). Frozen (``fp8.freeze``), it is 1 byte per value plus a 4-byte scale per row.
+with ``index_add``) held per ``config.grad_accumulation``: a scaled FP16 buffer (one scale for the table), fp32,
+or E4M3 with one scale per row (:func:`fp8.linear.weight_grad`). Frozen (``fp8.freeze``), it is 1 byte per value plus a 4-byte scale per row.
 """
 
 from __future__ import annotations

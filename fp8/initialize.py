@@ -167,8 +167,8 @@ def initialize(
     - ``"none"`` (alias ``"O0"``): returns both unchanged (the high-precision baseline).
     - ``"O1"``: every eligible ``nn.Linear`` and transformers ``Conv1D`` (GPT-2's transposed linear; its
       master weight is a transposed copy) becomes a :class:`fp8.Float8Linear` (FP8 E4M3 weights
-      with their scales, FP8 GEMMs; weight gradients summed over micro-batches in fp32, or
-      in E4M3 with ``config.grad_accumulation="fp8"``); ``module_filter_fn(module, fqn)`` returning
+      with their scales, FP8 GEMMs; weight gradients summed over micro-batches in a scaled FP16 buffer, or
+      per ``config.grad_accumulation``: in fp32 with ``"fp32"``, in E4M3 with ``"fp8"``); ``module_filter_fn(module, fqn)`` returning
       False keeps a layer in high precision, and layers with dimensions not multiple of 16 or tied
       weights are kept with a logged reason. The optimizer is wrapped in a
       :class:`fp8.optim.MasterWeightOptimizer`: it keeps the original high-precision weights as masters,

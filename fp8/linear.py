@@ -11,12 +11,16 @@ Backward: output gradient cast to E5M2 (its own scaling state, quantized once wi
 
 Weight gradients over micro-batches (``Float8LinearConfig.grad_accumulation``):
 
-- ``"fp32"`` (default): ``dW`` leaves the GEMM in fp32 and is the weight's ``.grad`` as a plain fp32
-  tensor; autograd sums the micro-batches in fp32, so the sum is as accurate at 1,536 micro-batches as
-  at one. The FP8 weight reports dtype float32 (it stands for its fp32 master), whatever the model's
-  dtype, so the gradient is never rounded to a 16-bit dtype. The FP8 data-parallel reductions
-  (:class:`fp8.distributed.DistributedDataParallel`, O3) quantize the sum once to E4M3 for the wire and
-  leave an E4M3 :class:`Float8Tensor` gradient. Cost: 4 bytes per weight element while gradients are held.
+- ``"fp16"`` (default): the weight's ``.grad`` is a :class:`fp8.ScaledFloat16Tensor`, an FP16 buffer (2 bytes per
+  element) with a power-of-two scale chosen on the device: the first micro-batch's amax sits ``2**11`` below the
+  FP16 maximum, and the scale is lowered by a power of two (exact) only when a sum would overflow. Each further
+  micro-batch is added in fp32 and the sum rounded once to FP16 (11 significant bits), so the accumulated
+  gradient stays within the one-micro-batch FP8 error at 1,536 micro-batches (``benchmarks/grad_accumulation.py``).
+  The FP8 weight reports dtype float32 (it stands for its fp32 master), whatever the model's dtype. The FP8
+  data-parallel reductions (:class:`fp8.distributed.DistributedDataParallel`, O3) quantize the sum once to E4M3
+  for the wire and leave an E4M3 :class:`Float8Tensor` gradient.
+- ``"fp32"``: ``dW`` leaves the GEMM in fp32 and is the weight's ``.grad`` as a plain fp32 tensor; autograd sums
+  the micro-batches in fp32 (4 bytes per weight element while gradients are held). Reductions as for ``"fp16"``.
 - ``"fp8"``: ``dW`` is stored as an E4M3 :class:`Float8Tensor` (1 byte per element) with its own current
   power-of-two scale; each further micro-batch is added in fp32 and the sum re-rounded to E4M3, so
   contributions smaller than half an E4M3 step of the running sum are lost (measured: relative error
@@ -40,6 +44,7 @@ from .formats import get_format
 from .gemm import GEMM_BACKENDS, GemmTarget, fp8_mm_payload, gemm_path
 from .kernels.backend import KERNEL_BACKENDS
 from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
+from .scaled_fp16 import to_scaled_fp16
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, cached_operand, to_float8
 
@@ -50,7 +55,7 @@ __all__ = [
     "GRAD_ACCUMULATION", "weight_grad",
 ]
 
-GRAD_ACCUMULATION = ("fp32", "fp8")
+GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")
 """Values of ``Float8LinearConfig.grad_accumulation``: how FP8 weight gradients are held and summed."""
 
 
@@ -70,9 +75,10 @@ class Float8LinearConfig:
     16); the weight (``weight_fmt``) is re-quantized from its master copy with a current scale after
     every optimizer step; the weight gradient (``weight_grad_fmt``) gets a current scale from its
     amax. ``gemm_backend`` is one of ``"auto"``, ``"scaled_mm"``, ``"emulated"``.
-    ``grad_accumulation`` (``"fp32"`` or ``"fp8"``) says how weight gradients are held and summed over
-    micro-batches (module docstring): ``"fp32"``, the default, is exact to fp32 rounding at any number of
-    micro-batches for 4 bytes per weight element; ``"fp8"`` holds 1 byte but loses accuracy past a few.
+    ``grad_accumulation`` (``"fp16"``, ``"fp32"`` or ``"fp8"``) says how weight gradients are held and summed over
+    micro-batches (module docstring): ``"fp16"``, the default, holds 2 bytes per weight element (a scaled FP16
+    buffer) and stays within the one-micro-batch FP8 error at 1,536 micro-batches; ``"fp32"`` is exact to fp32
+    rounding for 4 bytes; ``"fp8"`` holds 1 byte but loses accuracy past a few micro-batches.
     ``accumulate_backend`` (``"auto"``, ``"torch"``, ``"triton"``) is the kernel backend of adds into the
     FP8 weight and its FP8 gradient (:attr:`Float8Tensor.accumulate_backend`, carried by those tensors):
     ``"auto"`` runs Triton for CUDA tensors and the torch reference elsewhere.
@@ -86,7 +92,7 @@ class Float8LinearConfig:
     weight_fmt: str = "e4m3"
     weight_grad_fmt: str = "e4m3"
     gemm_backend: str = "auto"
-    grad_accumulation: str = "fp32"
+    grad_accumulation: str = "fp16"
     accumulate_backend: str = "auto"
     recipe: str = "tensorwise"
 
@@ -113,9 +119,10 @@ class Float8LinearConfig:
         return self
 
     def weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype an FP8 weight of a model in ``dtype`` reports (and its plain gradient has): float32
-        under ``grad_accumulation="fp32"``, so gradients are summed in fp32; ``dtype`` otherwise."""
-        return torch.float32 if self.grad_accumulation == "fp32" else dtype
+        """The dtype an FP8 weight of a model in ``dtype`` reports (and its gradient has): float32 under
+        ``grad_accumulation="fp16"``/``"fp32"``, so gradients are never rounded to the model's 16-bit dtype;
+        ``dtype`` under ``"fp8"``."""
+        return dtype if self.grad_accumulation == "fp8" else torch.float32
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -125,8 +132,9 @@ class Float8LinearConfig:
             )
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise ValueError(
-                f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got {self.grad_accumulation!r} ('fp32': exact "
-                f"sums over micro-batches, 4 bytes per weight element; 'fp8': 1 byte, for one or a few micro-batches)"
+                f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got {self.grad_accumulation!r} ('fp16': a "
+                f"scaled FP16 buffer, 2 bytes per weight element, accurate at any number of micro-batches (the "
+                f"default); 'fp32': exact fp32 sums, 4 bytes; 'fp8': 1 byte, for one or a few micro-batches)"
             )
         get_format(self.weight_fmt)
         get_format(self.weight_grad_fmt)
@@ -159,10 +167,13 @@ def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
 
 def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype: torch.dtype) -> torch.Tensor:
     """The gradient an FP8 weight receives from one backward, given the weight-gradient GEMM's fp32 output:
-    that output itself under ``grad_accumulation="fp32"`` (autograd sums micro-batches in fp32), an
-    E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
+    a fresh scaled FP16 buffer under ``grad_accumulation="fp16"`` (:func:`fp8.scaled_fp16.to_scaled_fp16`; autograd
+    adds the next micro-batches into it in place), that output itself under ``"fp32"`` (autograd sums
+    micro-batches in fp32), an E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
     if config.grad_accumulation == "fp32":
         return grad_w32
+    if config.grad_accumulation == "fp16":
+        return to_scaled_fp16(grad_w32, dtype=weight_dtype, accumulate_backend=config.accumulate_backend)
     return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend,
                      block=config.recipe_spec.weight)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .scaled_fp16 import ScaledFloat16Tensor
 from .scaling import ScalingState
 from .tensor import Float8Tensor
 
@@ -29,7 +30,7 @@ class _Ledger:
     def add(self, category: str, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             return
-        if isinstance(tensor, Float8Tensor):
+        if isinstance(tensor, (Float8Tensor, ScaledFloat16Tensor)):
             self.add(category, tensor.payload)
             self.add("FP8 scaling metadata", tensor.scale)
             return
@@ -57,7 +58,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state, per category of :data:`MEMORY_CATEGORIES`, plus ``"total"``.
 
     FP8 weights count 1 byte per element (block-scaled ones: their scale grids go to ``"FP8 scaling
-    metadata"``, like tensor-wise scales); master weights are the high-precision copies an FP8 optimizer keeps;
+    metadata"``, like tensor-wise scales); gradients count their storage: 2 bytes per element for the scaled FP16
+    buffers of ``grad_accumulation="fp16"`` (their 4-byte scale under ``"FP8 scaling metadata"``), 4 for fp32 sums,
+    1 for E4M3 gradients; master weights are the high-precision copies an FP8 optimizer keeps;
     each storage is counted once.
 
     ``"weight transposes"`` (:data:`WEIGHT_TRANSPOSES`, in the report only while some are held): the operands of the

@@ -18,7 +18,8 @@ from .formats import FP8Format, get_format
 from .host_read import HostCopy
 
 __all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
-           "set_amax_reduction_group", "discard_step_amaxes"]
+           "set_amax_reduction_group", "discard_step_amaxes", "finite_amax", "fp16_accumulation_scale", "FP16_MAX",
+           "FP16_HEADROOM_BITS"]
 
 # Exponent range of a scale: 2**126 and 2**-126 and their reciprocals stay normal fp32 numbers.
 _MAX_SCALE_EXPONENT = 126.0
@@ -55,6 +56,33 @@ def power_of_two_scale(
         previous = torch.ones((), dtype=torch.float32, device=amax.device)
     usable = torch.isfinite(amax) & (amax > 0)
     return torch.where(usable, scale, previous.to(torch.float32))
+
+
+FP16_MAX = 65504.0
+"""Largest finite FP16 magnitude."""
+
+FP16_HEADROOM_BITS = 11
+"""Headroom of a fresh FP16 gradient buffer: its scale puts the first micro-batch's amax ``2**11`` (2,048 times)
+below the FP16 maximum, so 2,048 micro-batches of that size summed with one sign fit without a rescale. FP16
+keeps full (11-bit) precision over the 19 binades below that amax."""
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest finite magnitude of ``x`` (0-d fp32; 0 when there is none), no host sync."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().to(torch.float32).abs().nan_to_num(nan=0.0, posinf=0.0).amax()
+
+
+def fp16_accumulation_scale(sum_amax: torch.Tensor, acc_amax: torch.Tensor, acc_scale: torch.Tensor) -> torch.Tensor:
+    """The FP16 buffer's scale after adding a micro-batch, from the finite amax of the fp32 sum and of the buffer
+    before the add (0-d fp32, on device): an empty buffer (amax 0) takes the fresh scale of the sum with
+    :data:`FP16_HEADROOM_BITS` of headroom; otherwise it keeps ``acc_scale`` unless the sum would overflow it,
+    then the largest power of two at which the sum fits (an exact rescale). An amax of 0 (or no finite value)
+    keeps ``acc_scale``. One formula: :func:`fp8.scaling.power_of_two_scale`."""
+    fits = power_of_two_scale(sum_amax, FP16_MAX, previous=acc_scale)
+    fresh = power_of_two_scale(sum_amax, FP16_MAX, FP16_HEADROOM_BITS, previous=acc_scale)
+    return torch.where(acc_amax > 0, torch.minimum(acc_scale, fits), fresh)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from .kernels import grad_accumulate
 from .kernels.backend import KERNEL_BACKENDS
 from .scaling import amax_of, compute_scale
 
-__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS"]
+__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand"]
 
 aten = torch.ops.aten
 

@@ -339,6 +339,8 @@ LAYOUTS = {
     "dp2-o2-o3": (2, ["--fp8-opt-level", "O3", "--compare", "O2"]),  # the FP8 DDP path, then O3's owners
     "tp2xpp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
                     "--fp8-opt-level", "O2"]),
+    # O3 on tied embeddings with pipeline and data parallelism: the embedding-group sum, then the owner reduction.
+    "pp2xdp2-o3-tied": (4, ["--pipeline-model-parallel-size", "2", "--fp8-opt-level", "O3"]),
 }
 
 
@@ -377,3 +379,12 @@ def test_pretrain_gpt_collectives_follow_nccl_rules(traced_runs, layout):
         assert any(c.source == "megatron-core" and len(c.ranks) == 2 for c in calls)
     if layout.startswith("dp2"):
         assert kinds["all_gather"] > 0  # O3: the owners' weight all-gather
+    if layout == "pp2xdp2-o3-tied":  # each step: the copies summed over the embedding group (first and last stage),
+        for rank, rank_calls in traces.items():  # then reduced to their owner over data parallel
+            seq = [c for c in rank_calls if c.kind not in ("send", "recv")]
+            tied = [i for i, c in enumerate(seq) if c.tag == "tied embedding grads"]
+            assert len(tied) == 3, rank
+            for i in tied:
+                assert seq[i].kind == "all_reduce" and rank in seq[i].ranks and len(seq[i].ranks) == 2
+                assert {r // 2 for r in seq[i].ranks} == {0, 1}  # one rank of each pipeline stage
+                assert seq[i + 1].kind == "all_to_all_v" and {r // 2 for r in seq[i + 1].ranks} == {rank // 2}

@@ -239,8 +239,9 @@ def _run_torch_ddp(rank: int, world: int, seed: int) -> dict:
 
 
 def _run_ddp_overflow(rank: int, world: int, seed: int) -> dict:
-    """Rank 0's FP8-weight gradients (fp32 sums, grad_accumulation="fp32") get +inf at 2% of their values, as a
-    weight-gradient GEMM that overflows fp32 leaves them; the scaled all-reduce saturates inf at the E4M3 maximum."""
+    """Rank 0's FP8-weight gradients (scaled FP16 sums, the default grad_accumulation) get +inf at 2% of their
+    values, as a weight-gradient GEMM that overflows leaves them; the scaled all-reduce saturates inf at the E4M3
+    maximum."""
     model, optimizer = _model(seed, lr=1e-3)
     if rank == 0:
         def inject(param):

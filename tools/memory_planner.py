@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=None, help="default: WORLD_SIZE / (TP x PP), else 1")
     p.add_argument("--fp8-opt-level", type=opt_level_arg, default="none", metavar="{none,O1,O2,O3}",
                    help="none (alias O0): the high-precision baseline")
-    p.add_argument("--fp8-grad-accumulation", choices=GRAD_ACCUMULATION, default="fp32")
+    p.add_argument("--fp8-grad-accumulation", choices=GRAD_ACCUMULATION, default="fp16",
+                   help="FP8 weight gradients over micro-batches: scaled FP16 sums (2 B/element), fp32 sums (4 B) or "
+                        "E4M3 (1 B)")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
                    help="scale granularity: the weights' and saved inputs' scale grids")
     p.add_argument("--fp8-activations", action="store_true",

@@ -47,9 +47,10 @@ def build_parser(description: str, *, task: str) -> argparse.ArgumentParser:
                    help="fp8.initialize opt level (none: the high-precision baseline)")
     p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise", "blockwise"],
                    help="granularity of the FP8 scales (fp8.initialize(..., recipe=))")
-    p.add_argument("--fp8-grad-accumulation", default="fp32", choices=["fp32", "fp8"],
-                   help="how FP8 weights' gradients are held (Float8LinearConfig.grad_accumulation): fp32 "
-                        "(4 bytes/element, default) or fp8 (1 byte; fine with one micro-batch per step)")
+    p.add_argument("--fp8-grad-accumulation", default="fp16", choices=["fp16", "fp32", "fp8"],
+                   help="how FP8 weights' gradients are held (Float8LinearConfig.grad_accumulation): fp16 (a scaled "
+                        "FP16 buffer, 2 bytes/element, default), fp32 (4 bytes) or fp8 (1 byte; fine with one "
+                        "micro-batch per step)")
     p.add_argument("--fp8-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="at the FP8 levels, untied embedding tables in FP8 too (E4M3 rows, trained like FP8 weights: "
                         "fp8.initialize(..., fp8_embeddings=True)); --no-fp8-embeddings keeps them in high precision")
@@ -92,6 +93,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                      f"(save_pretrained output with its tokenizer)")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
+    from megatron.training.output_paths import output_path_problem  # the check pretrain_gpt.py makes
+
+    for flag, path, is_dir in (("--output", args.output, True), ("--log-json", args.log_json, False)):
+        if (problem := output_path_problem(path, directory=is_dir)) is not None:
+            parser.error(f"{flag} {path}: {problem}")
 
 
 # ----------------------------------------------------------------------------------------------- data

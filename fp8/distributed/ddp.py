@@ -1,9 +1,9 @@
 """``DistributedDataParallel``: torch DDP's contract, with FP8 weight gradients sent as 1-byte values.
 
 Gradients come out averaged over the process group, as with ``torch.nn.parallel.DistributedDataParallel``.
-Gradients of FP8 weights (``Float8Tensor`` parameters) are reduced with the scaled FP8 all-reduce: an fp32
-gradient (``grad_accumulation="fp32"``, summed over ``no_sync()`` micro-batches) is quantized once for the
-wire, an E4M3 ``Float8Tensor`` gradient (``"fp8"``) is sent as it is, and either becomes a ``Float8Tensor``
+Gradients of FP8 weights (``Float8Tensor`` parameters) are reduced with the scaled FP8 all-reduce: a gradient
+summed over ``no_sync()`` micro-batches (a scaled FP16 buffer under ``grad_accumulation="fp16"``, an fp32 tensor under
+``"fp32"``) is quantized once to E4M3 for the wire, an E4M3 ``Float8Tensor`` gradient (``"fp8"``) is sent as it is, and either becomes a ``Float8Tensor``
 (payload + scale, 1 byte per element; a weight of the ``rowwise``/``blockwise`` recipes gets one shared scale per
 block of its own block, so its gradient carries the same grid); every other gradient is all-reduced in its own dtype. Communication overlaps backward: a post-accumulate-grad hook on each
 parameter marks it ready, full buckets are launched in a fixed order with asynchronous collectives,
@@ -69,6 +69,9 @@ class DistributedDataParallel(nn.Module):
       ``fp8.initialize(..., opt_level="O3")`` returns; any object with ``owner(param) -> rank`` and the
       ``process_group`` it is sharded over): each gradient is then reduced to its owner only. ``None``
       (default): every gradient is all-reduced to every rank.
+    - ``exclude``: parameters kept out of the buckets (no hook, no reduction: their gradients accumulate
+      locally and the caller reduces them, e.g. the two copies of tied embeddings under pipeline
+      parallelism, summed over the embedding group before the data-parallel reduction).
 
     Every rank must produce gradients for the same parameters in each backward (as torch DDP with
     ``find_unused_parameters=False``); parameters without a gradient at the end of backward are
@@ -85,6 +88,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         counter: CommBytesCounter | None = None,
         o3_optimizer: Any = None,
+        exclude: Any = (),
     ) -> None:
         super().__init__()
         require_process_group("fp8.distributed.DistributedDataParallel")
@@ -98,7 +102,9 @@ class DistributedDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         self.grad_scaling = AutoScaleState(scaling, self._comm.world_size, device)
         self._param_ids = tuple(id(p) for p in params)
-        trained = [p for p in params if p.requires_grad]
+        excluded = {id(p) for p in exclude}
+        trained = [p for p in params if p.requires_grad and id(p) not in excluded]
+        self._excluded = tuple(p for p in params if id(p) in excluded)
         self._buckets: list[GradBucket] = plan_buckets(trained, bucket_bytes)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket.params}
         self._sync_buffers = [
@@ -265,7 +271,8 @@ class DistributedDataParallel(nn.Module):
             if grad is None:  # owner mode, not this rank's parameter: free its gradient
                 param.grad = None
             elif param.grad is None or type(param.grad) is not type(grad):
-                # No gradient yet, or an fp32 sum (grad_accumulation="fp32") replaced by its reduced FP8 value.
+                # No gradient yet, or an FP16/fp32 sum (grad_accumulation "fp16"/"fp32") replaced by its reduced FP8
+                # value (E4M3, 1 byte per element, after the reduction).
                 param.grad = grad.clone()
             else:
                 param.grad.copy_(grad)  # Float8Tensor.copy_ of a Float8Tensor: payload and scale

@@ -25,7 +25,7 @@ from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
 from .pipeline import Reduction
 from ..blocks import Block
-from .scaled_allreduce import _amaxes, _count_at_max, _scale_slices, _shared_scales, quantize_shared
+from .scaled_allreduce import block_amaxes, count_at_max, scale_slices, shared_scales, quantize_shared
 
 __all__ = ["fp8_owner_reduction", "plain_owner_reduction", "agree_overflow_statistic"]
 
@@ -65,11 +65,11 @@ def fp8_owner_reduction(
     device = tensors[0].device
     order, splits, offsets, total = _layout(tensors, owners, world)
 
-    amax = _amaxes(tensors, blocks)
+    amax = block_amaxes(tensors, blocks)
     yield comm.all_reduce(amax, op=dist.ReduceOp.MAX, tag="fp8 amax")
 
-    scales = _shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
-    slices = _scale_slices(tensors, blocks)
+    scales = shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
+    slices = scale_slices(tensors, blocks)
     send = torch.empty(total, dtype=fmt.dtype, device=device)
     for i in order:
         start, end, shape = slices[i]
@@ -82,7 +82,7 @@ def fp8_owner_reduction(
 
     reduced = received.view(world, mine).to(torch.float32).sum(0).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     del received
-    state.record(_count_at_max(reduced, fmt), mine)
+    state.record(count_at_max(reduced, fmt), mine)
     result_scales = scales * world if average else scales
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for i, offset in _owned_offsets(tensors, owners, rank).items():

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..blocks import Block, block_amax, grid_shape, quantize_blocks
-from ..cast import quantize
+from ..cast import payload_and_scale, quantize
 from ..comm import Collectives, CommBytesCounter
 from ..formats import FP8Format
 from ..scaling import compute_scale
@@ -42,20 +42,22 @@ from ..tensor import Float8Tensor
 from .auto_scale import AutoScaleState
 from .pipeline import Reduction, ReductionPipeline
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "scaled_all_reduce", "fp8_bucket_reduction", "coalesce"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "scaled_all_reduce", "fp8_bucket_reduction", "coalesce", "quantize_shared", "block_amaxes",
+           "count_at_max", "scale_slices", "shared_scales"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bucket capacity in bytes on the wire (torch DDP's default 25 MiB): 25 Mi elements of FP8."""
 
 
 def _check_input(t: torch.Tensor) -> None:
-    if not isinstance(t, Float8Tensor) and not t.is_floating_point():
-        raise TypeError(f"scaled_all_reduce takes floating-point tensors or fp8.Float8Tensor, got {t.dtype}")
+    if payload_and_scale(t) is None and not t.is_floating_point():
+        raise TypeError(f"scaled_all_reduce takes floating-point tensors, fp8.Float8Tensor or fp8.ScaledFloat16Tensor, "
+                        f"got {t.dtype}")
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
-    """fp32 value of a Float8Tensor or a plain floating tensor."""
-    if isinstance(t, Float8Tensor):
+    """fp32 value of a scaled tensor (Float8Tensor, ScaledFloat16Tensor) or a plain floating tensor."""
+    if payload_and_scale(t) is not None:
         return t.dequantize(torch.float32)
     return t.detach().to(torch.float32)
 
@@ -64,13 +66,14 @@ def _finite_amax(t: torch.Tensor) -> torch.Tensor:
     """Largest finite magnitude of ``t`` (0-d fp32, 0 for an empty or all non-finite tensor), no host sync."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    if isinstance(t, Float8Tensor):  # e4m3fn has no inf; a power-of-two scale divides exactly
-        payload_amax = t.payload.to(torch.float32).abs().nan_to_num(nan=0.0).amax()
-        return payload_amax * t.scale.reciprocal()
+    parts = payload_and_scale(t)
+    if parts is not None:  # a tensor-wise scaled gradient (FP8 or FP16): a power-of-two scale divides exactly
+        payload_amax = parts[0].to(torch.float32).abs().nan_to_num(nan=0.0, posinf=0.0).amax()
+        return payload_amax * parts[1].reciprocal()
     return t.detach().to(torch.float32).abs().nan_to_num(nan=0.0, posinf=0.0).amax()
 
 
-def _amaxes(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> torch.Tensor:
+def block_amaxes(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> torch.Tensor:
     """The finite amaxes of a bucket as one flat fp32 vector: one per tensor-wise tensor, a grid per block-scaled one
     (in tensor order)."""
     parts = []
@@ -83,8 +86,8 @@ def _amaxes(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> 
     return torch.cat(parts)
 
 
-def _scale_slices(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> list[tuple[int, int, tuple]]:
-    """``(start, end, shape)`` of each tensor's scale(s) in the flat vector of :func:`_amaxes` (shape ``()`` or the grid)."""
+def scale_slices(tensors: Sequence[torch.Tensor], blocks: Sequence[Block | None]) -> list[tuple[int, int, tuple]]:
+    """``(start, end, shape)`` of each tensor's scale(s) in the flat vector of :func:`block_amaxes` (shape ``()`` or the grid)."""
     out, position = [], 0
     for t, block in zip(tensors, blocks):
         shape = () if block is None else grid_shape(block, (t.shape[0], t.numel() // max(t.shape[0], 1)))
@@ -101,7 +104,7 @@ def quantize_shared(t: torch.Tensor, scale: torch.Tensor, block: Block | None, f
     return quantize_blocks(_values(t).reshape(t.shape[0], -1), scale, block, fmt).reshape(-1)
 
 
-def _shared_scales(amax: torch.Tensor, fmt: FP8Format, mu_scale: torch.Tensor, world_size: int) -> torch.Tensor:
+def shared_scales(amax: torch.Tensor, fmt: FP8Format, mu_scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """Per-tensor communication scales from the agreed amaxes: ``2**floor(log2(fmax/amax)) * mu``,
     kept inside the normal fp32 range even after the averaging factor ``world_size``."""
     scale = compute_scale(amax, fmt) * mu_scale
@@ -115,7 +118,7 @@ def _max_magnitude_bits(fmt: FP8Format) -> int:
     return int(torch.tensor(fmt.max, dtype=fmt.dtype).view(torch.uint8)) & 0x7F
 
 
-def _count_at_max(payload: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+def count_at_max(payload: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """Number of payload values equal to +-fmt.max (0-d int64), compared bit-wise on the bytes."""
     return ((payload.view(torch.uint8) & 0x7F) == _max_magnitude_bits(fmt)).sum()
 
@@ -143,12 +146,12 @@ def fp8_bucket_reduction(
     padded = shard * world
 
     # 1. One amax per tensor (per block of a block-scaled one), agreed across ranks (MAX).
-    amax = _amaxes(tensors, blocks)
+    amax = block_amaxes(tensors, blocks)
     yield comm.all_reduce(amax, op=dist.ReduceOp.MAX, tag="fp8 amax")
 
     # 2. Quantize every tensor with the shared scale(s), exchange shards (1 byte per element).
-    scales = _shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
-    slices = _scale_slices(tensors, blocks)
+    scales = shared_scales(amax, fmt, state.mu_scale().to(device), world if average else 1)
+    slices = scale_slices(tensors, blocks)
     send = torch.zeros(padded, dtype=fmt.dtype, device=device)
     for i, t in enumerate(tensors):
         start, end, shape = slices[i]
@@ -165,7 +168,7 @@ def fp8_bucket_reduction(
     yield comm.all_gather(gathered, reduced, tag="fp8 grads")
 
     # 4. Overflow statistic on the gathered bytes (identical on every rank), results.
-    state.record(_count_at_max(gathered[:total], fmt), total)
+    state.record(count_at_max(gathered[:total], fmt), total)
     result_scales = scales * world if average else scales
     return [
         Float8Tensor(gathered[offsets[i] : offsets[i + 1]].view(t.shape),

@@ -28,7 +28,8 @@ What the mixin changes in ``Trainer``, and nothing else:
 
 At ``fp8_opt_level="none"`` (alias ``"O0"``) every one of these is ``Trainer``'s own (``fp8_activations=True``
 still compresses the saved activations). Gradient accumulation needs nothing more: FP8 weight gradients are
-summed over micro-batches in fp32 (``Float8LinearConfig.grad_accumulation``, through ``fp8_config``).
+summed over micro-batches in a scaled FP16 buffer, 2 bytes per element (``Float8LinearConfig.grad_accumulation``,
+through ``fp8_config``).
 
 Refused up front, each error naming the fix: an unknown level or recipe, ``fp16=True`` (FP8 scales replace the
 loss scaler: use ``bf16=True`` or fp32), DeepSpeed and FSDP (they build or shard the optimizer themselves), more

@@ -11,11 +11,12 @@ from .backend import KERNEL_BACKENDS, interpreter_enabled, resolve_backend, trit
 from .cast_transpose_amax import amax_unless, cast_transpose_amax, cast_transpose_amax_reference
 from .grad_accumulate import (
     accumulate_fp8_grad, accumulate_fp8_grad_reference, accumulate_fp8_payload, accumulate_fp8_payload_reference,
+    accumulate_fp16_payload, accumulate_fp16_payload_reference,
 )
 
 __all__ = [
     "KERNEL_BACKENDS", "triton_available", "interpreter_enabled", "resolve_backend",
     "cast_transpose_amax", "cast_transpose_amax_reference", "amax_unless",
     "accumulate_fp8_grad", "accumulate_fp8_grad_reference", "accumulate_fp8_payload",
-    "accumulate_fp8_payload_reference",
+    "accumulate_fp8_payload_reference", "accumulate_fp16_payload", "accumulate_fp16_payload_reference",
 ]

@@ -1,8 +1,15 @@
-"""FP8 gradient accumulation: ``acc += new`` for an FP8 gradient, summed in fp32 and re-quantized
-with the power-of-two scale of the sum (so micro-batches of very different magnitude cannot overflow).
+"""Gradient accumulation into a scaled low-precision buffer: ``acc += new``, summed in fp32 and written back
+with a power-of-two scale chosen on the device from the sum, so micro-batches of very different magnitude
+cannot overflow.
 
-This is what an in-place add into a :class:`fp8.Float8Tensor` gradient computes; the torch reference is
-the CPU path and the oracle of the Triton kernels (:mod:`fp8.kernels.triton_grad_accumulate`).
+- FP8 (:func:`accumulate_fp8_payload`): the sum re-quantized with its own current scale (what an in-place add
+  into a :class:`fp8.Float8Tensor` gradient computes).
+- FP16 (:func:`accumulate_fp16_payload`): the buffer keeps its scale (:func:`fp16_accumulation_scale`) unless
+  the sum would overflow it, so each micro-batch adds one FP16 rounding of the sum (what an in-place add into
+  an :class:`fp8.ScaledFloat16Tensor` gradient computes).
+
+The torch references are the CPU path and the oracle of the Triton kernels
+(:mod:`fp8.kernels.triton_grad_accumulate`).
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ import torch
 
 from ..cast import dequantize, payload_and_scale, quantize
 from ..formats import get_format
-from ..scaling import amax_of, compute_scale
+from ..scaling import FP16_HEADROOM_BITS, FP16_MAX, amax_of, compute_scale, finite_amax, fp16_accumulation_scale
 from .backend import resolve_backend
 
 __all__ = ["accumulate_fp8_grad", "accumulate_fp8_grad_reference", "accumulate_fp8_payload",
-           "accumulate_fp8_payload_reference"]
-
+           "accumulate_fp8_payload_reference", "accumulate_fp16_payload", "accumulate_fp16_payload_reference",
+           "fp16_accumulation_scale", "finite_amax", "FP16_MAX", "FP16_HEADROOM_BITS"]
 
 def _value(new: torch.Tensor, new_scale: torch.Tensor | None) -> torch.Tensor:
     return new.to(torch.float32) if new_scale is None else dequantize(new, new_scale, torch.float32)
@@ -50,6 +57,39 @@ def accumulate_fp8_payload(acc_payload: torch.Tensor, acc_scale: torch.Tensor, n
     from .triton_grad_accumulate import launch_accumulate
 
     launch_accumulate(acc_payload, acc_scale, new, new_scale)
+
+
+@torch.no_grad()
+def accumulate_fp16_payload_reference(acc_payload: torch.Tensor, acc_scale: torch.Tensor, new: torch.Tensor,
+                                      new_scale: torch.Tensor | None = None) -> None:
+    """Torch reference of :func:`accumulate_fp16_payload` (same contract, same bits)."""
+    acc = dequantize(acc_payload, acc_scale, torch.float32)
+    total = acc + _value(new, new_scale)
+    scale = fp16_accumulation_scale(finite_amax(total), finite_amax(acc_payload), acc_scale)
+    acc_payload.copy_((total * scale).to(torch.float16))  # finite values fit by the choice of scale; inf/NaN kept
+    acc_scale.copy_(scale)
+
+
+@torch.no_grad()
+def accumulate_fp16_payload(acc_payload: torch.Tensor, acc_scale: torch.Tensor, new: torch.Tensor,
+                            new_scale: torch.Tensor | None = None, backend: str = "auto") -> None:
+    """Add ``new`` into the FP16 gradient buffer ``acc_payload`` (float16) with its 0-d fp32 power-of-two
+    ``acc_scale`` (value ``acc_payload / acc_scale``), in place: ``new`` is a high-precision tensor
+    (``new_scale`` None) or a scaled payload (FP16 or FP8) with its scale. The sum is formed in fp32 and written
+    with :func:`fp16_accumulation_scale` (computed on device before the write, so nothing overflows; a rescale
+    is by a power of two, exact). Non-finite values of the sum are written as they are (the optimizer's finite
+    check skips the step) and leave the scale alone. The Triton path reads both inputs twice (amaxes, then the
+    write) and writes the payload once; no host sync."""
+    if acc_payload.dtype != torch.float16:
+        raise TypeError(f"accumulate_fp16_payload: the buffer must be float16, got {acc_payload.dtype}")
+    if acc_payload.shape != new.shape:
+        raise ValueError(f"accumulate_fp16_payload: shapes differ, {tuple(acc_payload.shape)} vs {tuple(new.shape)}")
+    if resolve_backend(backend, acc_payload, new) == "torch" or not acc_payload.is_contiguous():
+        accumulate_fp16_payload_reference(acc_payload, acc_scale, new, new_scale)
+        return
+    from .triton_grad_accumulate import launch_accumulate_fp16
+
+    launch_accumulate_fp16(acc_payload, acc_scale, new, new_scale)
 
 
 def _parts(acc: torch.Tensor, new: torch.Tensor):

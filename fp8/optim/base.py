@@ -24,7 +24,7 @@ from torch import nn
 
 from ..kernels.backend import KERNEL_BACKENDS, resolve_backend
 from ..blocks import quantize_to_blocks
-from ..cast import quantize
+from ..cast import payload_and_scale, quantize
 from ..formats import FP8_DTYPES, byte_view
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def grad_value(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient as an fp32 tensor (FP8 gradients dequantized)."""
-    if isinstance(grad, Float8Tensor):
+    """A gradient as an fp32 tensor (scaled gradients, FP8 or FP16, dequantized)."""
+    if payload_and_scale(grad) is not None:
         return grad.dequantize(torch.float32)
     return grad.to(torch.float32)
 
@@ -55,7 +55,7 @@ def skip_step(optimizer: torch.optim.Optimizer, scaling_module: nn.Module | None
 
 
 def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
-    """Whether every gradient of ``params`` is finite (FP8 payloads and scales included).
+    """Whether every gradient of ``params`` is finite (scaled gradients' payloads and scales included).
 
     One host synchronisation for all tensors together (:func:`grads_finite_flag` has none).
     """
@@ -69,8 +69,9 @@ def grads_finite_flag(params: Iterable[torch.Tensor]) -> torch.Tensor:
         grad = p.grad
         if grad is None:
             continue
-        if isinstance(grad, Float8Tensor):
-            flags.append(torch.isfinite(grad.payload.to(torch.float32)).all() & torch.isfinite(grad.scale).all())
+        parts = payload_and_scale(grad)  # FP8 or FP16 payload with its scale(s)
+        if parts is not None:
+            flags.append(torch.isfinite(parts[0].to(torch.float32)).all() & torch.isfinite(parts[1]).all())
         else:
             flags.append(torch.isfinite(grad).all())
     if not flags:
@@ -299,15 +300,27 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 p.grad.zero_()
 
     # -- checkpoints ------------------------------------------------------------------------------
+    @property
+    def opt_level(self) -> str:
+        """The opt level this optimizer's state belongs to (recorded in :meth:`state_dict`, checked on load)."""
+        from .levels import level_name
+
+        return level_name("O2", self.precision)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """torch's optimizer state dict plus ``skipped_steps``."""
+        """torch's optimizer state dict plus ``skipped_steps`` and ``opt_level``."""
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
+        state["opt_level"] = self.opt_level
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore hyper-parameters and states, keeping each state's stored dtype (payloads and scales
-        are restored bit for bit), and re-quantize the FP8 weights from the restored masters."""
+        are restored bit for bit), and re-quantize the FP8 weights from the restored masters. A state
+        dict of another opt level is refused (:class:`fp8.optim.levels.OptLevelMismatchError`)."""
+        from .levels import check_opt_level
+
+        check_opt_level(state_dict, self.opt_level, self)
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))

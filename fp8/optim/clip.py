@@ -6,17 +6,19 @@ from collections.abc import Iterable
 
 import torch
 
+from ..cast import payload_and_scale
 from ..tensor import Float8Tensor
 
-__all__ = ["clip_grad_norm_", "scale_grads_to_norm_"]
+__all__ = ["clip_grad_norm_", "scale_grads_to_norm_", "tensor_norm"]
 
 
-def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     if isinstance(grad, Float8Tensor) and grad.block is not None:
         return torch.linalg.vector_norm(grad.dequantize(torch.float32), norm_type)
-    if isinstance(grad, Float8Tensor):
+    parts = payload_and_scale(grad)  # a tensor-wise scaled gradient, FP8 or FP16
+    if parts is not None:
         # The norm of payload / scale, without materialising the dequantized gradient twice.
-        return torch.linalg.vector_norm(grad.payload.to(torch.float32), norm_type) / grad.scale
+        return torch.linalg.vector_norm(parts[0].to(torch.float32), norm_type) / parts[1]
     return torch.linalg.vector_norm(grad, norm_type).to(torch.float32)
 
 
@@ -40,7 +42,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    norms = torch.stack([_norm(g, float(norm_type)) for g in grads])
+    norms = torch.stack([tensor_norm(g, float(norm_type)) for g in grads])
     total = torch.linalg.vector_norm(norms, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -53,10 +55,11 @@ def clip_grad_norm_(
 
 def scale_grads_to_norm_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
     """Multiply ``grads`` (whose global norm is ``total``) by ``min(1, max_norm / total)`` in place:
-    FP8 gradients exactly, through their scale; others with an in-place multiply."""
+    scaled gradients (FP8 or FP16) exactly, through their scale; others with an in-place multiply."""
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
-        if isinstance(g, Float8Tensor):
-            g.scale.div_(coef)
+        parts = payload_and_scale(g)
+        if parts is not None:
+            parts[1].div_(coef)
         else:
             g.mul_(coef.to(g.dtype))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..scaling import power_of_two_scale
+from ..scaled_fp16 import ScaledFloat16Tensor
 from ..tensor import Float8Tensor
 from .base import grads_finite_flag
 from .precision import DELAYED_HEADROOM, delayed_or_current_scale
@@ -29,7 +30,7 @@ _BLOCK = 1024
 
 
 def _payload_and_scale(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(t, Float8Tensor):
+    if isinstance(t, (Float8Tensor, ScaledFloat16Tensor)):  # scaled gradients: FP8 or FP16 payload
         return t.payload, t.scale
     return t.detach(), torch.ones((), dtype=torch.float32, device=t.device)
 

@@ -27,6 +27,7 @@ import logging
 import torch
 from torch import nn
 
+from ..cast import payload_and_scale
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from .skipped import SkippedStepsCounter
@@ -109,7 +110,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
             grad = fp8_weight.grad
             if grad is None:
                 master.grad = None
-            elif isinstance(grad, Float8Tensor):
+            elif payload_and_scale(grad) is not None:  # a scaled gradient, FP8 or FP16
                 master.grad = grad.dequantize(master.dtype)
             else:
                 master.grad = grad.to(master.dtype)
@@ -220,11 +221,19 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "master_weights": [m.detach() for m in self.master_weights],
             "skipped_steps": self.skipped_steps,
+            "opt_level": self.opt_level,
         }
+
+    opt_level = "O1"
+    """The opt level this optimizer's state belongs to (recorded in :meth:`state_dict`, checked on load)."""
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore the wrapped optimizer and the masters, and re-quantize the FP8 weights from them."""
+        """Restore the wrapped optimizer and the masters, and re-quantize the FP8 weights from them. A state
+        dict of another opt level is refused (:class:`fp8.optim.levels.OptLevelMismatchError`)."""
+        from .levels import check_opt_level
+
+        check_opt_level(state_dict, self.opt_level, self)
         masters = state_dict["master_weights"]
         if len(masters) != len(self.pairs):
             raise ValueError(

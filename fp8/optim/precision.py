@@ -15,7 +15,7 @@ from ..scaling import amax_of, power_of_two_scale
 
 __all__ = [
     "StorageFormat", "STORAGE_FORMATS", "OptimizerPrecision", "PRECISION_PRESETS", "STATE_SCALINGS", "encode",
-    "encode_delayed", "delayed_or_current_scale", "decode",
+    "encode_delayed", "delayed_or_current_scale", "decode", "DELAYED_HEADROOM",
 ]
 
 

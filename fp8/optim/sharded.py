@@ -23,7 +23,7 @@ from ..distributed.gather import start_owner_gather
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_finite_flag
-from .clip import _norm, scale_grads_to_norm_
+from .clip import scale_grads_to_norm_, tensor_norm
 from .convert import converted_arguments
 from .partition import ParamPartition, partition_by_size
 from .precision import OptimizerPrecision
@@ -200,7 +200,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
         # Partial norms live on the parameters' device (the process group's: CUDA for NCCL), also on a rank
         # that owns no gradient this step; the all-reduce then needs no host copy.
         device = self._skipped_counter.device
-        norms = [_norm(g, float(norm_type)).to(device) for g in grads]
+        norms = [tensor_norm(g, float(norm_type)).to(device) for g in grads]
         if norm_type == 2.0:
             local = torch.stack([n.square() for n in norms]).sum() if norms else torch.zeros((), device=device)
             self._comm.all_reduce(local, tag="grad norm").wait()
@@ -212,9 +212,32 @@ class ShardedFP8Optimizer(FP8Optimizer):
         scale_grads_to_norm_(grads, total, max_norm)
         return total
 
+    @property
+    def opt_level(self) -> str:
+        """The opt level this optimizer's state belongs to (O3, or its machinery at another precision)."""
+        from .levels import level_name
+
+        return level_name("O3", self.precision)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's own state (the tensors it owns), with ``opt_level`` and the data-parallel ``world_size``."""
+        state = super().state_dict()
+        state["world_size"] = self.world_size
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """This rank's own state dict (same world size); re-gathers the parameters afterwards. For
-        checkpoints that reshard across world sizes use :mod:`fp8.checkpoint`."""
+        checkpoints that reshard across world sizes use :mod:`fp8.checkpoint`. A state dict of another
+        opt level or data-parallel size is refused (:class:`fp8.optim.levels.OptLevelMismatchError`)."""
+        from .levels import OptLevelMismatchError
+
+        saved_world = state_dict.get("world_size") if isinstance(state_dict, dict) else None
+        if saved_world is not None and int(saved_world) != self.world_size:
+            raise OptLevelMismatchError(
+                f"this {self.opt_level} optimizer state was saved by one rank of {saved_world} data-parallel ranks "
+                f"(the tensors that rank owned) and cannot be loaded into an {self.opt_level} optimizer sharded "
+                f"over {self.world_size}: save and load with fp8.checkpoint, which reshards across data-parallel "
+                f"sizes")
         super().load_state_dict(state_dict)
         self.gather_params()
 

@@ -13,7 +13,7 @@ the tensor-parallel group, as for sequence-parallel norms).
 autograd function (:class:`fp8.linear.Float8LinearFunction`), the collectives below passed in as
 :class:`fp8.linear.LinearHooks`: E4M3 weight shard (a :class:`Float8Tensor` parameter), E4M3 input, E5M2 output
 gradient (E4M3 under the ``rowwise``/``blockwise`` recipes, :mod:`fp8.recipes`), FP8 GEMMs with fp32 accumulation; the weight gradient is held per ``fp8.grad_accumulation``
-(fp32 by default, summed exactly over micro-batches; see :mod:`fp8.linear`). Communication:
+(a scaled FP16 buffer by default, 2 bytes per element, accurate over micro-batches; see :mod:`fp8.linear`). Communication:
 
 ===========================  =========================================  ==========================================
 layer / pass                 sequence parallel                          tensor parallel only
@@ -56,7 +56,7 @@ from .init import initialize_sharded_weight
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "FP8ColumnParallelLinear", "FP8RowParallelLinear",
-    "take_initial_masters",
+    "take_initial_masters", "ParallelLinearBase",
 ]
 
 
@@ -69,7 +69,7 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class _ParallelLinearBase(nn.Module):
+class ParallelLinearBase(nn.Module):
     """Shared set-up of the column- and row-parallel linears."""
 
     partition_dim: int
@@ -228,7 +228,7 @@ class _HighPrecisionRowFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class ColumnParallelLinear(_ParallelLinearBase):
+class ColumnParallelLinear(ParallelLinearBase):
     """``Y = X A^T + b`` with ``A`` split along its output dimension over the tensor-parallel group.
 
     megatron-core's ``ColumnParallelLinear`` contract; ``fp8`` selects FP8 (a
@@ -294,7 +294,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return out, (self.bias if self.skip_bias_add else None)
 
 
-class RowParallelLinear(_ParallelLinearBase):
+class RowParallelLinear(ParallelLinearBase):
     """``Y = X A^T + b`` with ``A`` split along its input dimension over the tensor-parallel group.
 
     megatron-core's ``RowParallelLinear`` contract (``input_is_parallel`` must be True: the input is
@@ -391,7 +391,7 @@ def take_initial_masters(module: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     forget them there (the optimizer keeps them as its master weights from now on)."""
     masters = {}
     for layer in module.modules():
-        if isinstance(layer, _ParallelLinearBase) and layer.initial_master is not None:
+        if isinstance(layer, ParallelLinearBase) and layer.initial_master is not None:
             masters[layer.weight] = layer.initial_master
             layer.initial_master = None
     return masters

@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from .config_rules import OPT_LEVELS, ConfigurationError, check_config, normalize_opt_level, opt_level_arg
+from .config_rules import OPT_LEVELS, ConfigurationError, check_config, check_split, normalize_opt_level, opt_level_arg
+from .output_paths import check_output_path
 
 __all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
 
@@ -114,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 opt level; none (alias O0) is the high-precision baseline")
     f.add_argument("--fp8-amax-history-len", type=int, default=16)
     f.add_argument("--fp8-margin", type=int, default=0)
-    f.add_argument("--fp8-grad-accumulation", choices=("fp32", "fp8"), default="fp32",
-                   help="FP8 weight gradients over micro-batches: summed in fp32 and quantized once for the "
-                        "data-parallel reduction, or held as E4M3 (Float8LinearConfig.grad_accumulation)")
+    f.add_argument("--fp8-grad-accumulation", choices=("fp16", "fp32", "fp8"), default="fp16",
+                   help="FP8 weight gradients over micro-batches (Float8LinearConfig.grad_accumulation): summed in a "
+                        "scaled FP16 buffer (2 B/element, default) or in fp32 (4 B) and quantized once for the "
+                        "data-parallel reduction, or held as E4M3 (1 B; one or a few micro-batches)")
     f.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
                    help="granularity of the FP8 scales (fp8.recipes): one per tensor (delayed, E4M3/E5M2), per row "
                         "(tokens and output channels) or DeepSeek-style blocks (1x128 activation and gradient tiles, "
@@ -181,10 +183,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                 f"--data-parallel-size {args.data_parallel_size} != world size / (TP x PP) = {dp}; it is only for --dry-run"
             )
     args.data_parallel_size = dp
-    if args.collective_trace is not None and os.path.exists(args.collective_trace) \
-            and not os.path.isdir(args.collective_trace):
-        raise ConfigurationError(f"--collective-trace {args.collective_trace} is a file: give a directory for the "
-                                 f"per-rank trace files")
+    check_split(args.split)
+    # Every output path, before any training (megatron/training/output_paths.py).
+    for flag, path, is_dir in (("--save", args.save, True), ("--log-json", args.log_json, False),
+                               ("--plot", args.plot, False), ("--collective-trace", args.collective_trace, True)):
+        check_output_path(path, flag, directory=is_dir)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
@@ -239,11 +242,5 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
     else:
         args.compare_levels = []
-    if (args.fp8_opt_level == "O3" or args.use_distributed_optimizer) and pp > 1 and dp > 1 and not args.untie_embeddings_and_output_weights:
-        raise ConfigurationError(
-            "a sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism shards the two "
-            "copies of tied embeddings to "
-            "different owners, so their gradients cannot be summed: add --untie-embeddings-and-output-weights"
-        )
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     return args

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["ConfigurationError", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
+__all__ = ["ConfigurationError", "check_split", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
            "check_config"]
 
 OPT_LEVELS = ("none", "O1", "O2", "O3")
@@ -167,3 +167,23 @@ def _check_fp8_shapes(h: int, f: int, heads: int, groups: int, swiglu: bool, tp:
             f"micro batch x seq length = {tokens} tokens must be a multiple of 16 for FP8 weight-gradient GEMMs: "
             f"change --micro-batch-size or --seq-length"
         )
+
+
+def check_split(split: str) -> list[float]:
+    """The three weights of ``--split`` (train, validation, test; fewer are padded with 0s, as in
+    megatron-core); :class:`ConfigurationError` unless they are up to three non-negative finite numbers with
+    a positive sum (megatron-core's own parser reads the digits and dots only: ``-1,2,0`` as ``1,2,0``,
+    ``1e-3`` as two numbers, and makes NaN of a zero sum)."""
+    parts = [part.strip() for part in str(split).replace("/", ",").split(",")]
+    usage = "give up to three non-negative weights with a positive sum, e.g. --split 949,50,1"
+    if not 1 <= len(parts) <= 3:
+        raise ConfigurationError(f"--split {split!r} has {len(parts)} parts: {usage}")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        raise ConfigurationError(f"--split {split!r}: not numbers: {usage}") from None
+    if any(not (w >= 0 and w != float("inf")) for w in weights):
+        raise ConfigurationError(f"--split {split!r} has a negative or non-finite weight: {usage}")
+    if sum(weights) <= 0:
+        raise ConfigurationError(f"--split {split!r} sums to 0 (no data for any split): {usage}")
+    return weights + [0.0] * (3 - len(weights))

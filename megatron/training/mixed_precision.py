@@ -149,6 +149,8 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
         super().__init__(optimizer, pairs, model)
         self.main_grads = main_grads
 
+    opt_level = "none (--bf16: FP32 masters of BF16 parameters)"
+
     @torch.no_grad()
     def _load_master_grads(self) -> None:
         sharded = isinstance(self.optimizer, FP8Optimizer) and hasattr(self.optimizer, "owns")

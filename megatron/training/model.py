@@ -48,7 +48,7 @@ def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
     return Float8LinearConfig(
         input=ScalingConfig("e4m3", "delayed", history, margin),
         grad_output=ScalingConfig("e5m2", "delayed", history, margin),
-        grad_accumulation=getattr(args, "fp8_grad_accumulation", "fp32"),
+        grad_accumulation=getattr(args, "fp8_grad_accumulation", "fp16"),
         recipe=getattr(args, "fp8_recipe", "tensorwise"),
     )
 

@@ -22,7 +22,7 @@ from fp8.comm import Collectives, CommBytesCounter
 from fp8.comm_trace import CollectiveTrace
 from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
-from fp8.parallel.linear import _ParallelLinearBase
+from fp8.parallel.linear import ParallelLinearBase
 from fp8.tensor import Float8Tensor
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -32,7 +32,8 @@ from .config_rules import ConfigurationError
 from .distributed import cpu_compat
 from .distributed.core_collective_bytes import record_core_collectives, record_core_construction
 from .distributed.core_trace import check_trace_directory, trace_megatron_core
-from .distributed.grads import clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads
+from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads,
+                                reduce_tied_embedding_grads, tied_embedding_weights)
 from .distributed.pipeline_p2p import FP8P2PCommunicator
 from .health import SkipMonitor
 from .log import TrainingLogger
@@ -208,7 +209,7 @@ class TrainingRun:
         chunks = [_to_device(c, device) for c in chunks]
         for chunk in chunks:
             for module in chunk.modules():
-                if isinstance(module, _ParallelLinearBase):
+                if isinstance(module, ParallelLinearBase):
                     module.set_counter(self.counter)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
@@ -221,9 +222,19 @@ class TrainingRun:
         if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
             self.optimizer.counter = self.counter
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
+        # A sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism: the two copies of
+        # tied embeddings may have different owners on their stages, so their gradients are summed over the
+        # embedding group before the data-parallel reduction (megatron-core's order), outside DDP's buckets.
+        sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
+        pp_world = parallel_state.get_pipeline_model_parallel_world_size()
+        tie_first = sharded and self.dp_size > 1 and pp_world > 1 and not args.untie_embeddings_and_output_weights
+        self.tied_weights = tied_embedding_weights(chunks) if tie_first else []
+        self.tied_owner = None
         if self.dp_size > 1 and self.main_grads is None:
             owners = owner_optimizer(self.optimizer)
-            self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners)
+            self.tied_owner = owners.owner if owners is not None else None
+            self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners,
+                                                   exclude=self.tied_weights)
                            for c in chunks]
             self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         else:
@@ -240,13 +251,15 @@ class TrainingRun:
         record_core_construction(self.counter, chunks,
                                  dist.get_world_size(self.embd_group) if self.embd_group is not None else 1)
         norm_group = parallel_state.get_model_parallel_group()
-        sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
         self.norm_group = dist.group.WORLD if sharded and self.dp_size > 1 else norm_group
         # One Collectives per group, built once: the step's gradient sums and norm go through these.
         self.tp_comm = Collectives(self.tp_group, self.counter)
         self.norm_comm = Collectives(self.norm_group, self.counter)
         in_embd = self.embd_group is not None and dist.get_rank(self.embd_group) >= 0
         self.embd_comm = Collectives(self.embd_group, self.counter) if in_embd else None
+        self.dp_comm = Collectives(self.dp_group, self.counter)
+        if self.tied_weights and self.embd_comm is None:
+            raise RuntimeError("tied embeddings on a rank outside megatron-core's embedding group")
         if self.main_grads is not None:
             self.main_grads.counter = self.counter
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
@@ -329,9 +342,20 @@ class TrainingRun:
                 model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
+        if self.tied_weights and self.main_grads is not None:
+            # --bf16 with --use-distributed-optimizer: the tied copies' FP32 main gradients summed over the embedding
+            # group before the data-parallel reduction (which then frees the ones this rank does not own).
+            for weight in self.tied_weights:
+                if weight.main_grad is None:
+                    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                self.embd_comm.all_reduce(weight.main_grad, tag="tied embedding grads").wait()
+        elif self.tied_weights:
+            # Kept out of DDP's buckets: summed over the embedding group, then reduced over data parallel to the owner.
+            reduce_tied_embedding_grads(self.tied_weights, self.embd_comm, self.dp_comm, self.tied_owner)
         if self.main_grads is not None:
             self.main_grads.finish()  # --bf16: FP32 main gradients reduced over data parallel
-        finalize_model_grads(self.bare_chunks, self.tp_comm, self.embd_comm, self.tied and self.pp_size > 1)
+        finalize_model_grads(self.bare_chunks, self.tp_comm, self.embd_comm,
+                             self.tied and self.pp_size > 1 and not self.tied_weights)
         norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device)
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).

@@ -59,7 +59,8 @@ from fp8.blocks import dequantize_blocks
 from fp8.tensor import Float8Tensor, to_float8
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
-           "CheckpointMismatchError", "FORMAT", "LATEST"]
+           "check_step", "describe_no_checkpoint", "CheckpointMismatchError", "CheckpointNotFoundError", "FORMAT",
+           "LATEST"]
 
 FORMAT = "fp8lm-megatron/1"
 """The format tag written in ``meta``."""
@@ -81,6 +82,10 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size",
                   "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """``--load`` names no checkpoint (the message says what is there and the fix)."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -117,6 +122,7 @@ def _write_small(path: Path, text: str) -> None:
 
 
 def _write_latest(directory: Path, iteration: int, train_iters: int) -> None:
+    # _write_small replaces any ``.tmp`` a killed save left; the load of this directory removes them too.
     _write_small(directory / LATEST, f"{iteration}\n")
     # For launchers (the Slurm script requeues while the run is unfinished), no Python needed to read it.
     _write_small(directory / PROGRESS, f"iteration {iteration} of {train_iters}\n")
@@ -393,31 +399,114 @@ def _earlier_good_checkpoint(directory: Path, iteration: int, run, error: Except
     raise CheckpointCorruptedError(f"{error}; --load-fallback found no earlier iteration of {directory} that verifies")
 
 
+_ITER_DIR = re.compile(r"iter_(\d{7})(?:\.old)?")
+
+
+def check_step(path: str | os.PathLike, iteration: int | None, flag: str) -> int | None:
+    """The iteration to read from ``path`` given ``flag`` (``--ckpt-step``, ``--iteration``) = ``iteration``:
+    None (the latest, or the one checkpoint ``path`` is) or ``iteration``; :class:`CheckpointNotFoundError`
+    with the fix when ``path`` is the checkpoint of another iteration."""
+    single, named = _single_checkpoint(Path(path))
+    if not single or iteration is None:
+        return iteration
+    if named is not None and iteration != named:
+        raise CheckpointNotFoundError(
+            f"{path} is the checkpoint of iteration {named}, {flag} asks for {iteration}: pass its --save directory "
+            f"{Path(path).parent} with {flag} {iteration}, or leave {flag} out")
+    return None
+
+
+def _single_checkpoint(directory: Path) -> tuple[bool, int | None]:
+    """Whether ``directory`` is one checkpoint (``DIR/iter_XXXXXXX``, its interrupted-save ``.old`` copy,
+    or any directory holding DCP ``.metadata``) rather than a ``--save`` directory, and the iteration its
+    name gives (None when the name gives none)."""
+    m = _ITER_DIR.fullmatch(directory.name)
+    if (directory / LATEST).exists():
+        return False, None
+    if (directory / ".metadata").exists():
+        return True, int(m.group(1)) if m else None
+    if m and not directory.exists() and directory.with_name(directory.name + ".old").exists():
+        return True, int(m.group(1))
+    return False, None
+
+
+def _saved_iterations(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("iter_*") if p.is_dir()) if directory.is_dir() else []
+
+
+def describe_no_checkpoint(directory: str | os.PathLike) -> str:
+    """Why ``directory`` (a ``--load`` without ``latest_checkpointed_iteration.txt``) holds no checkpoint to
+    load, as a predicate ("does not exist: ...", "is empty: ...", "holds ..."): what is there, and the fix."""
+    directory = Path(directory)
+    if not directory.exists():
+        what = "does not exist"
+    elif not directory.is_dir():
+        what = "is a file, not a checkpoint directory"
+    else:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+        saved = _saved_iterations(directory)
+        if saved:
+            return (f"holds {', '.join(saved)} but no {LATEST} (a save interrupted before naming it): pass "
+                    f"--load {directory / saved[-1]} (one checkpoint), or --ckpt-step N")
+        what = ("is empty" if not names else
+                f"holds no checkpoint (no {LATEST}, no iter_XXXXXXX directory; found: "
+                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''})")
+    return (f"{what}: pass a pretrain_gpt.py --save directory or one of its iter_XXXXXXX directories (a run that starts "
+            f"fresh and resumes later uses the same directory for --save and --load)")
+
+
+def _remove_stale_tmp(directory: Path) -> None:
+    """Remove ``latest_checkpointed_iteration.txt.tmp`` / ``progress.txt.tmp`` left in this run's own
+    ``--save`` directory by a save killed while writing them (the files they would have replaced are
+    intact: they are replaced by a rename). Rank 0, before it writes them again or loads."""
+    for name in (LATEST, PROGRESS):
+        try:
+            (directory / (name + ".tmp")).unlink()
+        except OSError:  # none there (the usual case), or not ours to remove
+            pass
+
+
 def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = None) -> int:
     """Restore the run from the latest checkpoint in ``directory`` (or ``iteration``'s), at this run's
-    parallel layout (every rank calls it); returns its iteration (0 when ``directory`` holds none yet).
+    parallel layout (every rank calls it); returns its iteration. ``directory`` may also be one checkpoint
+    (``DIR/iter_XXXXXXX``). Without a checkpoint there: 0 (start from scratch) when ``directory`` is also
+    ``--save`` (a requeued job), else :class:`CheckpointNotFoundError` naming what is there.
     Sets ``run.consumed_samples``."""
     directory = Path(directory)
     distributed = dist.is_initialized()
     rank0 = dist.get_rank() == 0
-    if iteration is None:
-        iteration = latest_iteration(directory)
+    save = run.args.save
+    if rank0 and save is not None and Path(save).resolve() == directory.resolve():
+        _remove_stale_tmp(directory)
+    single, named = _single_checkpoint(directory)
+    if single:  # --load DIR/iter_XXXXXXX: that checkpoint
+        check_step(directory, iteration, "--ckpt-step")
+        path = resolve_checkpoint(directory)
+        directory = directory.parent  # --load-fallback looks for earlier iterations beside it
+        iteration = named
+    else:
         if iteration is None:
-            save = run.args.save
-            if not directory.exists() and (save is None or Path(save).resolve() != directory.resolve()):
-                raise FileNotFoundError(
-                    f"--load {directory} does not exist: correct the path (a run that starts fresh and resumes later "
-                    f"uses the same directory for --save and --load)")
-            if rank0:
-                print(f"--load {directory}: no checkpoint there yet, starting from scratch", flush=True)
-            return 0
-    path = checkpoint_dir(directory, iteration)
-    if not path.exists() and not path.with_name(path.name + ".old").exists():
-        raise FileNotFoundError(f"{path} is missing although {directory / LATEST} names iteration {iteration}")
-    path = resolve_checkpoint(path)
+            iteration = latest_iteration(directory)
+            if iteration is None:
+                if save is not None and Path(save).resolve() == directory.resolve():
+                    if rank0:  # the documented requeue case: --save and --load the same directory
+                        print(f"--load {directory}: no checkpoint there yet (it is also --save), starting from "
+                              f"scratch", flush=True)
+                    return 0
+                raise CheckpointNotFoundError(f"--load {directory} {describe_no_checkpoint(directory)}")
+            named_by = f"{directory / LATEST} names iteration {iteration}"
+        else:
+            named_by = f"--ckpt-step {iteration} asks for it"
+        path = checkpoint_dir(directory, iteration)
+        if not path.exists() and not path.with_name(path.name + ".old").exists():
+            raise CheckpointNotFoundError(f"{path} does not exist although {named_by} (saved: "
+                                          f"{', '.join(_saved_iterations(directory)) or 'none'})")
+        path = resolve_checkpoint(path)
     try:
         verify_checksums(path, counter=run.counter)
     except CheckpointCorruptedError as error:
+        if iteration is None:  # a checkpoint directory outside a --save directory: nothing earlier to fall back to
+            raise
         if not getattr(run.args, "load_fallback", False):
             raise CheckpointCorruptedError(f"{error}; or pass --load-fallback to load the newest earlier iteration "
                                            f"that verifies") from error
@@ -448,8 +537,10 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     for e in _entries(run):
         p = e.param
         fp8_dtype = p.payload.dtype if isinstance(p, Float8Tensor) else None
-        keys = [e.key] if not (e.sharded and reshard_tp) else [f"{e.name}/tp{i}" for i in range(saved_tp)]
-        in_place = keys == [e.key]
+        # Resharded tensor-parallel parameters are read shard by shard and re-split, even when the
+        # checkpoint's only shard ``tp0`` has this rank's own key (TP1 -> TP2: rank 0 holds half of it).
+        in_place = not (e.sharded and reshard_tp)
+        keys = [e.key] if in_place else [f"{e.name}/tp{i}" for i in range(saved_tp)]
         model_bufs = None
         if in_place:
             if fp8_dtype is not None:

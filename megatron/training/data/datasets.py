@@ -151,12 +151,26 @@ def _check_token_range(prefix: str, dtype, tokenizer: SentencePieceTokenizer, sa
 
 
 def _split_string(split: str | Sequence[float]) -> str:
+    """``split`` as megatron-core's parser reads it (digits and dots only: no sign, no exponent), once it is
+    up to three non-negative weights with a positive sum (``DataError`` otherwise)."""
+    from megatron.training.config_rules import ConfigurationError, check_split
+
     if isinstance(split, str):
-        return split
-    values = list(split)
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise DataError(f"split must be up to three non-negative weights with a positive sum, got {values}")
-    return ",".join(repr(float(v)) for v in values)
+        try:
+            values = check_split(split)
+        except ConfigurationError as error:
+            raise DataError(str(error)) from None
+    else:
+        values = [float(v) for v in split]
+        if not 1 <= len(values) <= 3 or any(not v >= 0 for v in values) or not 0 < sum(values) < float("inf"):
+            raise DataError(f"split must be up to three non-negative weights with a positive sum, got {values}")
+    return _plain_split(values)
+
+
+def _plain_split(weights: Sequence[float]) -> str:
+    """Weights in fixed-point notation (``repr`` writes ``1e-05``, which megatron-core reads as 1 and 05)."""
+    total = sum(weights)
+    return ",".join(format(w / total, ".17f") for w in weights)
 
 
 def build_gpt_datasets(
@@ -196,8 +210,8 @@ def build_gpt_datasets(
     if len(num_samples) != 3 or any(n is not None and n < 0 for n in num_samples):
         raise ValueError(f"num_samples must be three non-negative sample counts (or None), got {num_samples}")
     check_data_files(prefixes)
-    split = _split_string(split)
-    weights = parse_and_normalize_split(split)
+    given = split if isinstance(split, str) else ",".join(f"{float(w):g}" for w in split)  # as the user wrote it
+    weights = parse_and_normalize_split(_split_string(split))
     dropped: set[int] = set()
     while True:  # a split without a sample's worth of tokens: dropped if nothing is asked of it, else an error
         split_matrix = convert_split_vector_to_split_matrix(weights)
@@ -210,19 +224,19 @@ def build_gpt_datasets(
                 warnings.warn(
                     f"the {which} split of {prefix!r} gets documents [{beg}, {end}) of {count} ({tokens} tokens, "
                     f"fewer than one sample of seq_length + 1 = {seq_length + 1}) and no samples are asked of it: "
-                    f"dropped (split {split!r} -> {_drop(weights, index)})", stacklevel=2)
+                    f"dropped (split {given!r} -> {_drop(weights, index)})", stacklevel=2)
                 weights = [0.0 if i == index else w for i, w in enumerate(weights)]
                 total = sum(weights)
                 weights = [w / total for w in weights]
                 dropped.add(index)
                 break
-            raise ValueError(
+            raise DataError(  # a ValueError: pretrain_gpt.py exits 2 with this one line
                 f"the {which} split of {prefix!r} gets documents [{beg}, {end}) of {count}, "
                 f"{tokens} tokens, fewer than one sample of seq_length + 1 = {seq_length + 1}: give it more "
                 "text, more documents (smaller --document-chars in tools/preprocess_data.py), a larger "
-                f"share in split={split!r} (or 0 to drop it), or a shorter seq_length"
+                f"share in split={given!r} (or 0 to drop it), or a shorter seq_length"
             )
-    split = ",".join(repr(float(w)) for w in weights)
+    split = _plain_split(weights)
     cache_root = Path(path_to_cache) if path_to_cache is not None else Path(prefixes[0]).resolve().parent / "cache"
     config = GPTDatasetConfig(
         random_seed=seed,

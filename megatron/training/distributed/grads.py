@@ -13,12 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from collections.abc import Callable
+
 from fp8.cast import payload_and_scale
 from fp8.comm import Collectives
-from fp8.optim.clip import _norm as _fp8_norm
+from fp8.distributed.owner_reduce import plain_owner_reduction
+from fp8.distributed.pipeline import StagedReduction
+from fp8.optim.clip import tensor_norm
 from fp8.tensor import Float8Tensor
 
-__all__ = ["finalize_model_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
+__all__ = ["finalize_model_grads", "tied_embedding_weights", "reduce_tied_embedding_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
 
 
 def finalize_model_grads(chunks: list[nn.Module], tp_comm: Collectives, embd_comm: Collectives | None,
@@ -45,6 +49,51 @@ def finalize_model_grads(chunks: list[nn.Module], tp_comm: Collectives, embd_com
             if isinstance(grad, Float8Tensor):
                 raise RuntimeError("tied embeddings are expected in high precision")
             embd_comm.all_reduce(grad, tag="tied embedding grads").wait()
+
+
+def tied_embedding_weights(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """The copies of tied input/output embeddings ``chunks`` hold (the first stage's word embedding, the last
+    stage's output weight; both on a one-stage pipeline's single chunk, once), in chunk order."""
+    out: list[nn.Parameter] = []
+    for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)
+        if not (getattr(chunk, "pre_process", False) or getattr(chunk, "post_process", False)):
+            continue
+        weight = chunk.shared_embedding_or_output_weight()
+        if weight is not None and weight.requires_grad and all(weight is not w for w in out):
+            out.append(weight)
+    return out
+
+
+@torch.no_grad()
+def reduce_tied_embedding_grads(weights: list[nn.Parameter], embd_comm: Collectives, dp_comm: Collectives | None,
+                                owner: Callable[[nn.Parameter], int] | None = None) -> None:
+    """The tied embeddings' gradients under a sharded optimizer, which :class:`fp8.distributed.DistributedDataParallel`
+    kept out of its buckets (``exclude=``): each copy's local gradient (every micro-batch of this rank) is first
+    summed over ``embd_comm``'s group (the first and last stages' copies at the same tensor/data-parallel
+    coordinate), then averaged over ``dp_comm``'s group: reduced to its owner ``owner(weight)`` (the others' gradients
+    freed, as the buckets' owner reduction does) or, without ``owner``, all-reduced. Both copies then hold the same
+    gradient on their owners (the same sums in the same order on both stages), so the sharded optimizer steps them
+    identically although their owners differ. Every rank of both groups issues the same collectives in the same
+    order: one all-reduce per weight over the embedding group, then one collective per weight over data parallel,
+    whatever the values (a missing gradient counts as zeros)."""
+    for weight in weights:
+        grad = weight.grad
+        if grad is None:
+            grad = weight.grad = torch.zeros_like(weight)
+        if isinstance(grad, Float8Tensor):
+            raise RuntimeError("tied embeddings are expected in high precision")
+        embd_comm.all_reduce(grad, tag="tied embedding grads").wait()
+    if dp_comm is None or dp_comm.world_size <= 1:
+        return
+    for weight in weights:
+        if owner is None:
+            dp_comm.all_reduce(weight.grad, tag="tied embedding grads").wait()
+            weight.grad.div_(dp_comm.world_size)
+            continue
+        (reduced,) = StagedReduction(plain_owner_reduction([weight.grad], [owner(weight)], dp_comm,
+                                                           average=True), eager=True).finish()
+        weight.grad = None if reduced is None else reduced.clone()
 
 
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -77,7 +126,7 @@ def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
     plain: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if payload_and_scale(g) is not None:  # a scaled gradient: E4M3, or the FP16 sum of grad_accumulation="fp16"
-            parts.append(_fp8_norm(g, 2.0).square().reshape(()))
+            parts.append(tensor_norm(g, 2.0).square().reshape(()))
         else:
             plain.setdefault((g.device, g.dtype), []).append(g)
     for (_, dtype), group in plain.items():

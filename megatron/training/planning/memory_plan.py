@@ -34,11 +34,13 @@ precision, 2 weight + 2 gradient + 4 master + 8 Adam, and so does this planner's
 | O3 | O2 with masters, m, v kept only for the tensors this DP rank owns | |
 
 G, the gradient of an FP8 weight at the optimizer step, follows ``grad_accumulation`` (``fp8.Float8LinearConfig``,
-pretrain_gpt's ``--fp8-grad-accumulation``). ``"fp32"`` (default) sums micro-batches in an fp32 ``.grad``: with
-one DP rank that sum is the step's gradient, G = 4; with several, the DP reduction quantizes it once and leaves
-an E4M3 gradient (1 byte plus a 4-byte scale per tensor, at O3 only with the owner), and the fp32 sums held
-during the accumulation window are the ``gradient_accumulation`` category: 4 bytes per FP8-weight element on
-every rank, less the step's FP8 gradient bytes of that rank (what the window holds beyond the step's state).
+pretrain_gpt's ``--fp8-grad-accumulation``). ``"fp16"`` (default) sums micro-batches in a scaled FP16 ``.grad``
+(2 bytes per element plus a 4-byte scale per tensor), ``"fp32"`` in an fp32 one (4 bytes): with one DP rank that
+sum is the step's gradient, G = 2 (fp16) or 4 (fp32); with several, the DP reduction quantizes it once and leaves
+an E4M3 gradient (1 byte plus a 4-byte scale per tensor, at O3 only with the owner), and the sums held
+during the accumulation window are the ``gradient_accumulation`` category: 2 (fp16, plus the scales) or 4 bytes per
+FP8-weight element on every rank, less the step's FP8 gradient bytes of that rank (what the window holds beyond the
+step's state).
 It counts at the time of the activations (the last micro-batch's backward), not at the step; with one
 micro-batch per step the sums turn into 1-byte gradients bucket by bucket during backward, so it is an upper
 bound there. ``"fp8"`` re-rounds an E4M3 gradient after every micro-batch: G = 1 (plus scale), kept after the
@@ -130,7 +132,8 @@ _IMPLEMENTATIONS = ("megatron-core", "transformers")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-GRAD_ACCUMULATION = ("fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
+GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
+SUM_BYTES = {"fp16": 2, "fp32": 4}  # bytes per element of an FP8 weight's gradient sum before the DP reduction
 _RECIPES = ("tensorwise", "rowwise", "blockwise")  # fp8.recipes.RECIPES
 _TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
 _MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
@@ -183,7 +186,7 @@ class PlannerConfig:
     fp8_output_layer: bool = False
     dp_bucket_bytes: int = 25 * _MiB
     fp8_amax_history_len: int = 16
-    grad_accumulation: str = "fp32"
+    grad_accumulation: str = "fp16"
     pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
     min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
     fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise
@@ -355,7 +358,7 @@ class PlannerConfig:
             min_fp8_dim=default_min_fp8_dim() if get("fp8_min_dim") is None else int(get("fp8_min_dim")),
             use_distributed_optimizer=bool(get("use_distributed_optimizer", False)),
             hidden_dropout=float(get("hidden_dropout", 0.0)),
-            grad_accumulation=get("fp8_grad_accumulation", "fp32"),
+            grad_accumulation=get("fp8_grad_accumulation", "fp16"),
             fp8_recipe=get("fp8_recipe", "tensorwise"), fp8_activations=bool(get("fp8_activations", False)),
             implementation=get("implementation", "megatron-core"),
         )
@@ -490,8 +493,10 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
             out["fp8_scaling_metadata"] += scales + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scales, states
             if sp_scatter and not t.name.endswith("output_layer.weight"):
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
-            if cfg.grad_accumulation == "fp32" and dp == 1:
-                out["gradients"] += 4 * n  # the fp32 sum over micro-batches is the step's gradient
+            if cfg.grad_accumulation in SUM_BYTES and dp == 1:
+                out["gradients"] += SUM_BYTES[cfg.grad_accumulation] * n  # the sum over micro-batches is the step's
+                if cfg.grad_accumulation == "fp16":
+                    out["fp8_scaling_metadata"] += 4  # the FP16 buffer's scale
             elif level == "O1":
                 out["gradients"] += n
                 # gradient scale(s): the recipe's grid when held in E4M3 over micro-batches, else the DP reduction's
@@ -540,12 +545,13 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                     loads[owner] += t.numel
             transient += (dp + 1) * max(loads) * elem
     window = 0
-    if cfg.grad_accumulation == "fp32" and cfg.data_parallel_size > 1:
-        # fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients (payload + scale) of
-        # the worst rank (O3: only those it owns).
+    if cfg.grad_accumulation in SUM_BYTES and cfg.data_parallel_size > 1:
+        # FP16 (+ scale) or fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients (payload +
+        # scale) of the worst rank (O3: only those it owns).
         worst_rank = per_rank.index(worst)  # 0 when not sharded: every owner is 0
         held = [t.numel for t, owner in zip(tensors, owners) if t.fp8 and owner == worst_rank]
-        window = 4 * fp8_numel - sum(held) - 4 * len(held)
+        sum_scales = 4 * sum(t.fp8 for t in tensors) if cfg.grad_accumulation == "fp16" else 0
+        window = SUM_BYTES[cfg.grad_accumulation] * fp8_numel + sum_scales - sum(held) - 4 * len(held)
     return worst, {"gradient_accumulation": window, "step_transients": transient}, per_rank
 
 
