@@ -11,7 +11,7 @@ import torch
 import fp8
 import fp8.distributed as fd
 from fp8.distributed.bucketing import plan_buckets
-from fp8.distributed.scaled_allreduce import _count_at_max, coalesce
+from fp8.distributed.scaled_allreduce import coalesce, count_at_max
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_count_at_max_reads_the_bytes(gen):
         values[3::11] = -fmt.max
         payload = values.to(fmt.dtype)
         expected = (payload.float().abs() == fmt.max).sum().item()
-        assert _count_at_max(payload, fmt).item() == expected > 0
+        assert count_at_max(payload, fmt).item() == expected > 0
 
 
 def test_buckets_split_by_kind_and_size_in_backward_order(seed):
