@@ -53,7 +53,7 @@ class Adam(FP8Optimizer):
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
                          kernel_backend=kernel_backend)
 
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         if weight_decay:
@@ -68,8 +68,8 @@ class Adam(FP8Optimizer):
         bias_correction2_sqrt = (1 - beta2**step).sqrt().to(torch.float32)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         w.sub_(exp_avg / denom * (lr / bias_correction1))
-        self._store(state, "exp_avg", "exp_avg", exp_avg)
-        self._store(state, "exp_avg_sq", "exp_avg_sq", exp_avg_sq)
+        self._store(state, "exp_avg", "exp_avg", exp_avg, delayed=delayed)
+        self._store(state, "exp_avg_sq", "exp_avg_sq", exp_avg_sq, delayed=delayed)
 
 
 class AdamW(Adam):

@@ -135,12 +135,13 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         """Whether ``p`` keeps a separate master copy (FP8 weights and 16-bit parameters)."""
         return isinstance(p, Float8Tensor) or p.dtype in (torch.float16, torch.bfloat16)
 
-    _delayed_update = False  # set while a step stores states with delayed scaling (see _masked_param_update)
-
-    def _store(self, state: dict, key: str, role: str, value: torch.Tensor, fmt: StorageFormat | None = None) -> None:
+    def _store(self, state: dict, key: str, role: str, value: torch.Tensor, fmt: StorageFormat | None = None,
+               delayed: bool = False) -> None:
+        """Store ``value`` as ``state[key]`` in ``role``'s format (or ``fmt``): with ``delayed`` (a step of a
+        parameter whose states use delayed scaling) from its amax history, else with a current scale."""
         previous = state.get(f"{key}_scale")
         fmt = fmt or self.precision.format(role)
-        if self._delayed_update and f"{key}_amax" in state:
+        if delayed and f"{key}_amax" in state:
             state[key], state[f"{key}_scale"], state[f"{key}_amax"] = encode_delayed(
                 value, fmt, previous, state[f"{key}_amax"])
             return
@@ -151,12 +152,12 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         and ``p`` keeps a master; FP32 parameters, their own master, keep current scaling)."""
         return self.precision.state_scaling == "delayed" and self.needs_master(p)
 
-    def _store_master(self, p: torch.Tensor, state: dict, value: torch.Tensor) -> None:
+    def _store_master(self, p: torch.Tensor, state: dict, value: torch.Tensor, delayed: bool = False) -> None:
         # FP8 weights keep their master in the configured precision; the few 16-bit high-precision
         # parameters (norms, embeddings, biases) keep an fp32 master, since their values near 1 would
         # lose small updates in 16 bits.
         fmt = None if isinstance(p, Float8Tensor) else STORAGE_FORMATS["fp32"]
-        self._store(state, "master", "master", value, fmt)
+        self._store(state, "master", "master", value, fmt, delayed=delayed)
 
     @staticmethod
     def _load(state: dict, key: str) -> torch.Tensor:
@@ -194,7 +195,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         return self._load(state, "master") if "master" in state else p.detach().to(torch.float32)
 
     # -- the step ---------------------------------------------------------------------------------
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
+        """Update master value ``w`` in place from gradient ``g`` and store the new moments (``delayed``: as
+        :meth:`_store`'s)."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -253,14 +256,10 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         has_master = "master" in state
         w = self._load(state, "master") if has_master else p.detach().to(torch.float32, copy=True)
         state["step"] = state["step"] + 1
-        delayed = "master_amax" in state
-        self._delayed_update = delayed
-        try:
-            self._update(w, g, state, group)
-            if has_master:
-                self._store_master(p, state, w)
-        finally:
-            self._delayed_update = False
+        delayed = "master_amax" in state  # this parameter's states use delayed scaling
+        self._update(w, g, state, group, delayed=delayed)
+        if has_master:
+            self._store_master(p, state, w, delayed=delayed)
         for key, old in before.items():
             if isinstance(old, torch.Tensor) and state[key] is not old:
                 state[key] = select_where(ok, state[key], old)

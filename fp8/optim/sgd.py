@@ -44,7 +44,7 @@ class SGD(FP8Optimizer):
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
                          kernel_backend=kernel_backend)
 
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
         momentum, dampening = group["momentum"], group["dampening"]
         if group["weight_decay"]:
             g = g.add(w, alpha=group["weight_decay"])
@@ -52,6 +52,6 @@ class SGD(FP8Optimizer):
             previous = self._load(state, "momentum_buffer")
             # First step: the buffer starts as the gradient itself (torch semantics).
             buf = torch.where(state["step"] == 1, g, previous.mul_(momentum).add_(g, alpha=1 - dampening))
-            self._store(state, "momentum_buffer", "exp_avg", buf)
+            self._store(state, "momentum_buffer", "exp_avg", buf, delayed=delayed)
             g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
         w.add_(g, alpha=-group["lr"])
