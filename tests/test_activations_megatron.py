@@ -26,7 +26,7 @@ CASES = {
 def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from fp8 import Float8Tensor
+    from fp8 import Float8Tensor, ScaledFloat16Tensor
 
     init_gloo_worker(rank, world, port)
     results = {}
@@ -43,7 +43,8 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                     g = getattr(p, "main_grad", None)
                     g = p.grad if g is None else g
                     if g is not None:
-                        g = g.dequantize(torch.float32) if isinstance(g, Float8Tensor) else g.float()
+                        plain = not isinstance(g, (Float8Tensor, ScaledFloat16Tensor))
+                        g = g.float() if plain else g.dequantize(torch.float32)
                         grads.append(g.reshape(-1))
                 _seen["grads"] = torch.cat(grads).clone()
                 return real_step(*a, **kw)
