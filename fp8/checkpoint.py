@@ -52,7 +52,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
-           "CheckpointCorruptedError", "CheckpointMismatchError", "CHECKPOINT_VERSION", "CHECKSUMS"]
+           "file_sha256", "CheckpointCorruptedError", "CheckpointMismatchError", "CHECKPOINT_VERSION", "CHECKSUMS"]
 
 CHECKPOINT_VERSION = 1
 """Layout version written in ``meta``."""
@@ -208,7 +208,8 @@ CHECKSUMS = "checksums.sha256"
 directory is renamed into place and verified by every load."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 hex digest of the file at ``path``, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -262,7 +263,7 @@ def write_atomically(path: str | os.PathLike, state: dict[str, Any], *,
         raise
     if comm is not None:
         comm.barrier("checkpoint")  # every rank's files are complete
-    sums = {f.name: _sha256(f) for f in _my_files(partial, rank, world)}
+    sums = {f.name: file_sha256(f) for f in _my_files(partial, rank, world)}
     all_sums = _gather(sums, comm)
     if rank == 0:
         merged = dict(sorted(kv for part in all_sums for kv in part.items()))
@@ -305,7 +306,7 @@ def verify_checksums(path: str | os.PathLike, *, process_group: dist.ProcessGrou
             f = path / name
             if not f.exists():
                 problems.append(f"{name} is missing")
-            elif _sha256(f) != expected[name]:
+            elif file_sha256(f) != expected[name]:
                 problems.append(f"{name} does not match its checksum")
     comm = _coordination(process_group, distributed, counter)
     messages = sorted({m for part in _gather(problems, comm) for m in part})

@@ -20,14 +20,13 @@ quantize the value once to E4M3 for the wire) and :func:`fp8.memory_report` (2 b
 
 from __future__ import annotations
 
-import hashlib
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .cast import dequantize
 from .kernels import grad_accumulate
 from .kernels.backend import KERNEL_BACKENDS
+from .subclass_dispatch import ScaledTensor, dispatch, metadata_hash, on_values, to_copy
 from .scaling import FP16_HEADROOM_BITS, FP16_MAX, finite_amax, fp16_accumulation_scale, power_of_two_scale
 
 __all__ = ["ScaledFloat16Tensor", "to_scaled_fp16"]
@@ -35,23 +34,18 @@ __all__ = ["ScaledFloat16Tensor", "to_scaled_fp16"]
 aten = torch.ops.aten
 
 
-class ScaledFloat16Tensor(torch.Tensor):
+class ScaledFloat16Tensor(ScaledTensor):
     """FP16 payload plus its 0-d fp32 power-of-two scale; ``dequantize()`` is ``payload / scale`` in ``dtype``.
 
     Construct with :func:`to_scaled_fp16` or ``ScaledFloat16Tensor(payload, scale, dtype, accumulate_backend)``;
     ``accumulate_backend`` (:data:`fp8.kernels.KERNEL_BACKENDS`) is the kernel backend of ``acc += new``."""
-
-    _data: torch.Tensor
-    _scale: torch.Tensor
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                 accumulate_backend: str = "auto"):
         if data.dtype != torch.float16:
             raise TypeError(f"ScaledFloat16Tensor takes a float16 payload, got {data.dtype}")
-        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
-                                                   storage_offset=data.storage_offset(), dtype=dtype,
-                                                   device=data.device, requires_grad=False)
+        return ScaledTensor.__new__(cls, data, scale, dtype)
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                  accumulate_backend: str = "auto"):
@@ -62,16 +56,6 @@ class ScaledFloat16Tensor(torch.Tensor):
         self._data = data
         self._scale = scale.reshape(()).to(device=data.device, dtype=torch.float32)
         self.accumulate_backend = accumulate_backend
-
-    @property
-    def payload(self) -> torch.Tensor:
-        """The FP16 payload (a plain float16 tensor)."""
-        return self._data
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The 0-d fp32 scale: ``payload = fp16(value * scale)``."""
-        return self._scale
 
     @property
     def block(self) -> None:
@@ -98,24 +82,13 @@ class ScaledFloat16Tensor(torch.Tensor):
         """Metadata hash for torch.compile's AOT autograd cache (as :class:`fp8.Float8Tensor`'s): never the values."""
         key = (type(self).__qualname__, str(self.dtype), tuple(self.shape), tuple(self.stride()), self.device.type,
                str(self._data.dtype), self.accumulate_backend)
-        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
+        return metadata_hash(key)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _OP_TABLE.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
         from .tensor import DEQUANTIZE_OPS
 
-        if func in DEQUANTIZE_OPS or func.overloadpacket in DEQUANTIZE_OPS:
-            return _dequantized(func, args, kwargs)
-        raise NotImplementedError(
-            f"ScaledFloat16Tensor has no implementation of {func} and it is not in fp8.tensor.DEQUANTIZE_OPS; call "
-            f".dequantize() first to run it in fp32"
-        )
+        return dispatch(ScaledFloat16Tensor, _OP_TABLE, DEQUANTIZE_OPS, func, args, kwargs or {}, _dequantized)
 
 
 def to_scaled_fp16(x: torch.Tensor, dtype: torch.dtype | None = None,
@@ -181,14 +154,7 @@ def _clone(func, args, kwargs):
 
 def _to_copy(func, args, kwargs):
     """``.to()``: a device move keeps the payload and scale; a dtype change returns the dequantized value."""
-    src, kwargs = args[0], dict(kwargs)
-    dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
-    kwargs.pop("layout", None)
-    if dtype is not None and dtype != src.dtype:
-        value = src.dequantize(dtype)
-        return value.to(device=device) if device is not None else value
-    data = aten._to_copy.default(src._data, device=device, **kwargs)
-    return _like(src, data, src._scale.to(device=data.device, copy=True))
+    return to_copy(args, kwargs, _like)
 
 
 def _copy_into(func, args, kwargs):
@@ -234,29 +200,9 @@ def _zero(func, args, kwargs):
     return dst
 
 
-def _is_inplace(func) -> bool:
-    schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].is_write and not schema.arguments[0].kwarg_only
-
-
 def _dequantized(func, args, kwargs):
     """``func`` on the fp32 values; an in-place op on a ScaledFloat16Tensor stores its result back (:func:`_store`)."""
-    if "out" in kwargs and any(isinstance(t, ScaledFloat16Tensor) for t in _as_list(kwargs["out"])):
-        raise NotImplementedError(f"{func} with a ScaledFloat16Tensor as out= is not supported; write to a plain tensor")
-    plain_args, plain_kwargs = tree_map(_value, args), tree_map(_value, kwargs)
-    if args and _is_inplace(func):
-        targets = _as_list(args[0])
-        if any(isinstance(t, ScaledFloat16Tensor) for t in targets):
-            returned = func(*plain_args, **plain_kwargs)
-            for target, result in zip(targets, _as_list(plain_args[0])):
-                if isinstance(target, ScaledFloat16Tensor):
-                    _store(target, result)
-            return None if returned is None else args[0]
-    return func(*plain_args, **plain_kwargs)
-
-
-def _as_list(x) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
+    return on_values(ScaledFloat16Tensor, func, args, kwargs, _value, _value, _store)
 
 
 _VIEW_OPS = (

@@ -22,11 +22,9 @@ scales and never import it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .blocks import Block, block_scales, dequantize_blocks, grid_shape, is_tensorwise, quantize_blocks, transpose_block
 from .cast import quantize
@@ -35,35 +33,26 @@ from .gemm import fp8_mm_payload
 from .kernels import grad_accumulate
 from .kernels.backend import KERNEL_BACKENDS
 from .scaling import amax_of, compute_scale
+from .subclass_dispatch import ScaledTensor, as_list as _as_list, dispatch, metadata_hash, on_values, to_copy
 
 __all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand"]
 
 aten = torch.ops.aten
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(ScaledTensor):
     """FP8 payload (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) plus its fp32 scale.
 
     Construct with :func:`to_float8` or ``Float8Tensor(payload, scale, dtype)``; ``dequantize()``
     returns the high-precision value ``payload / scale`` in ``dtype``.
     """
 
-    _data: torch.Tensor
-    _scale: torch.Tensor
     _shares_scale: bool = False  # a view: its scale object is shared with the tensor it views
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                 accumulate_backend: str = "auto", block: Block | None = None):
         get_format(data.dtype)  # validates the payload dtype
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=dtype,
-            device=data.device,
-            requires_grad=False,
-        )
+        return ScaledTensor.__new__(cls, data, scale, dtype)
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                  accumulate_backend: str = "auto", block: Block | None = None):
@@ -89,16 +78,6 @@ class Float8Tensor(torch.Tensor):
         self.accumulate_backend = accumulate_backend
 
     # -- public accessors -------------------------------------------------------------------
-    @property
-    def payload(self) -> torch.Tensor:
-        """The FP8 payload (a plain float8 tensor)."""
-        return self._data
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The fp32 scale: ``payload = cast(value * scale)``."""
-        return self._scale
-
     @property
     def block(self) -> Block | None:
         """The block of each scale of :attr:`scale` (:mod:`fp8.blocks`): ``None`` for one tensor-wise 0-d
@@ -185,23 +164,11 @@ class Float8Tensor(torch.Tensor):
 
         key = (type(self).__qualname__, meta(self), self.requires_grad, meta(self._data), meta(self._scale),
                self.accumulate_backend, self.block)
-        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
+        return metadata_hash(key)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = OP_TABLE.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        if func in DEQUANTIZE_OPS or func.overloadpacket in DEQUANTIZE_OPS:
-            return _dequantized(func, args, kwargs)
-        raise NotImplementedError(
-            f"Float8Tensor has no FP8 implementation of {func} and it is not in fp8.tensor.DEQUANTIZE_OPS (the ops "
-            f"allowed to run on the dequantized value); call .dequantize() on the Float8Tensor first to run it in "
-            f"high precision"
-        )
+        return dispatch(Float8Tensor, OP_TABLE, DEQUANTIZE_OPS, func, args, kwargs or {}, _dequantized)
 
 
 _OPERAND_MEMO = "_fp8_operand_memo"
@@ -242,11 +209,6 @@ def _written(t: Float8Tensor) -> None:
         torch.autograd.graph.increment_version(inner)
 
 
-def _as_list(x) -> list:
-    """The tensors in ``x`` (a tensor or a list/tuple of tensors)."""
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
 _ADDEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES)
 
 
@@ -272,12 +234,6 @@ def _accumulates(args, kwargs) -> bool:
         return False
     inner = new._data if isinstance(new, Float8Tensor) else new
     return _plain(inner) and inner.dtype in _ADDEND_DTYPES and inner.device == acc._data.device
-
-
-def _is_inplace(func) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``_foreach_mul_``, ...)."""
-    schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].is_write and not schema.arguments[0].kwarg_only
 
 
 def _like(src: Float8Tensor, data: torch.Tensor, scale: torch.Tensor, block: Block | None = None) -> Float8Tensor:
@@ -352,14 +308,7 @@ def _payload_copy(func, args, kwargs):
 
 def _to_copy(func, args, kwargs):
     """``.to()``: a device move keeps FP8; a dtype change returns the dequantized value."""
-    src, kwargs = args[0], dict(kwargs)
-    dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
-    kwargs.pop("layout", None)
-    if dtype is not None and dtype != src.dtype:
-        value = src.dequantize(dtype)
-        return value.to(device=device) if device is not None else value
-    data = aten._to_copy.default(src._data, device=device, **kwargs)
-    return _like(src, data, src._scale.to(device=data.device, copy=True))
+    return to_copy(args, kwargs, _like)
 
 
 def _copy_into(func, args, kwargs):
@@ -430,25 +379,15 @@ def _dequantized(func, args, kwargs):
     """An op of :data:`DEQUANTIZE_OPS` on the dequantized values. An in-place op on a Float8Tensor (also
     ``_foreach_*_``) computes in fp32 and re-quantizes the result into it (:func:`_assign`); ``out=`` a
     Float8Tensor is refused."""
-    if "out" in kwargs and any(isinstance(t, Float8Tensor) for t in _as_list(kwargs["out"])):
-        raise NotImplementedError(f"{func} with a Float8Tensor as out= is not supported; write to a plain tensor")
-    if args and _is_inplace(func):
-        targets = _as_list(args[0])
-        if any(isinstance(t, Float8Tensor) for t in targets):
-            def unwrap32(t):
-                return t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t
+    return on_values(Float8Tensor, func, args, kwargs, _value32, _value, _assign)
 
-            plain_args, plain_kwargs = tree_map(unwrap32, args), tree_map(unwrap32, kwargs)
-            returned = func(*plain_args, **plain_kwargs)
-            for target, result in zip(targets, _as_list(plain_args[0])):
-                if isinstance(target, Float8Tensor):
-                    _assign(target, result)
-            return None if returned is None else args[0]
 
-    def unwrap(t):
-        return t.dequantize() if isinstance(t, Float8Tensor) else t
+def _value32(t):
+    return t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t
 
-    return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+def _value(t):
+    return t.dequantize() if isinstance(t, Float8Tensor) else t
 
 
 _PAYLOAD_VIEW_OPS = (

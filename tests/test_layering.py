@@ -31,6 +31,7 @@ LAYERS = (
     ("fp8.scaling",),
     ("fp8.blocks", "fp8.recipes"),  # block scale grids (power-of-two scale per block); which block each GEMM operand uses
     ("fp8.kernels", "fp8.gemm"),  # grad accumulation (+ its Triton launch), the package's re-exports; FP8 GEMM
+    ("fp8.subclass_dispatch",),  # the dispatch skeleton both scaled tensor subclasses share (torch only)
     ("fp8.tensor", "fp8.scaled_fp16"),  # FP8 values; the scaled FP16 gradient buffer (grad_accumulation="fp16")
     ("fp8.serialization",),
     ("fp8.linear", "fp8.embedding"),  # embedding: the FP8 table (E4M3 rows), its gradient per the linear config

@@ -49,14 +49,22 @@ def accumulate_fp8_payload(acc_payload: torch.Tensor, acc_scale: torch.Tensor, n
     power-of-two scale (the previous one is kept for an amax of 0, inf or NaN), values are clamped to the
     format. The Triton path reads both inputs twice (amax, then cast) and writes the payload once; no host
     sync."""
-    if acc_payload.shape != new.shape:
-        raise ValueError(f"accumulate_fp8_grad: shapes differ, {tuple(acc_payload.shape)} vs {tuple(new.shape)}")
-    if resolve_backend(backend, acc_payload, new) == "torch" or not acc_payload.is_contiguous():
-        accumulate_fp8_payload_reference(acc_payload, acc_scale, new, new_scale)
-        return
-    from .triton_grad_accumulate import launch_accumulate
+    _accumulate("accumulate_fp8_grad", accumulate_fp8_payload_reference, "launch_accumulate", acc_payload, acc_scale,
+                new, new_scale, backend)
 
-    launch_accumulate(acc_payload, acc_scale, new, new_scale)
+
+def _accumulate(name: str, reference, launcher: str, acc_payload: torch.Tensor, acc_scale: torch.Tensor,
+                new: torch.Tensor, new_scale: torch.Tensor | None, backend: str) -> None:
+    """``reference(...)`` on the torch backend or a non-contiguous buffer, else the Triton ``launcher`` of
+    :mod:`fp8.kernels.triton_grad_accumulate` (imported here: Triton is optional)."""
+    if acc_payload.shape != new.shape:
+        raise ValueError(f"{name}: shapes differ, {tuple(acc_payload.shape)} vs {tuple(new.shape)}")
+    if resolve_backend(backend, acc_payload, new) == "torch" or not acc_payload.is_contiguous():
+        reference(acc_payload, acc_scale, new, new_scale)
+        return
+    from . import triton_grad_accumulate
+
+    getattr(triton_grad_accumulate, launcher)(acc_payload, acc_scale, new, new_scale)
 
 
 @torch.no_grad()
@@ -82,14 +90,8 @@ def accumulate_fp16_payload(acc_payload: torch.Tensor, acc_scale: torch.Tensor, 
     write) and writes the payload once; no host sync."""
     if acc_payload.dtype != torch.float16:
         raise TypeError(f"accumulate_fp16_payload: the buffer must be float16, got {acc_payload.dtype}")
-    if acc_payload.shape != new.shape:
-        raise ValueError(f"accumulate_fp16_payload: shapes differ, {tuple(acc_payload.shape)} vs {tuple(new.shape)}")
-    if resolve_backend(backend, acc_payload, new) == "torch" or not acc_payload.is_contiguous():
-        accumulate_fp16_payload_reference(acc_payload, acc_scale, new, new_scale)
-        return
-    from .triton_grad_accumulate import launch_accumulate_fp16
-
-    launch_accumulate_fp16(acc_payload, acc_scale, new, new_scale)
+    _accumulate("accumulate_fp16_payload", accumulate_fp16_payload_reference, "launch_accumulate_fp16", acc_payload,
+                acc_scale, new, new_scale, backend)
 
 
 def _parts(acc: torch.Tensor, new: torch.Tensor):

@@ -28,6 +28,7 @@ from ..cast import payload_and_scale, quantize
 from ..formats import FP8_DTYPES, byte_view
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
+from .levels import level_name
 from .skipped import SkippedStepsCounter
 from .precision import (
     STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, delayed_or_current_scale, encode, encode_delayed,
@@ -299,12 +300,14 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 p.grad.zero_()
 
     # -- checkpoints ------------------------------------------------------------------------------
+    LEVEL = "O2"
+    """The opt level whose machinery this class is (a constant of the class: O3 for the sharded optimizers)."""
+
     @property
     def opt_level(self) -> str:
-        """The opt level this optimizer's state belongs to (recorded in :meth:`state_dict`, checked on load)."""
-        from .levels import level_name
-
-        return level_name("O2", self.precision)
+        """The opt level this optimizer's state belongs to (:data:`LEVEL` at this optimizer's precision; recorded in
+        :meth:`state_dict`, checked on load)."""
+        return level_name(self.LEVEL, self.precision)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's optimizer state dict plus ``skipped_steps`` and ``opt_level``."""

@@ -62,6 +62,8 @@ class ShardedFP8Optimizer(FP8Optimizer):
     wrapped in ``fp8.distributed.DistributedDataParallel``, and raises.
     """
 
+    LEVEL = "O3"
+
     def __init__(self, params, *args: Any, process_group: dist.ProcessGroup | None = None,
                  counter: CommBytesCounter | None = None, gather_weights: bool = True, **kwargs: Any) -> None:
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
@@ -211,13 +213,6 @@ class ShardedFP8Optimizer(FP8Optimizer):
             total = local
         scale_grads_to_norm_(grads, total, max_norm)
         return total
-
-    @property
-    def opt_level(self) -> str:
-        """The opt level this optimizer's state belongs to (O3, or its machinery at another precision)."""
-        from .levels import level_name
-
-        return level_name("O3", self.precision)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's own state (the tensors it owns), with ``opt_level`` and the data-parallel ``world_size``."""

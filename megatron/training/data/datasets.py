@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from fp8.checkpoint import file_sha256
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
@@ -239,17 +240,10 @@ def build_gpt_datasets(
     split = _plain_split(weights)
     cache_root = Path(path_to_cache) if path_to_cache is not None else Path(prefixes[0]).resolve().parent / "cache"
     config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, None),
-        split=split,
-        path_to_cache=str(cache_root / f"GPTDataset_indices-{_fingerprint(prefixes)}"),
-        tokenizer=tokenizer,
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=create_attention_mask,
-        mmap_bin_files=True,
+        random_seed=seed, sequence_length=seq_length, blend=(prefixes, None), split=split, tokenizer=tokenizer,
+        path_to_cache=str(cache_root / f"GPTDataset_indices-{_fingerprint(prefixes)}"), mmap_bin_files=True,
+        reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
     )
     builder = BlendedMegatronDatasetBuilder(
         GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config
@@ -324,14 +318,6 @@ def gpt_batch_iterator(
 
 
 # -- the default corpus ---------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _corpus_recipe(vocab_size: int) -> dict:
     return {
         "revision": _DEFAULT_CORPUS_REVISION,
@@ -349,7 +335,7 @@ def _valid_corpus(directory: Path, vocab_size: int) -> dict | None:
             return None
         for name, meta in manifest["files"].items():
             path = directory / name
-            if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
                 return None
         return manifest
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -430,7 +416,7 @@ def prepare_default_corpus(
                 "input_bytes": summary.input_bytes,
                 "build_seconds": round(time.perf_counter() - started, 2),
                 "files": {
-                    name: {"size": (staging / name).stat().st_size, "sha256": _sha256(staging / name)}
+                    name: {"size": (staging / name).stat().st_size, "sha256": file_sha256(staging / name)}
                     for name in files
                 },
             }

@@ -218,27 +218,14 @@ def train_tokenizer(
     model = io.BytesIO()  # in memory: a model_prefix would be recorded in the model (not reproducible)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=checked_sentences(),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            byte_fallback=True,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            character_coverage=0.9995,
-            hard_vocab_limit=False,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            pad_id=PAD_ID,
-            input_sentence_size=max_training_sentences,
-            shuffle_input_sentence=True,
-            max_sentence_length=4 * _MAX_SENTENCE_CHARS,
-            num_threads=max(1, num_threads),
-            minloglevel=2,
+            sentence_iterator=checked_sentences(), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+            # text kept as written (whitespace, digits one by one), every byte representable
+            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
+            character_coverage=0.9995, hard_vocab_limit=False,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            input_sentence_size=max_training_sentences, shuffle_input_sentence=True,
+            max_sentence_length=4 * _MAX_SENTENCE_CHARS, num_threads=max(1, num_threads), minloglevel=2,
         )
     except RuntimeError as error:
         if input_errors:  # bad input, not a training problem: its own message

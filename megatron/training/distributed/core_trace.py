@@ -30,28 +30,21 @@ TRACED_MODULES = (
 )
 """The megatron-core modules whose ``torch.distributed`` calls are recorded."""
 
-# torch.distributed function -> (kind recorded, the argument NCCL sizes the call by, how: "tensor" or "list").
-_CALLS = {
-    "all_reduce": ("all_reduce", "tensor", "tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor", "tensor"),
-    "_all_gather_base": ("all_gather", "output_tensor", "tensor"),
-    "all_gather": ("all_gather", "tensor_list", "list"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", "tensor"),
-    "_reduce_scatter_base": ("reduce_scatter", "input", "tensor"),
-    "reduce_scatter": ("reduce_scatter", "input_list", "list"),
-    "all_to_all_single": ("all_to_all", "input", "tensor"),
-    "broadcast": ("broadcast", "tensor", "tensor"),
-    "isend": ("send", "tensor", "tensor"),
-    "irecv": ("recv", "tensor", "tensor"),
-    "send": ("send", "tensor", "tensor"),
-    "recv": ("recv", "tensor", "tensor"),
-    "barrier": ("barrier", None, None),
-}
+# torch.distributed function -> the argument NCCL sizes the call by (a tensor, or a list of tensors; None: no data).
+_SIZED_BY = {"all_reduce": "tensor", "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
+             "all_gather": "tensor_list", "reduce_scatter_tensor": "input", "_reduce_scatter_base": "input",
+             "reduce_scatter": "input_list", "all_to_all_single": "input", "broadcast": "tensor", "isend": "tensor",
+             "irecv": "tensor", "send": "tensor", "recv": "tensor", "barrier": None}
+_CALLS = tuple(_SIZED_BY)
+# The kind recorded, where it is not the function's name.
+_KIND = {"all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather", "reduce_scatter_tensor":
+         "reduce_scatter", "_reduce_scatter_base": "reduce_scatter", "all_to_all_single": "all_to_all", "isend": "send",
+         "irecv": "recv"}
 _FUNC_NAMES = {"dist_all_gather_func", "dist_reduce_scatter_func"}
 
 
 def _record(trace: CollectiveTrace, name: str, function, args, kwargs) -> None:
-    kind, sized_by, how = _CALLS[name]
+    kind, sized_by = _KIND.get(name, name), _SIZED_BY[name]
     bound = inspect.signature(function).bind_partial(*args, **kwargs)
     bound.apply_defaults()
     values = bound.arguments
@@ -60,7 +53,7 @@ def _record(trace: CollectiveTrace, name: str, function, args, kwargs) -> None:
     nbytes, dtype = 0, "none"
     if sized_by is not None:
         sized = values[sized_by]
-        tensors = list(sized) if how == "list" else [sized]
+        tensors = list(sized) if isinstance(sized, (list, tuple)) else [sized]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtype = str(tensors[0].dtype)
     if kind == "all_to_all" and values.get("input_split_sizes") is not None:

@@ -103,19 +103,19 @@ def main_grad(p: torch.Tensor) -> torch.Tensor | None:
     return grad if grad is not None else p.grad
 
 
-def model_grads(chunks: list[nn.Module]) -> list[torch.Tensor]:
-    """Every gradient of ``chunks`` once (main gradients where they exist)."""
+def unique_parameters(chunks: list[nn.Module]):
+    """Every parameter of ``chunks`` once, in order (a parameter shared between chunks is yielded at its first)."""
     seen: set[int] = set()
-    out = []
     for chunk in chunks:
         for p in chunk.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            grad = main_grad(p)
-            if grad is not None:
-                out.append(grad)
-    return out
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
+def model_grads(chunks: list[nn.Module]) -> list[torch.Tensor]:
+    """Every gradient of ``chunks`` once (main gradients where they exist)."""
+    return [g for g in map(main_grad, unique_parameters(chunks)) if g is not None]
 
 
 def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -142,23 +142,18 @@ def global_grad_norm(chunks: list[nn.Module], tp_rank: int, comm: Collectives, p
     holding distinct parts of the model: tensor x pipeline parallel, and data parallel when gradients
     are sharded, O3). ``device`` (default: the first parameter's) is where the partial sums live and
     what is all-reduced: the process group's device (CUDA for NCCL). No host synchronisation."""
-    seen: set[int] = set()
     counted = []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if device is None:
-                device = p.device
-            grad = main_grad(p)
-            if grad is None:
-                continue
-            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
-                continue
-            if getattr(p, "shared_embedding", False) and not pp_first_stage:
-                continue  # the last stage's copy of a tied embedding: counted on the first stage
-            counted.append(grad)
+    for p in unique_parameters(chunks):
+        if device is None:
+            device = p.device
+        grad = main_grad(p)
+        if grad is None:
+            continue
+        if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
+            continue
+        if getattr(p, "shared_embedding", False) and not pp_first_stage:
+            continue  # the last stage's copy of a tied embedding: counted on the first stage
+        counted.append(grad)
     total = _squared_norms(counted, device if device is not None else torch.device("cpu"))
     if comm.world_size > 1:
         comm.all_reduce(total, tag="grad norm").wait()

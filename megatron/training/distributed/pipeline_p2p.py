@@ -54,15 +54,6 @@ class FP8P2PCommunicator(P2PCommunicator):
         self._next_peer = dist.get_group_rank(pp_group, self.next_rank)
         self.overlapped_calls = 0  # calls that handed the schedule asynchronous requests (wait_on_reqs=False)
 
-    @property
-    def counter(self) -> CommBytesCounter | None:
-        """The byte counter of the pipeline messages (settable)."""
-        return self.comm.counter
-
-    @counter.setter
-    def counter(self, counter: CommBytesCounter | None) -> None:
-        self.comm.counter = counter
-
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                      wait_on_reqs: bool = True):
         if (recv_prev or recv_next) and tensor_shape is None:
@@ -76,18 +67,19 @@ class FP8P2PCommunicator(P2PCommunicator):
         # same rank (two stages, interleaved), its receives from us then meet our sends in the order they
         # expect, activations with activations and gradients with gradients.
         messages, wires = [], {}
-        if tensor_send_next is not None:
-            wires["send_next"] = self.forward_codec.encode(tensor_send_next)
-            messages.append(P2PMessage("send", wires["send_next"], self._next_peer, "pp activations"))
-        if recv_prev:
-            wires["recv_prev"] = self.forward_codec.empty_wire(tensor_shape, self.device)
-            messages.append(P2PMessage("recv", wires["recv_prev"], self._prev_peer, "pp activations"))
-        if tensor_send_prev is not None:
-            wires["send_prev"] = self.backward_codec.encode(tensor_send_prev)
-            messages.append(P2PMessage("send", wires["send_prev"], self._prev_peer, "pp gradients"))
-        if recv_next:
-            wires["recv_next"] = self.backward_codec.empty_wire(tensor_shape, self.device)
-            messages.append(P2PMessage("recv", wires["recv_next"], self._next_peer, "pp gradients"))
+        fwd, bwd = self.forward_codec, self.backward_codec
+        for key, op, wanted, codec, peer, tag in (
+                ("send_next", "send", tensor_send_next, fwd, self._next_peer, "pp activations"),
+                ("recv_prev", "recv", recv_prev, fwd, self._prev_peer, "pp activations"),
+                ("send_prev", "send", tensor_send_prev, bwd, self._prev_peer, "pp gradients"),
+                ("recv_next", "recv", recv_next, bwd, self._next_peer, "pp gradients")):
+            if op == "send" and wanted is not None:
+                wires[key] = codec.encode(wanted)
+            elif op == "recv" and wanted:
+                wires[key] = codec.empty_wire(tensor_shape, self.device)
+            else:
+                continue
+            messages.append(P2PMessage(op, wires[key], peer, tag))
         batch = _Batch(self.comm.batch_isend_irecv(messages), list(wires.values()))
         codecs = {"recv_prev": self.forward_codec, "recv_next": self.backward_codec}
         if not wait_on_reqs:

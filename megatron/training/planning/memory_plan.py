@@ -146,6 +146,11 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"PlannerConfig.{name} must be a positive int, got {value!r}")
 
 
+def _one_of(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {'|'.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """One training configuration to plan; names as pretrain_gpt.py's flags (dashes -> underscores).
@@ -206,13 +211,10 @@ class PlannerConfig:
                      "data_parallel_size", "dp_bucket_bytes", "num_query_groups", "fp8_amax_history_len"):
             _positive(name, getattr(self, name))
         object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
-        if self.fp8_recipe not in _RECIPES:
-            raise ValueError(f"--fp8-recipe must be one of {'|'.join(_RECIPES)}, got {self.fp8_recipe!r}")
-        if self.grad_accumulation not in GRAD_ACCUMULATION:
-            raise ValueError(f"--fp8-grad-accumulation must be one of {'|'.join(GRAD_ACCUMULATION)}, "
-                             f"got {self.grad_accumulation!r}")
-        if self.implementation not in _IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {'|'.join(_IMPLEMENTATIONS)}, got {self.implementation!r}")
+        for flag, value, choices in (("--fp8-recipe", self.fp8_recipe, _RECIPES),
+                                     ("--fp8-grad-accumulation", self.grad_accumulation, GRAD_ACCUMULATION),
+                                     ("implementation", self.implementation, _IMPLEMENTATIONS)):
+            _one_of(flag, value, choices)
         if self.implementation == "transformers" and not (
                 self.normalization == "RMSNorm" and self.swiglu and self.position_embedding_type == "rope"
                 and self.tensor_model_parallel_size == self.pipeline_model_parallel_size == 1
@@ -222,14 +224,10 @@ class PlannerConfig:
                 "normalization='RMSNorm', swiglu=True, position_embedding_type='rope', add_bias_linear=False, "
                 "make_vocab_size_divisible_by=1 (transformers does not pad the vocabulary), tensor and pipeline "
                 "parallel size 1 and hidden_dropout=0; plan other models with implementation='megatron-core'")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--normalization must be one of {'|'.join(NORMALIZATIONS)}, got {self.normalization!r}")
-        if self.position_embedding_type not in POSITION_EMBEDDINGS:
-            raise ValueError(f"--position-embedding-type must be one of {'|'.join(POSITION_EMBEDDINGS)}, "
-                             f"got {self.position_embedding_type!r}")
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"recompute_granularity must be one of {'|'.join(RECOMPUTE_GRANULARITIES)}, "
-                             f"got {self.recompute_granularity!r}")
+        for flag, value, choices in (("--normalization", self.normalization, NORMALIZATIONS),
+                                     ("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDINGS),
+                                     ("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)):
+            _one_of(flag, value, choices)
         if not 0.0 <= self.hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}")
         if self.num_layers_per_virtual_pipeline_stage is not None:
