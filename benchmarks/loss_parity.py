@@ -19,6 +19,12 @@ seed; final train loss (mean of the last 10 logged iterations) and final validat
 difference to the baseline; results in ``loss_parity_recipes.json``::
 
     python benchmarks/loss_parity.py --recipes --iters 300
+
+Mixture of experts (``--moe``): the demo GPT with each MLP a megatron-core MoE layer of 8 experts (each the demo's
+FFN, 128 -> 512 -> 128), top-2 routing, load-balancing loss 0.01, experts replicated over the data-parallel ranks
+(expert-parallel size 1); results in ``loss_parity_moe.json``::
+
+    python benchmarks/loss_parity.py --moe --iters 300
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ def main() -> None:
                         "0: the demo's batch of 16 split over the ranks in one micro-batch each")
     p.add_argument("--out", default=None, help="path stem (default: benchmarks/results/loss_parity[_accum])")
     p.add_argument("--recipes", action="store_true", help="O2 per scaling recipe, with and without --fp8-activations")
+    p.add_argument("--moe", action="store_true", help="each MLP a mixture of 8 experts, top-2")
     a = p.parse_args()
     if a.recipes:
         recipes(a)
         return
-    default = "loss_parity_accum" if a.accumulate else "loss_parity"
+    default = "loss_parity" + ("_accum" if a.accumulate else "") + ("_moe" if a.moe else "")
     out = Path(a.out or ROOT / "benchmarks" / "results" / default)
     micro, global_batch = (1, a.accumulate * a.nproc) if a.accumulate else (16 // a.nproc, 16)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +73,8 @@ def main() -> None:
            "--eval-interval", str(a.eval_interval), "--eval-iters", "8", "--fp8-opt-level", "O2",
            "--compare", "none,O1,O3", "--no-progress", "--log-interval", "50", "--log-json", str(log),
            "--plot", str(out.with_suffix(".png"))]
+    if a.moe:
+        cmd += ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     curves: dict[str, dict] = {}
     summaries = []
@@ -83,7 +92,7 @@ def main() -> None:
                 c["val_loss"].append(r["val_loss"])
     for s in summaries:
         s.pop("memory", None)
-    result = {"command": cmd[1:], "iters": a.iters, "data_parallel": a.nproc, "micro_batch_size": micro,
+    result = {"command": cmd[1:], "iters": a.iters, "moe": a.moe, "data_parallel": a.nproc, "micro_batch_size": micro,
               "global_batch_size": global_batch, "micro_batches_per_rank": global_batch // (micro * a.nproc),
               "summaries": summaries, "curves": curves}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -254,7 +254,9 @@ class Float8LinearFunction(torch.autograd.Function):
         else:  # gathered or scattered along the first (sequence) dimension
             inner = math.prod(x.shape[1:-1])
             lead = (out.shape[0] // inner, *x.shape[1:-1])
-        return out.reshape(*lead, weight.shape[0])
+        # A new tensor to autograd, not a view of this function's intermediate: callers may add into it in place
+        # (Falcon's parallel attention does ``mlp_output += attention_output``), which autograd refuses on a view.
+        return torch.ops.aten._unsafe_view(out.contiguous(), (*lead, weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -42,6 +42,7 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
         flags.append("--use-distributed-optimizer")
     if config.get("vp"):
         flags += ["--num-layers-per-virtual-pipeline-stage", str(config["vp"])]
+    flags += config.get("flags", [])  # any other pretrain_gpt.py flags (e.g. the MoE ones)
     args = parse_args(flags)
     validate_args(args)
     if parallel_state.model_parallel_is_initialized():

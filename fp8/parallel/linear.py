@@ -24,6 +24,11 @@ row, forward                 FP8 reduce-scatter of Y (E4M3, fp32 sum)   all-redu
 row, backward                all-gather of the FP8 dY (1 B/value)       none (dY replicated)
 ===========================  =========================================  ==========================================
 
+An expert's linear (``is_expert=True``: megatron-core's mixture-of-experts ``SequentialMLP``) issues none of these:
+megatron-core's token dispatcher brings each rank its tokens already gathered over the expert tensor-parallel group
+(``tp_group``) and sums the experts' partial outputs itself; with expert parallelism its parameters carry
+``allreduce=False`` (megatron-core's mark: reduced over the expert-data-parallel group, not the data-parallel one).
+
 Tensor-wise scales of a tensor that crosses the group are agreed over the group (amax all-reduced with MAX), so
 all ranks cast with the scale the single-process layer would use. Per-row and per-tile scales (the
 ``rowwise``/``blockwise`` recipes) are each rank's own: they travel with the rows they scale (``"sp all-gather
@@ -49,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommBytesCounter
-from ..linear import Float8LinearConfig, Float8LinearFunction, LinearHooks, fp8_dims_problem
+from ..linear import NO_HOOKS, Float8LinearConfig, Float8LinearFunction, LinearHooks, fp8_dims_problem
 from ..scaling import ScalingConfig, ScalingState
 from .comm import TensorParallelComm
 from .init import initialize_sharded_weight
@@ -77,12 +82,17 @@ class ParallelLinearBase(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, *, config: Any, init_method: Callable | None, bias: bool,
         skip_bias_add: bool, stride: int, tp_group: dist.ProcessGroup | None, fp8: Float8LinearConfig | None,
-        counter: CommBytesCounter | None,
+        counter: CommBytesCounter | None, is_expert: bool = False,
     ) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        # An expert's linear (megatron-core's MoE, is_expert=True) runs on the tokens the MoE token dispatcher
+        # brought to this rank, gathered over the expert tensor-parallel group (tp_group) already, and the
+        # dispatcher sums its outputs: the linear itself issues no tensor-parallel collective (megatron-core's
+        # "explicit expert communication").
+        self.is_expert = bool(is_expert)
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and not self.is_expert
         self.fp8 = fp8
         self.comm = TensorParallelComm(tp_group, counter)
         tp = self.comm.world_size
@@ -113,8 +123,13 @@ class ParallelLinearBase(nn.Module):
         self.weight.tensor_model_parallel = True
         self.weight.partition_dim = self.partition_dim
         self.weight.partition_stride = stride
+        # megatron-core's mark of a parameter reduced over the data-parallel group; an expert's parameters with
+        # expert parallelism are reduced over the expert-data-parallel group instead.
+        expert_parallel = self.is_expert and int(getattr(config, "expert_model_parallel_size", 1) or 1) > 1
+        self.weight.allreduce = not expert_parallel
         if bias:
             self.bias = nn.Parameter(torch.zeros(local_out, dtype=params_dtype))
+            self.bias.allreduce = not expert_parallel
         else:
             self.register_parameter("bias", None)
         if fp8 is not None:
@@ -188,7 +203,8 @@ class _HighPrecisionColumnFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(g2d, weight.to(ctx.dtype))
-            dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
+            if not layer.is_expert:
+                dx = comm.reduce_scatter(dx, "sp reduce-scatter") if sp else comm.all_reduce(dx, "tp all-reduce")
             grad_x = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = torch.mm(g2d.t(), full).to(weight.dtype)
@@ -207,7 +223,8 @@ class _HighPrecisionRowFunction(torch.autograd.Function):
         dtype = _compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         out = torch.mm(x2d, weight.t().to(dtype))
-        out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
+        if not layer.is_expert:
+            out = comm.reduce_scatter(out, "sp reduce-scatter") if sp else comm.all_reduce(out, "tp all-reduce")
         ctx.save_for_backward(x2d, weight)
         ctx.layer, ctx.x_shape, ctx.dtype = layer, x.shape, dtype
         lead = (x.shape[0] // comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
@@ -251,10 +268,11 @@ class ColumnParallelLinear(ParallelLinearBase):
     ) -> None:
         if skip_weight_param_allocation:
             raise ValueError("skip_weight_param_allocation is not supported by fp8lm's parallel linears")
-        if is_expert:
-            raise ValueError("expert (MoE) layers are not supported by fp8lm's parallel linears")
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter)
+                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter,
+                         is_expert=is_expert)
+        if is_expert and gather_output:
+            raise ValueError("an expert's ColumnParallelLinear cannot gather_output (the token dispatcher combines)")
         self.gather_output = gather_output
         if self.bias is not None:
             self.bias.tensor_model_parallel = True
@@ -265,7 +283,9 @@ class ColumnParallelLinear(ParallelLinearBase):
 
     def _fp8_hooks(self) -> LinearHooks:
         """The FP8 recipe's collectives: all-gather of the E4M3 input and FP8 reduce-scatter of dX with
-        sequence parallelism; all-reduce of dX otherwise."""
+        sequence parallelism; all-reduce of dX otherwise; none for an expert's linear."""
+        if self.is_expert:
+            return NO_HOOKS
         if self.sequence_parallel:
             return LinearHooks(gather_input=self._gather, reduce_grad_input=self._scatter_grad_input)
         return LinearHooks(reduce_grad_input=self._all_reduce)
@@ -314,10 +334,9 @@ class RowParallelLinear(ParallelLinearBase):
     ) -> None:
         if not input_is_parallel:
             raise ValueError("fp8lm's RowParallelLinear needs input_is_parallel=True (as every GPT layer uses it)")
-        if is_expert:
-            raise ValueError("expert (MoE) layers are not supported by fp8lm's parallel linears")
         super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter)
+                         skip_bias_add=skip_bias_add, stride=stride, tp_group=tp_group, fp8=fp8, counter=counter,
+                         is_expert=is_expert)
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
         if fp8 is not None and self.sequence_parallel:
@@ -325,7 +344,9 @@ class RowParallelLinear(ParallelLinearBase):
 
     def _fp8_hooks(self) -> LinearHooks:
         """The FP8 recipe's collectives: FP8 reduce-scatter of Y and all-gather of the E5M2 dY with
-        sequence parallelism; all-reduce of Y otherwise."""
+        sequence parallelism; all-reduce of Y otherwise; none for an expert's linear."""
+        if self.is_expert:
+            return NO_HOOKS
         if self.sequence_parallel:
             return LinearHooks(reduce_output=self._scatter_output, gather_grad_output=self._gather)
         return LinearHooks(reduce_output=lambda out, dtype, record: self._all_reduce(out, dtype))

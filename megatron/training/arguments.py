@@ -61,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--data-parallel-size", type=int, default=None,
                      help="--dry-run only: the data-parallel size to plan for (otherwise world size / (TP x PP))")
     par.add_argument("--recompute-activations", action="store_true", help="full activation recomputation")
+    moe = p.add_argument_group("mixture of experts (megatron-core's MoE layer; docs/moe.md)")
+    moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's FFN size (default: --ffn-hidden-size)")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                     help="FFN size of the shared expert every token also runs through (default: none)")
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1, help="ranks the experts are spread over")
+    moe.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    moe.add_argument("--moe-grouped-gemm", action="store_true",
+                     help="a rank's local experts as one grouped GEMM (FP8: one grouped FP8 GEMM)")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss coefficient")
+    moe.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+                     default="aux_loss")
+    moe.add_argument("--moe-fp8-dispatch", action="store_true",
+                     help="expert-parallel token dispatch in E4M3 with per-token scales (needs --fp8-opt-level != none)")
     b = p.add_argument_group("batch and optimizer")
     b.add_argument("--micro-batch-size", type=int, default=16)
     b.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data-parallel size")
@@ -163,6 +178,50 @@ def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _check_moe(args: argparse.Namespace, dp: int) -> None:
+    """The mixture-of-experts flags: consistent with each other and the layout (fills --moe-ffn-hidden-size)."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        moe_only = [flag for flag, value in (("--expert-model-parallel-size", ep != 1),
+                                             ("--moe-grouped-gemm", args.moe_grouped_gemm),
+                                             ("--moe-fp8-dispatch", args.moe_fp8_dispatch),
+                                             ("--moe-shared-expert-intermediate-size",
+                                              args.moe_shared_expert_intermediate_size is not None)) if value]
+        if moe_only:
+            raise ConfigurationError(f"{', '.join(moe_only)} need(s) --num-experts (the model has dense MLPs)")
+        return
+    if args.num_experts < 1:
+        raise ConfigurationError(f"--num-experts must be >= 1, got {args.num_experts}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ConfigurationError(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts "
+                                 f"{args.num_experts}]")
+    if ep < 1 or args.num_experts % ep:
+        raise ConfigurationError(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}")
+    if dp % ep:
+        raise ConfigurationError(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (experts are spread over "
+            f"data-parallel ranks): launch a multiple of TP x PP x EP processes")
+    if args.moe_fp8_dispatch and (args.fp8_opt_level == "none" or args.moe_token_dispatcher_type != "alltoall"):
+        raise ConfigurationError("--moe-fp8-dispatch dispatches tokens in FP8 over the expert-parallel all-to-all: it "
+                                 "needs --fp8-opt-level O1/O2/O3 and --moe-token-dispatcher-type alltoall")
+    # Not built yet (issue 26): say so up front rather than train something else.
+    if ep > 1 or args.moe_fp8_dispatch:
+        raise ConfigurationError(
+            "expert parallelism (--expert-model-parallel-size > 1, --moe-fp8-dispatch) is not available yet: the "
+            "experts' gradient reduction and O3 ownership over the expert-data-parallel group are not built; run the "
+            "experts replicated over data parallelism (--expert-model-parallel-size 1, tensor parallelism splits "
+            "each expert)")
+    if args.moe_grouped_gemm:
+        raise ConfigurationError("--moe-grouped-gemm is not available yet: a rank's experts run one after the other "
+                                 "(megatron-core's SequentialMLP), each expert's linears in FP8; drop the flag")
+    if args.tensor_model_parallel_size > 1 and not args.disable_bias_linear:
+        raise ConfigurationError("experts split by tensor parallelism take no bias (megatron-core): add "
+                                 "--disable-bias-linear, or use --tensor-model-parallel-size 1")
+    if args.moe_aux_loss_coeff < 0:
+        raise ConfigurationError(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+
+
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check and complete ``args`` (derived sizes filled in); raise :class:`ConfigurationError` naming the fix."""
     args.fp8_opt_level = normalize_opt_level(args.fp8_opt_level)
@@ -204,6 +263,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         use_distributed_optimizer=args.use_distributed_optimizer, swiglu=args.swiglu,
         max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
     )
+    _check_moe(args, dp)
     if args.lr < 0 or args.min_lr < 0:
         raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")
     if args.min_lr > args.lr:

@@ -30,11 +30,13 @@ from fp8.linear import Float8LinearConfig
 from fp8.parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 __all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
+           "FP32Router",
            "layer_init_seed", "SelectiveColumnParallelLinear", "SelectiveRowParallelLinear", "fp8_layer_selection"]
 
 
@@ -108,6 +110,18 @@ class SDPAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+class FP32Router(TopKRouter):
+    """megatron-core's top-k router with its gating GEMM in FP32 by ``torch`` on the device the weight is on
+    (megatron-core 0.16.1's own gating calls Transformer Engine's GEMM by a name it only imports with Transformer
+    Engine installed, and moves a CPU weight to ``torch.cuda.current_device()``). Routing, load balancing and the
+    auxiliary loss are megatron-core's."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if self.config.moe_router_dtype == "fp64" else torch.float32
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 def layer_init_seed(init_seed: int, layer_number: int) -> int:
@@ -200,6 +214,7 @@ def get_gpt_layer_fp8_spec(
     init_seed: int | None = None,
     qk_layernorm: bool = False,
     min_fp8_dim: int = 0,
+    num_experts: int | None = None,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
@@ -208,13 +223,16 @@ def get_gpt_layer_fp8_spec(
     baseline). ``counter`` counts every tensor-parallel byte the linears send; ``init_seed`` makes
     initialisation independent of the pipeline split (see :class:`SeededTransformerLayer`);
     ``min_fp8_dim``: linears whose per-rank GEMM has ``min(in, out)`` below it stay in high precision
-    (:class:`SelectiveColumnParallelLinear`; 0 converts every linear).
+    (:class:`SelectiveColumnParallelLinear`; 0 converts every linear). ``num_experts``: the MLP is megatron-core's
+    mixture-of-experts layer (router in FP32, token dispatcher, ``SequentialMLP`` experts and the optional shared
+    expert), each expert's two linears fp8lm's parallel linears (``is_expert=True``: the dispatcher does their
+    communication).
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
     recipe = None if high_precision else (fp8 or Float8LinearConfig())
     linear_params = {"fp8": recipe, "counter": counter, "min_fp8_dim": min_fp8_dim}
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, num_experts=num_experts, moe_grouped_gemm=False)
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "init_seed": init_seed}
     layer = spec.submodules
@@ -227,9 +245,14 @@ def get_gpt_layer_fp8_spec(
     if qk_layernorm:
         attention.q_layernorm = Norm
         attention.k_layernorm = Norm
-    mlp = layer.mlp.submodules
-    mlp.linear_fc1 = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
-    mlp.linear_fc2 = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
+    if num_experts is None:
+        mlps = [layer.mlp.submodules]
+    else:  # the router in FP32; the experts' MLP and the shared expert's
+        layer.mlp.submodules.router = FP32Router
+        mlps = [layer.mlp.submodules.experts.submodules, layer.mlp.submodules.shared_experts.submodules]
+    for mlp in mlps:
+        mlp.linear_fc1 = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
+        mlp.linear_fc2 = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
     return spec
 
 

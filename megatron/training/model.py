@@ -53,6 +53,11 @@ def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
     )
 
 
+_UNFUSED = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm",
+            "apply_rope_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion", "batch_p2p_comm",
+            "batch_p2p_sync")
+
+
 def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch.dtype) -> TransformerConfig:
     """megatron-core's ``TransformerConfig`` for ``args`` (CPU-friendly: no fusions, CPU initialisation)."""
     vp = args.virtual_pipeline_model_parallel_size
@@ -80,20 +85,29 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        batch_p2p_comm=False,
-        batch_p2p_sync=False,
+        # megatron-core's fused kernels (Apex/TE/CUDA) off, and its own batched P2P off (pipeline_p2p batches).
+        **dict.fromkeys(_UNFUSED, False),
         # The interleaved schedule overlaps its pipeline sends/receives with compute (Megatron-LM's default
         # there); megatron.training.distributed.pipeline_p2p hands it asynchronous requests.
         overlap_p2p_comm=vp is not None,
         **recompute,
+        **moe_config_from_args(args),
     )
+
+
+def moe_config_from_args(args: argparse.Namespace) -> dict:
+    """megatron-core's mixture-of-experts fields of ``TransformerConfig`` for ``args`` (none for dense MLPs). The
+    router runs in FP32; a rank's experts are fp8lm's linears (``--moe-grouped-gemm``: one grouped FP8 GEMM, built
+    by the layer spec, so megatron-core's own grouped GEMM stays off)."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    return {"num_moe_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
+            "moe_ffn_hidden_size": args.moe_ffn_hidden_size, "expert_model_parallel_size":
+            args.expert_model_parallel_size, "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_router_load_balancing_type":
+            args.moe_router_load_balancing_type, "moe_shared_expert_intermediate_size":
+            args.moe_shared_expert_intermediate_size, "moe_router_dtype": "fp32", "moe_grouped_gemm": False,
+            "moe_permute_fusion": False, "moe_router_fusion": False}
 
 
 def _initialize_megatron_weights(model: GPTModel, args: argparse.Namespace, config: TransformerConfig) -> None:
@@ -132,7 +146,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     fp8 = fp8_recipe_from_args(args)
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed,
-                                        min_fp8_dim=resolved_min_fp8_dim(args))
+                                        min_fp8_dim=resolved_min_fp8_dim(args),
+                                        num_experts=getattr(args, "num_experts", None))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1

@@ -11,8 +11,10 @@ What it redirects, and why:
    and whose ``torch.cuda.current_device()`` is the CPU: ``pipeline_parallel.schedules`` (token counters
    allocated with ``device="cuda"``), ``tensor_parallel.mappings`` (sequence-parallel gather/scatter
    buffers of the embedding and output layer), ``tensor_parallel.layers`` (the output layer),
-   ``utils`` (``GlobalMemoryBuffer``) and ``models.common.embeddings.rotary_pos_embedding`` (RoPE's
-   inverse frequencies).
+   ``utils`` (``GlobalMemoryBuffer``), ``models.common.embeddings.rotary_pos_embedding`` (RoPE's
+   inverse frequencies) and the mixture-of-experts ``transformer.moe.router`` (moves the router weight to
+   ``torch.cuda.current_device()``), ``moe_utils`` and ``token_dispatcher`` (routing buffers on ``cuda``; the
+   all-to-all dispatcher's side stream and event for its host copies of the split sizes: the host's order).
 2. The RNG tracker (``tensor_parallel.random``): a tracker of named CPU generator states replaces the
    CUDA one (``TransformerBlock`` forks it under sequence parallelism), and the module's CUDA RNG
    state get/set helpers (used by activation recomputation) read and write the CPU generator.
@@ -43,6 +45,9 @@ _REBOUND_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "empty_like",
                         "zeros_like", "ones_like"})
@@ -58,14 +63,44 @@ def _cpu_device(device):
     return device
 
 
+class _HostStream:
+    """A CUDA stream or event as megatron-core's MoE all-to-all dispatcher uses one, on a CPU machine: the host runs
+    every operation in order, so waiting, recording and synchronising are immediate."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _CudaOnCpu:
-    """``torch.cuda`` as seen by megatron-core on a CPU machine: the current device is the CPU."""
+    """``torch.cuda`` as seen by megatron-core on a CPU machine: the current device is the CPU; streams and
+    events are the host's order (:class:`_HostStream`)."""
 
     def current_device(self) -> torch.device:
         return torch.device("cpu")
 
     def synchronize(self, device=None) -> None:
         return None
+
+    def Stream(self, *args, **kwargs) -> _HostStream:  # noqa: N802 (torch.cuda's name)
+        return _HOST_STREAM
+
+    def current_stream(self, device=None) -> _HostStream:
+        return _HOST_STREAM
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
