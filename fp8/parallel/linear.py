@@ -176,6 +176,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _own_tensor(out: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``out`` in ``shape`` as a tensor of its own to autograd (not a view of the function's intermediate):
+    megatron-core adds into a linear's output in place (an expert's bias), which autograd refuses on a view."""
+    return torch.ops.aten._unsafe_view(out.contiguous(), shape)
+
+
 class _HighPrecisionColumnFunction(torch.autograd.Function):
     """The high-precision baseline: Y_shard = gather(X) @ W_shard^T (+ b_shard); backward reduces dX over
     the group."""
@@ -192,7 +198,7 @@ class _HighPrecisionColumnFunction(torch.autograd.Function):
             out = out + bias.to(out.dtype)
         ctx.layer, ctx.has_bias, ctx.x_shape, ctx.dtype = layer, bias is not None, x.shape, dtype
         lead = (x.shape[0] * comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
-        return out.reshape(*lead, weight.shape[0])
+        return _own_tensor(out, (*lead, weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -228,7 +234,7 @@ class _HighPrecisionRowFunction(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight)
         ctx.layer, ctx.x_shape, ctx.dtype = layer, x.shape, dtype
         lead = (x.shape[0] // comm.world_size, *x.shape[1:-1]) if sp else tuple(x.shape[:-1])
-        return out.reshape(*lead, weight.shape[0])
+        return _own_tensor(out, (*lead, weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_out):
