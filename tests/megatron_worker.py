@@ -62,6 +62,7 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
         "dp_rank": parallel_state.get_data_parallel_rank(),
         "fp8_weights": history["summary"]["fp8_weights"],
+        "high_precision_linears": history["summary"]["high_precision_linears"],
     }
     with open(os.path.join(out, f"{config['name']}_{level}_rank{rank}.json"), "w") as f:
         json.dump(result, f)

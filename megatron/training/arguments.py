@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from .config_rules import OPT_LEVELS, ConfigurationError, check_config, check_split, normalize_opt_level, opt_level_arg
+from .config_rules import (OPT_LEVELS, ConfigurationError, check_config, check_split, high_precision_layers,
+                           normalize_opt_level, opt_level_arg)
 from .output_paths import check_output_path
 
 __all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fp8-activations", action="store_true",
                    help="store the tensors non-linear ops save for backward (norms, activations, gated products, "
                         "attention inputs) as E4M3 in 1x128 tiles (fp8.activations), at every opt level")
+    f.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 "
+                        "transformer layers out of FP8 (high precision: BF16 with --bf16 or autocast, FP32 on CPU)")
+    f.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: global layers at the start kept out of FP8")
+    f.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: global layers at the end kept out of FP8")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")
@@ -264,6 +272,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
     )
     _check_moe(args, dp)
+    high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up
     if args.lr < 0 or args.min_lr < 0:
         raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")
     if args.min_lr > args.lr:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["ConfigurationError", "check_split", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
+__all__ = ["ConfigurationError", "check_split", "high_precision_layers", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
            "check_config"]
 
 OPT_LEVELS = ("none", "O1", "O2", "O3")
@@ -187,3 +187,19 @@ def check_split(split: str) -> list[float]:
     if sum(weights) <= 0:
         raise ConfigurationError(f"--split {split!r} sums to 0 (no data for any split): {usage}")
     return weights + [0.0] * (3 - len(weights))
+
+
+def high_precision_layers(args: argparse.Namespace) -> frozenset[int]:
+    """The global transformer layer numbers (1-based, as megatron-core numbers them) kept out of FP8 by
+    ``--first-last-layers-bf16`` (empty without it); a count that is negative or leaves no layer in FP8 is refused."""
+    if not getattr(args, "first_last_layers_bf16", False):
+        return frozenset()
+    start, end, n = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16, args.num_layers
+    if start < 0 or end < 0:
+        raise ConfigurationError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must "
+                                 f"be >= 0")
+    if start + end >= n:
+        raise ConfigurationError(
+            f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} leave none of the {n} layers in "
+            f"FP8: lower them, or train the baseline (--fp8-opt-level none)")
+    return frozenset(range(1, start + 1)) | frozenset(range(n - end + 1, n + 1))

@@ -149,10 +149,14 @@ class SeededTransformerLayer(TransformerLayer):
 
 
 def _select_fp8(partition_dim: int, input_size: int, output_size: int, fp8: Float8LinearConfig | None,
-                min_fp8_dim: int, config, tp_group) -> tuple[Float8LinearConfig | None, str | None]:
-    """FP8 or high precision for one parallel linear: high precision when the GEMM this rank runs (the local
-    weight shard) has ``min(in, out) < min_fp8_dim`` (too small to gain from FP8, see
-    :data:`fp8.convert.CUDA_MIN_FP8_DIM`). Returns ``(fp8 config or None, reason kept or None)``."""
+                min_fp8_dim: int, config, tp_group, kept_reason: str | None = None
+                ) -> tuple[Float8LinearConfig | None, str | None]:
+    """FP8 or high precision for one parallel linear: high precision when ``kept_reason`` is given (the layer is
+    kept out of FP8, e.g. by ``--first-last-layers-bf16``) or when the GEMM this rank runs (the local weight shard)
+    has ``min(in, out) < min_fp8_dim`` (too small to gain from FP8, see :data:`fp8.convert.CUDA_MIN_FP8_DIM`).
+    Returns ``(fp8 config or None, reason kept or None)``."""
+    if kept_reason is not None:
+        return None, kept_reason
     if fp8 is None:
         return None, "baseline (--fp8-opt-level none)"
     tp = tp_group.size() if tp_group is not None else int(getattr(config, "tensor_model_parallel_size", 1) or 1)
@@ -168,9 +172,9 @@ class SelectiveColumnParallelLinear(ColumnParallelLinear):
     (``fp8_kept_reason`` says why)."""
 
     def __init__(self, input_size: int, output_size: int, *, fp8: Float8LinearConfig | None = None,
-                 min_fp8_dim: int = 0, **kwargs) -> None:
+                 min_fp8_dim: int = 0, kept_reason: str | None = None, **kwargs) -> None:
         fp8, reason = _select_fp8(0, input_size, output_size, fp8, min_fp8_dim, kwargs.get("config"),
-                                  kwargs.get("tp_group"))
+                                  kwargs.get("tp_group"), kept_reason)
         super().__init__(input_size, output_size, fp8=fp8, **kwargs)
         self.fp8_kept_reason = reason
 
@@ -179,9 +183,9 @@ class SelectiveRowParallelLinear(RowParallelLinear):
     """:class:`fp8.parallel.RowParallelLinear` that stays in high precision below ``min_fp8_dim``."""
 
     def __init__(self, input_size: int, output_size: int, *, fp8: Float8LinearConfig | None = None,
-                 min_fp8_dim: int = 0, **kwargs) -> None:
+                 min_fp8_dim: int = 0, kept_reason: str | None = None, **kwargs) -> None:
         fp8, reason = _select_fp8(1, input_size, output_size, fp8, min_fp8_dim, kwargs.get("config"),
-                                  kwargs.get("tp_group"))
+                                  kwargs.get("tp_group"), kept_reason)
         super().__init__(input_size, output_size, fp8=fp8, **kwargs)
         self.fp8_kept_reason = reason
 
@@ -215,6 +219,7 @@ def get_gpt_layer_fp8_spec(
     qk_layernorm: bool = False,
     min_fp8_dim: int = 0,
     num_experts: int | None = None,
+    kept_reason: str | None = None,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
@@ -226,12 +231,13 @@ def get_gpt_layer_fp8_spec(
     (:class:`SelectiveColumnParallelLinear`; 0 converts every linear). ``num_experts``: the MLP is megatron-core's
     mixture-of-experts layer (router in FP32, token dispatcher, ``SequentialMLP`` experts and the optional shared
     expert), each expert's two linears fp8lm's parallel linears (``is_expert=True``: the dispatcher does their
-    communication).
+    communication). ``kept_reason``: every linear of the layer stays in high precision, and records why (the
+    start-up summary's reason, e.g. ``--first-last-layers-bf16``).
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
     recipe = None if high_precision else (fp8 or Float8LinearConfig())
-    linear_params = {"fp8": recipe, "counter": counter, "min_fp8_dim": min_fp8_dim}
+    linear_params = {"fp8": recipe, "counter": counter, "min_fp8_dim": min_fp8_dim, "kept_reason": kept_reason}
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, num_experts=num_experts, moe_grouped_gemm=False)
     spec.module = SeededTransformerLayer
     spec.params = {**spec.params, "init_seed": init_seed}
@@ -257,8 +263,14 @@ def get_gpt_layer_fp8_spec(
 
 
 def get_gpt_block_fp8_spec(config, layer_spec: ModuleSpec, vp_stage: int | None = None,
-                           pp_rank: int | None = None) -> TransformerBlockSubmodules:
-    """The block spec for ``GPTModel``: this pipeline stage's layers (``layer_spec`` each) and a final
-    :class:`Norm` that supports sequence parallelism."""
+                           pp_rank: int | None = None, high_precision_layers: frozenset[int] = frozenset(),
+                           high_precision_spec: ModuleSpec | None = None) -> TransformerBlockSubmodules:
+    """The block spec for ``GPTModel``: this pipeline stage's layers and a final :class:`Norm` that supports sequence
+    parallelism. Each layer is ``layer_spec``, or ``high_precision_spec`` for the global layer numbers (1-based, any
+    pipeline split) in ``high_precision_layers``."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)
+    if high_precision_layers and high_precision_spec is None:
+        raise ValueError("high_precision_layers needs high_precision_spec (the layer spec they are built from)")
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank) if high_precision_layers else 0
+    specs = [high_precision_spec if offset + i + 1 in high_precision_layers else layer_spec for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from fp8.parallel.init import reinitialize_named_
 
+from .config_rules import high_precision_layers
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
@@ -145,15 +146,20 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 
 def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     fp8 = fp8_recipe_from_args(args)
-    layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, init_seed=args.seed,
-                                        min_fp8_dim=resolved_min_fp8_dim(args),
-                                        num_experts=getattr(args, "num_experts", None))
+    common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args),
+              "num_experts": getattr(args, "num_experts", None)}
+    layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, **common)
+    kept = high_precision_layers(args) if fp8 is not None else frozenset()
+    kept_spec = get_gpt_layer_fp8_spec(high_precision=True, kept_reason=(
+        f"first {args.num_layers_at_start_in_bf16} / last {args.num_layers_at_end_in_bf16} layers kept out of FP8 "
+        f"(--first-last-layers-bf16)"), **common) if kept else None
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vp_size):
-        block = get_gpt_block_fp8_spec(config, layer_spec, vp_stage=vp_stage if vp_size > 1 else None, pp_rank=pp_rank)
+        block = get_gpt_block_fp8_spec(config, layer_spec, vp_stage=vp_stage if vp_size > 1 else None, pp_rank=pp_rank,
+                                       high_precision_layers=kept, high_precision_spec=kept_spec)
         pre_process = pp_rank == 0 and vp_stage == 0
         post_process = pp_rank == pp_size - 1 and vp_stage == vp_size - 1
         # Embedding and output layer draw from the generator at the point the single-process model would.

@@ -567,6 +567,8 @@ def _summary(history: RunHistory, run: TrainingRun) -> dict:
         "comm_bytes_per_iteration": {k: v / n for k, v in bytes_per_iter.items()},
         "skipped_steps": run.skipped_steps,
         "fp8_weights": sum(1 for c in run.bare_chunks for p in c.parameters() if isinstance(p, Float8Tensor)),
+        "fp8_linears": run.fp8_selection[0],  # this rank's linears in FP8, and those kept out (names)
+        "high_precision_linears": [name for name, _ in run.fp8_selection[1]],
     }
 
 
