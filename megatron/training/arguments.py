@@ -10,6 +10,7 @@ it shares with the memory planner are :func:`megatron.training.config_rules.chec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 import torch
@@ -161,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "print a side-by-side summary and plot the loss curves")
     o.add_argument("--plot", default=None, help="loss-curve PNG (default: next to --log-json, or ./loss_curves.png)")
     o.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    o.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files, one run per opt level (DIR/<level>): loss, validation loss, lr, grad "
+                        "norm, skipped steps, tokens/s, memory by category, bytes sent by what travelled")
+    o.add_argument("--wandb-project", default=None, help="the same scalars to Weights & Biases (needs wandb)")
     o.add_argument("--collective-trace", default=None, metavar="DIR",
                    help="record every rank's torch.distributed calls (fp8lm's and megatron-core's) in DIR/rank<R>.jsonl "
                         "and check them against NCCL's rules at the end (fp8.comm_trace); a violation (a pipeline "
@@ -253,8 +258,13 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     check_split(args.split)
     # Every output path, before any training (megatron/training/output_paths.py).
     for flag, path, is_dir in (("--save", args.save, True), ("--log-json", args.log_json, False),
-                               ("--plot", args.plot, False), ("--collective-trace", args.collective_trace, True)):
+                               ("--plot", args.plot, False), ("--collective-trace", args.collective_trace, True),
+                               ("--tensorboard-dir", args.tensorboard_dir, True)):
         check_output_path(path, flag, directory=is_dir)
+    for flag, value, package in (("--tensorboard-dir", args.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", args.wandb_project, "wandb")):
+        if value and importlib.util.find_spec(package) is None:
+            raise ConfigurationError(f"{flag} needs the {package} package: pip install {package}")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size

@@ -1,5 +1,6 @@
 """Training output: a progress display (or plain lines) on the terminal, one JSON object per iteration
-in ``--log-json``, and the side-by-side summary and loss-curve PNG of the levels trained."""
+in ``--log-json``, the same as scalars for TensorBoard / W&B (``--tensorboard-dir``, ``--wandb-project``), and the
+side-by-side summary and loss-curve PNG of the levels trained."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import os
 import sys
 import time
+
+from .scalar_writers import scalar_writers
 
 __all__ = ["TrainingLogger", "plot_loss_curves", "format_summary"]
 
@@ -132,6 +135,9 @@ class TrainingLogger:
         self.level = None
         self.total = 0
         self.t_start = time.perf_counter()
+        # --tensorboard-dir / --wandb-project: the same records as scalars (megatron/training/scalar_writers.py)
+        self.writers = (scalar_writers(getattr(args, "tensorboard_dir", None), getattr(args, "wandb_project", None))
+                        if self.active else [])
 
     def _print(self, text: str) -> None:
         if self.active:
@@ -159,6 +165,8 @@ class TrainingLogger:
         if self.json is not None:
             self.json.write(json.dumps(record, default=float) + "\n")
             self.json.flush()
+        for writer in self.writers:
+            writer.add(self.level, record)
         it = record["iteration"]
         line = (f"[{self.level}] iter {it}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
                 f"grad-norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
@@ -194,6 +202,10 @@ class TrainingLogger:
         if self.json is not None:
             self.json.write(json.dumps({"summary": summaries}, default=float) + "\n")
             self.json.close()
+        for writer in self.writers:
+            writer.close()
+        if getattr(self.args, "tensorboard_dir", None):
+            self._print(f"TensorBoard: tensorboard --logdir {self.args.tensorboard_dir}")
         if len(histories) > 1 or self.args.plot:
             path = self.args.plot or (os.path.join(os.path.dirname(os.path.abspath(self.args.log_json)), "loss_curves.png")
                                       if self.args.log_json else os.path.join("runs", "loss_curves.png"))

@@ -1,0 +1,84 @@
+"""Scalars of a run for TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
+
+Each logged iteration record (:class:`megatron.training.log.TrainingLogger`'s, already read to the host at the log
+interval) becomes scalars at its iteration: ``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``skipped_steps``,
+``tokens_per_s``, ``mu``, ``comm_bytes/<what travelled>`` and ``comm_bytes/total``, ``memory/<category>`` (model-state
+bytes by :func:`fp8.memory_report` category). Every opt level trained by one run (``--compare``) is its own run: ``DIR/<level>/`` for TensorBoard, a run named by the level
+for W&B, so their curves overlay.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["record_scalars", "TensorBoardWriter", "WandbWriter", "scalar_writers"]
+
+_PLAIN = ("loss", "val_loss", "lr", "grad_norm", "skipped_steps", "tokens_per_s", "mu")
+
+
+def record_scalars(record: dict) -> dict[str, float]:
+    """The scalars of one iteration record, by tag."""
+    out = {name: float(record[name]) for name in _PLAIN if record.get(name) is not None}
+    for tag, value in (record.get("comm_bytes") or {}).items():
+        out[f"comm_bytes/{tag}"] = float(value)
+    if record.get("comm_bytes_total") is not None:
+        out["comm_bytes/total"] = float(record["comm_bytes_total"])
+    for category, value in (record.get("memory") or {}).items():
+        out[f"memory/{category}"] = float(value)
+    return out
+
+
+class TensorBoardWriter:
+    """Event files under ``directory/<level>/`` (``torch.utils.tensorboard``; needs the ``tensorboard`` package)."""
+
+    def __init__(self, directory: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._make = SummaryWriter
+        self.directory = directory
+        self._writers: dict = {}
+
+    def add(self, level: str, record: dict) -> None:
+        writer = self._writers.get(level)
+        if writer is None:
+            writer = self._writers[level] = self._make(os.path.join(self.directory, level))
+        for tag, value in record_scalars(record).items():
+            writer.add_scalar(tag, value, record["iteration"])
+        writer.flush()
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+class WandbWriter:
+    """One W&B run per level in ``project`` (needs the ``wandb`` package)."""
+
+    def __init__(self, project: str) -> None:
+        import wandb
+
+        self._wandb = wandb
+        self.project = project
+        self._runs: dict = {}
+
+    def add(self, level: str, record: dict) -> None:
+        run = self._runs.get(level)
+        if run is None:
+            run = self._runs[level] = self._wandb.init(project=self.project, name=level, reinit="create_new")
+        run.log(record_scalars(record), step=record["iteration"])
+
+    def close(self) -> None:
+        for run in self._runs.values():
+            run.finish()
+        self._runs.clear()
+
+
+def scalar_writers(tensorboard_dir: str | None, wandb_project: str | None) -> list:
+    """The writers a run asked for (none, one or both)."""
+    writers: list = []
+    if tensorboard_dir:
+        writers.append(TensorBoardWriter(tensorboard_dir))
+    if wandb_project:
+        writers.append(WandbWriter(wandb_project))
+    return writers
