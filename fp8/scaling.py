@@ -136,6 +136,9 @@ class ScalingState(nn.Module):
         self.amax_comm: Collectives | None = None
         self.history_confirmed = False
         self._history_probe: _HistoryProbe | None = None  # posted by update_scales, read at the next one
+        # FP8 numerics statistics of this role's casts (fp8.stats.FP8Statistics sets one; None: not collected):
+        # anything with ``observe(x, scale, fmt)``, called with each training cast's input and scale.
+        self.stats = None
         self.register_buffer("amax_history", torch.zeros(config.history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("has_history", torch.zeros((), dtype=torch.bool, device=device))
@@ -193,7 +196,10 @@ class ScalingState(nn.Module):
                 # The first-step fallback must agree across ranks too.
                 amax = self._reduce_amax(amax)
             scale = torch.where(self.has_history, self.scale, compute_scale(amax, cfg.fmt, cfg.margin, self.scale))
-        return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+        scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+        if self.stats is not None and record:  # training casts only
+            self.stats.observe(x, scale, self.format)
+        return scale
 
     def quantize_transpose(self, x: torch.Tensor, record: bool = True, backend: str = "auto"):
         """``(data, data_t, scale)``: ``x`` (2-D) cast with :meth:`scale_for`'s scale, and its transpose.
@@ -215,6 +221,8 @@ class ScalingState(nn.Module):
         fallback = compute_scale(amax_unless(x, self.has_history, backend), self.config.fmt, self.config.margin, self.scale)
         scale = torch.where(self.has_history, self.scale, fallback)
         data, data_t, amax = cast_transpose_amax(x, scale, self.format, transpose=True, backend=backend)
+        if self.stats is not None and record:
+            self.stats.observe(x, scale, self.format)
         finite = torch.isfinite(amax)
         if record:
             with torch.no_grad():

@@ -150,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --first-last-layers-bf16: global layers at the start kept out of FP8")
     f.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
                    help="with --first-last-layers-bf16: global layers at the end kept out of FP8")
+    f.add_argument("--fp8-stats-interval", type=int, default=0,
+                   help="FP8 numerics statistics every N steps (amax, scale, flushed-to-zero and saturated fractions per "
+                        "FP8 GEMM operand), read at --log-interval into the JSON log and TensorBoard; 0: off")
+    f.add_argument("--fp8-stats-saturation-alarm", type=float, default=1e-3,
+                   help="warn when more than this fraction of an operand's values saturate")
+    f.add_argument("--fp8-stats-flush-alarm", type=float, default=0.5,
+                   help="warn when more than this fraction of an operand's non-zero values flush to zero")
+    f.add_argument("--fp8-stats-loss-spike", type=float, default=2.0,
+                   help="warn when a logged loss exceeds this many times the mean of the previous ones (0: off)")
+    f.add_argument("--fp8-stats-stop", action="store_true", help="stop the run (exit status 1) on an FP8 alarm")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")
@@ -189,6 +199,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_fp8_stats(args: argparse.Namespace) -> None:
+    if args.fp8_stats_interval < 0:
+        raise ConfigurationError(f"--fp8-stats-interval must be >= 0 (0: off), got {args.fp8_stats_interval}")
+    if args.fp8_stats_interval and args.fp8_opt_level == "none":
+        raise ConfigurationError("--fp8-stats-interval collects FP8 statistics: it needs --fp8-opt-level O1/O2/O3")
+    for flag, value in (("--fp8-stats-saturation-alarm", args.fp8_stats_saturation_alarm),
+                        ("--fp8-stats-flush-alarm", args.fp8_stats_flush_alarm)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigurationError(f"{flag} is a fraction in [0, 1], got {value}")
+    if args.fp8_stats_loss_spike < 0:
+        raise ConfigurationError(f"--fp8-stats-loss-spike must be >= 0 (0: off), got {args.fp8_stats_loss_spike}")
 
 
 def _check_moe(args: argparse.Namespace, dp: int) -> None:
@@ -282,6 +305,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
     )
     _check_moe(args, dp)
+    _check_fp8_stats(args)
     high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up
     if args.lr < 0 or args.min_lr < 0:
         raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")

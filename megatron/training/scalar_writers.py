@@ -3,7 +3,8 @@
 Each logged iteration record (:class:`megatron.training.log.TrainingLogger`'s, already read to the host at the log
 interval) becomes scalars at its iteration: ``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``skipped_steps``,
 ``tokens_per_s``, ``mu``, ``comm_bytes/<what travelled>`` and ``comm_bytes/total``, ``memory/<category>`` (model-state
-bytes by :func:`fp8.memory_report` category). Every opt level trained by one run (``--compare``) is its own run: ``DIR/<level>/`` for TensorBoard, a run named by the level
+bytes by :func:`fp8.memory_report` category) and ``fp8_stats/<layer>/<operand>/<statistic>`` (``--fp8-stats-interval``:
+:mod:`megatron.training.fp8_numerics`). Every opt level trained by one run (``--compare``) is its own run: ``DIR/<level>/`` for TensorBoard, a run named by the level
 for W&B, so their curves overlay.
 """
 
@@ -25,6 +26,10 @@ def record_scalars(record: dict) -> dict[str, float]:
         out["comm_bytes/total"] = float(record["comm_bytes_total"])
     for category, value in (record.get("memory") or {}).items():
         out[f"memory/{category}"] = float(value)
+    for layer, operands in (record.get("fp8_stats") or {}).items():
+        for operand, stats in operands.items():
+            for stat, value in stats.items():
+                out[f"fp8_stats/{layer}/{operand}/{stat}"] = float(value)
     return out
 
 

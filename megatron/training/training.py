@@ -35,6 +35,7 @@ from .distributed.core_trace import check_trace_directory, trace_megatron_core
 from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads,
                                 reduce_tied_embedding_grads, tied_embedding_weights)
 from .distributed.pipeline_p2p import FP8P2PCommunicator
+from .fp8_numerics import NumericsMonitor
 from .health import SkipMonitor
 from .log import TrainingLogger
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
@@ -277,6 +278,11 @@ class TrainingRun:
         self.skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
         self.world = Collectives(dist.group.WORLD, self.counter)
         self.params = sum(p.numel() for c in chunks for p in c.parameters())
+        # --fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)
+        self.numerics = None
+        if getattr(args, "fp8_stats_interval", 0) and args.fp8_opt_level != "none":
+            self.numerics = NumericsMonitor(args, chunks, self.world, parallel_state.get_pipeline_model_parallel_rank(),
+                                            self.pp_size, log=_is_logging_rank())
 
     def forward_step(self, data_iterator, model):
         """The schedule's forward step: :func:`_forward_step`, and the micro-batch's megatron-core collectives
@@ -427,6 +433,8 @@ def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> R
     pending = _PendingRecords(args, run)
     sent = _BytesSince(run.counter)
     for it in range(start, args.train_iters):
+        if run.numerics is not None:
+            run.numerics.begin_step(it + 1)
         step = run.train_step(data, it)
         pending.add(it + 1, step, *sent.take(), run.mu())
         evaluate = bool(args.eval_interval) and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters)
@@ -436,6 +444,8 @@ def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> R
         if (evaluate or save or stop or (it + 1) % max(1, args.log_interval) == 0
                 or it + 1 == args.train_iters):
             records = pending.flush()  # the one host read of the interval (every rank at the same iterations)
+            if run.numerics is not None:
+                run.numerics.read(records)  # FP8 statistics into the last record; alarms (every rank the same)
             if evaluate:
                 records[-1]["val_loss"] = run.evaluate(datasets.valid)
                 history["valid"].append({"iteration": it + 1, "val_loss": records[-1]["val_loss"]})

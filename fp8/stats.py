@@ -1,0 +1,159 @@
+"""FP8 numerics statistics: per FP8 GEMM operand its amax, scale, and the fractions of values that flush to zero and
+that saturate, plus the weight-gradient scales; accumulated on the device, read to the host on request only.
+
+:class:`FP8Statistics` attaches a :class:`CastStatistics` to the scaling state of each FP8 linear's input and
+output-gradient casts (``ScalingState.stats``: the cast calls :meth:`CastStatistics.observe` with the tensor and the
+scale it casts with) and reads the weights (``Float8Tensor``: payload and scale) and their gradients' scales itself.
+It observes only on the steps :meth:`FP8Statistics.begin_step` marks (every ``interval``-th), so the extra reductions
+cost one pass over each operand every ``interval`` steps; :meth:`FP8Statistics.read` is the one host read.
+
+For a value ``x`` cast with scale ``s`` to a format with largest magnitude ``max`` and smallest subnormal ``tiny``:
+it *flushes to zero* when ``x != 0`` and ``|x| * s <= tiny / 2`` (round to nearest even takes it to 0), and it
+*saturates* when ``|x| * s > max`` (clamped to ``max``). Fractions are over the values observed (non-finite values
+are neither). The tensor-wise recipe's casts are observed; the per-row and per-tile recipes choose a scale per
+block from the block's own amax (no saturation by construction) and are not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import FP8Format
+from .tensor import Float8Tensor
+
+__all__ = ["CastStatistics", "FP8Statistics", "flush_and_saturation_counts", "STAT_NAMES"]
+
+STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated")
+"""The statistics of one cast site, as :meth:`FP8Statistics.read` reports them."""
+
+
+def flush_and_saturation_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """``[values that flush to zero, values that saturate, finite values]`` of ``x`` cast with ``scale`` to ``fmt``
+    (int64, on ``x``'s device; no host read)."""
+    tiny = fmt.min_normal * 2.0 ** -fmt.mantissa_bits
+    ax = x.detach().abs().float()
+    finite = torch.isfinite(ax)
+    scaled = ax * scale.float()
+    flush = finite & (ax > 0) & (scaled <= tiny / 2)
+    saturated = finite & (scaled > fmt.max)
+    return torch.stack([flush.sum(), saturated.sum(), finite.sum()])
+
+
+class CastStatistics:
+    """Device accumulators of one cast site (an FP8 linear's input, or its output gradient) over the observed
+    steps since the last read: the largest amax, the last scale, and the flush / saturation / finite counts."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._amax: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> None:
+        """Accumulate one cast of ``x`` with ``scale`` (a no-op unless :attr:`active`)."""
+        if not self.active:
+            return
+        counts = flush_and_saturation_counts(x, scale, fmt)
+        amax = x.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax() if x.numel() else torch.zeros((), device=x.device)
+        if self._counts is None:
+            self._amax, self._counts = amax, counts
+        else:
+            self._amax, self._counts = torch.maximum(self._amax, amax), self._counts + counts
+        self._scale = scale.detach().float().reshape(())
+
+    def take(self) -> list[torch.Tensor] | None:
+        """``[amax, scale, flushed, saturated, finite]`` as device tensors (None if nothing observed); resets."""
+        if self._counts is None:
+            return None
+        out = [self._amax, self._scale, *self._counts.to(torch.float64)]
+        self._amax = self._scale = self._counts = None
+        return out
+
+
+def _weight_stats(weight: Float8Tensor) -> list[torch.Tensor]:
+    """A stored FP8 weight: amax of its value, its scale (the largest, for block scales), payload values at zero
+    (flushed, or zero already) and at the format's max (saturated), and its size."""
+    payload = weight.payload
+    mag = payload.float().abs()
+    fmt_max = weight.format.max
+    return [weight.dequantize(torch.float32).abs().amax(), weight.scale.float().amax(),
+            (mag == 0).sum().to(torch.float64), (mag >= fmt_max).sum().to(torch.float64),
+            torch.tensor(float(payload.numel()), dtype=torch.float64, device=payload.device)]
+
+
+class FP8Statistics:
+    """FP8 numerics statistics of ``model``'s FP8 linears (any module with ``input_scaling`` and
+    ``grad_output_scaling`` scaling states and a :class:`Float8Tensor` weight: :class:`fp8.Float8Linear`, the
+    parallel linears), named by their module paths (``prefix`` prepended). ``interval``: observe every
+    ``interval``-th step (:meth:`begin_step`)."""
+
+    def __init__(self, model: nn.Module, interval: int, prefix: str = "") -> None:
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.interval = interval
+        self.layers: dict[str, dict[str, CastStatistics]] = {}
+        self.weights: dict[str, nn.Parameter] = {}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            states = (getattr(module, "input_scaling", None), getattr(module, "grad_output_scaling", None))
+            if not isinstance(weight, Float8Tensor) or any(s is None for s in states):
+                continue
+            sites = {"input": CastStatistics(), "grad_output": CastStatistics()}
+            states[0].stats, states[1].stats = sites["input"], sites["grad_output"]
+            self.layers[prefix + name] = sites
+            self.weights[prefix + name] = weight
+        self._observed = False
+
+    def begin_step(self, iteration: int) -> None:
+        """Mark step ``iteration`` (1-based) observed or not: every ``interval``-th is. The same decision on every
+        rank (the iteration number), so nothing about communication depends on it."""
+        active = iteration % self.interval == 0
+        self._observed |= active
+        for sites in self.layers.values():
+            for site in sites.values():
+                site.active = active
+
+    def _weight_snapshot(self) -> dict[str, list[torch.Tensor]]:
+        out = {}
+        for name, weight in self.weights.items():
+            stats = _weight_stats(weight)
+            grad = weight.grad
+            grad_scale = getattr(grad, "scale", None) if grad is not None else None
+            out[name] = stats + [grad_scale.float().amax() if isinstance(grad_scale, torch.Tensor)
+                                 else torch.full((), float("nan"), device=stats[0].device)]
+            out[name] = [t.to(torch.float64).reshape(()) for t in out[name]]
+        return out
+
+    @torch.no_grad()
+    def read(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per layer, per operand (``input``, ``grad_output``, ``weight``): ``amax``, ``scale``, ``flush_to_zero`` and
+        ``saturated`` (fractions of the finite values), and for the weight its gradient's scale (``grad_scale``: NaN
+        when the gradient is not scaled); over the steps observed since the last read. One host read. Empty when no
+        step was observed."""
+        if not self._observed or not self.layers:
+            return {}
+        pending: list[tuple[str, str, list[torch.Tensor]]] = []
+        for name, sites in self.layers.items():
+            for operand, site in sites.items():
+                taken = site.take()
+                if taken is not None:
+                    pending.append((name, operand, taken))
+        for name, stats in self._weight_snapshot().items():
+            pending.append((name, "weight", stats))
+        flat = torch.stack([t.to(torch.float64).reshape(()).to(pending[0][2][0].device)
+                            for _, _, ts in pending for t in ts]).tolist()  # the one host read
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        i = 0
+        for name, operand, ts in pending:
+            values = flat[i:i + len(ts)]
+            i += len(ts)
+            amax, scale, flushed, saturated, finite = values[:5]
+            entry = {"amax": amax, "scale": scale, "flush_to_zero": flushed / max(finite, 1.0),
+                     "saturated": saturated / max(finite, 1.0)}
+            if operand == "weight":
+                entry["grad_scale"] = values[5]
+            out.setdefault(name, {})[operand] = entry
+        self._observed = False
+        return out
