@@ -137,7 +137,9 @@ def test_a_corrupted_checkpoint_is_refused_or_falls_back_to_the_previous_good_on
 # Every documented flag of pretrain_gpt.py trains once on CPU (here, three single-process runs); the parallel
 # layout flags (--tensor/--pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage,
 # --sequence-parallel, --use-distributed-optimizer) train in tests/test_megatron_parallel.py, --data-parallel-size
-# and --dry-run in tests/test_pretrain_gpt.py.
+# and --dry-run in tests/test_pretrain_gpt.py, the MoE flags in tests/test_moe.py, --first-last-layers-bf16 and its
+# counts in tests/test_precision_layers.py, --fp8-stats-* in tests/test_fp8_stats.py, --tensorboard-dir and
+# --wandb-project in tests/test_scalar_writers.py.
 FLAG_RUNS = {
     "model_and_adam": [
         "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "4",
