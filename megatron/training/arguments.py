@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --first-last-layers-bf16: global layers at the start kept out of FP8")
     f.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
                    help="with --first-last-layers-bf16: global layers at the end kept out of FP8")
+    f.add_argument("--fp8-precision-config", default=None, metavar="FILE",
+                   help="per-linear precision rules (JSON or YAML): ordered glob patterns over module names "
+                        "(decoder.layers.<i>.mlp.linear_fc1, ...) -> bf16/high or fp8 with a recipe and formats; the "
+                        "first match wins (docs/precision.md)")
     f.add_argument("--fp8-stats-interval", type=int, default=0,
                    help="FP8 numerics statistics every N steps (amax, scale, flushed-to-zero and saturated fractions per "
                         "FP8 GEMM operand), read at --log-interval into the JSON log and TensorBoard; 0: off")
@@ -307,6 +311,16 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_moe(args, dp)
     _check_fp8_stats(args)
     high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up
+    if args.fp8_precision_config:
+        if args.first_last_layers_bf16:
+            raise ConfigurationError("--first-last-layers-bf16 and --fp8-precision-config both choose layers' "
+                                     "precision: use one (a rule like 'decoder.layers.0.*' -> bf16 keeps a layer)")
+        from fp8.precision_rules import load_precision_file
+
+        try:
+            load_precision_file(args.fp8_precision_config)  # read and checked now; matched when the model is built
+        except (OSError, ValueError) as error:
+            raise ConfigurationError(f"--fp8-precision-config: {error}") from None
     if args.lr < 0 or args.min_lr < 0:
         raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")
     if args.min_lr > args.lr:

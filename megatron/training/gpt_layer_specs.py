@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 __all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
-           "FP32Router",
+           "FP32Router", "LINEAR_PLACES",
            "layer_init_seed", "SelectiveColumnParallelLinear", "SelectiveRowParallelLinear", "fp8_layer_selection"]
 
 
@@ -220,6 +220,7 @@ def get_gpt_layer_fp8_spec(
     min_fp8_dim: int = 0,
     num_experts: int | None = None,
     kept_reason: str | None = None,
+    per_linear: dict[str, dict] | None = None,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
@@ -232,7 +233,10 @@ def get_gpt_layer_fp8_spec(
     mixture-of-experts layer (router in FP32, token dispatcher, ``SequentialMLP`` experts and the optional shared
     expert), each expert's two linears fp8lm's parallel linears (``is_expert=True``: the dispatcher does their
     communication). ``kept_reason``: every linear of the layer stays in high precision, and records why (the
-    start-up summary's reason, e.g. ``--first-last-layers-bf16``).
+    start-up summary's reason, e.g. ``--first-last-layers-bf16``). ``per_linear``: constructor arguments of single
+    linears by their place in the layer (:data:`LINEAR_PLACES`: ``"self_attention.linear_qkv"``, ...,
+    ``"mlp.experts.linear_fc1"`` for every expert), e.g. ``{"fp8": None, "kept_reason": ...}`` or another ``fp8``
+    configuration (``--fp8-precision-config``).
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
@@ -244,33 +248,47 @@ def get_gpt_layer_fp8_spec(
     layer = spec.submodules
     layer.input_layernorm = Norm
     layer.pre_mlp_layernorm = Norm
+    per_linear = per_linear or {}
+    unknown = set(per_linear) - set(LINEAR_PLACES)
+    if unknown:
+        raise ValueError(f"per_linear: unknown place(s) {sorted(unknown)}; places are {LINEAR_PLACES}")
+
+    def linear(cls, place: str) -> ModuleSpec:
+        return ModuleSpec(module=cls, params={**linear_params, **per_linear.get(place, {})})
+
     attention = layer.self_attention.submodules
-    attention.linear_qkv = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
-    attention.linear_proj = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
+    attention.linear_qkv = linear(SelectiveColumnParallelLinear, "self_attention.linear_qkv")
+    attention.linear_proj = linear(SelectiveRowParallelLinear, "self_attention.linear_proj")
     attention.core_attention = SDPAttention
     if qk_layernorm:
         attention.q_layernorm = Norm
         attention.k_layernorm = Norm
     if num_experts is None:
-        mlps = [layer.mlp.submodules]
+        mlps = {"mlp": layer.mlp.submodules}
     else:  # the router in FP32; the experts' MLP and the shared expert's
         layer.mlp.submodules.router = FP32Router
-        mlps = [layer.mlp.submodules.experts.submodules, layer.mlp.submodules.shared_experts.submodules]
-    for mlp in mlps:
-        mlp.linear_fc1 = ModuleSpec(module=SelectiveColumnParallelLinear, params=linear_params)
-        mlp.linear_fc2 = ModuleSpec(module=SelectiveRowParallelLinear, params=linear_params)
+        mlps = {"mlp.experts": layer.mlp.submodules.experts.submodules,
+                "mlp.shared_experts": layer.mlp.submodules.shared_experts.submodules}
+    for place, mlp in mlps.items():
+        mlp.linear_fc1 = linear(SelectiveColumnParallelLinear, f"{place}.linear_fc1")
+        mlp.linear_fc2 = linear(SelectiveRowParallelLinear, f"{place}.linear_fc2")
     return spec
 
 
+LINEAR_PLACES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                 "mlp.experts.linear_fc1", "mlp.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
+                 "mlp.shared_experts.linear_fc2")
+"""The places of a layer's linears in :func:`get_gpt_layer_fp8_spec` (``per_linear``'s keys)."""
+
+
 def get_gpt_block_fp8_spec(config, layer_spec: ModuleSpec, vp_stage: int | None = None,
-                           pp_rank: int | None = None, high_precision_layers: frozenset[int] = frozenset(),
-                           high_precision_spec: ModuleSpec | None = None) -> TransformerBlockSubmodules:
+                           pp_rank: int | None = None, spec_for_layer=None) -> TransformerBlockSubmodules:
     """The block spec for ``GPTModel``: this pipeline stage's layers and a final :class:`Norm` that supports sequence
-    parallelism. Each layer is ``layer_spec``, or ``high_precision_spec`` for the global layer numbers (1-based, any
-    pipeline split) in ``high_precision_layers``."""
+    parallelism. Each layer is ``layer_spec``, or ``spec_for_layer(global layer number)`` (1-based, whatever the
+    pipeline split) when given."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    if high_precision_layers and high_precision_spec is None:
-        raise ValueError("high_precision_layers needs high_precision_spec (the layer spec they are built from)")
-    offset = get_transformer_layer_offset(config, vp_stage, pp_rank) if high_precision_layers else 0
-    specs = [high_precision_spec if offset + i + 1 in high_precision_layers else layer_spec for i in range(num_layers)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
+    if spec_for_layer is None:
+        return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec_for_layer(offset + i + 1) for i in range(num_layers)],
+                                      layer_norm=Norm)

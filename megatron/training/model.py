@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fp8.activations import compress_activations
 from fp8.linear import Float8LinearConfig
+from fp8.precision_rules import PrecisionPlan, PrecisionRule, load_precision_file
 from fp8.scaling import ScalingConfig
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -16,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from fp8.parallel.init import reinitialize_named_
 
-from .config_rules import high_precision_layers
+from .config_rules import ConfigurationError, high_precision_layers
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
@@ -149,17 +152,14 @@ def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_siz
     common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args),
               "num_experts": getattr(args, "num_experts", None)}
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, **common)
-    kept = high_precision_layers(args) if fp8 is not None else frozenset()
-    kept_spec = get_gpt_layer_fp8_spec(high_precision=True, kept_reason=(
-        f"first {args.num_layers_at_start_in_bf16} / last {args.num_layers_at_end_in_bf16} layers kept out of FP8 "
-        f"(--first-last-layers-bf16)"), **common) if kept else None
+    spec_for_layer = _spec_for_layer(args, fp8, common)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vp_size):
         block = get_gpt_block_fp8_spec(config, layer_spec, vp_stage=vp_stage if vp_size > 1 else None, pp_rank=pp_rank,
-                                       high_precision_layers=kept, high_precision_spec=kept_spec)
+                                       spec_for_layer=spec_for_layer)
         pre_process = pp_rank == 0 and vp_stage == 0
         post_process = pp_rank == pp_size - 1 and vp_stage == vp_size - 1
         # Embedding and output layer draw from the generator at the point the single-process model would.
@@ -181,6 +181,86 @@ def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_siz
             model.fp8_activation_compressor = compress_activations(model)
         chunks.append(model)
     return chunks
+
+
+def _layer_linears(args: argparse.Namespace, number: int) -> dict[str, list[str]]:
+    """Global layer ``number``'s linears: place in the layer spec -> the module names (in the single-process model)
+    of the linears built there (every expert for an expert's place)."""
+    prefix = f"decoder.layers.{number - 1}."
+    places = {p: [prefix + p] for p in ("self_attention.linear_qkv", "self_attention.linear_proj")}
+    if getattr(args, "num_experts", None) is None:
+        places.update({p: [prefix + p] for p in ("mlp.linear_fc1", "mlp.linear_fc2")})
+        return places
+    for fc in ("linear_fc1", "linear_fc2"):
+        places[f"mlp.experts.{fc}"] = [f"{prefix}mlp.experts.local_experts.{j}.{fc}" for j in range(args.num_experts)]
+        if args.moe_shared_expert_intermediate_size:
+            places[f"mlp.shared_experts.{fc}"] = [f"{prefix}mlp.shared_experts.{fc}"]
+    return places
+
+
+def precision_plan(args: argparse.Namespace) -> tuple[PrecisionPlan, dict[tuple[int, str], PrecisionRule]] | None:
+    """``--fp8-precision-config``'s rules applied to every linear of the model (global names, so every rank sees
+    the same plan and checks the patterns without communicating): the plan (matches per rule) and the rule of each
+    (global layer number, place). None without the flag. Patterns matching nothing, and rules telling experts of
+    one layer apart, are refused."""
+    path = getattr(args, "fp8_precision_config", None)
+    if not path:
+        return None
+    plan = PrecisionPlan(load_precision_file(path))
+    decided: dict[tuple[int, str], PrecisionRule] = {}
+    for number in range(1, args.num_layers + 1):
+        for place, names in _layer_linears(args, number).items():
+            rules = {plan.rule_for(name) for name in names}
+            if len(rules) > 1:
+                raise ConfigurationError(
+                    f"--fp8-precision-config {path}: the experts of layer {number - 1} ({place}) match different rules; "
+                    f"a layer's experts share one precision (write the pattern for all of them, e.g. "
+                    f"'decoder.layers.{number - 1}.mlp.experts.*')")
+            rule = rules.pop()
+            if rule is not None:
+                decided[(number, place)] = rule
+    try:
+        plan.check()
+    except ValueError as error:
+        raise ConfigurationError(f"--fp8-precision-config {path}: {error}") from None
+    return plan, decided
+
+
+def _spec_for_layer(args: argparse.Namespace, fp8, common: dict):
+    """The layer spec of each global layer number when some layers differ (``--first-last-layers-bf16``,
+    ``--fp8-precision-config``), else None (one spec for every layer)."""
+    if fp8 is None:
+        return None
+    kept = high_precision_layers(args)
+    planned = precision_plan(args)
+    if not kept and planned is None:
+        return None
+    kept_reason = (f"first {args.num_layers_at_start_in_bf16} / last {args.num_layers_at_end_in_bf16} layers kept out "
+                   f"of FP8 (--first-last-layers-bf16)")
+    if planned is not None:
+        plan, decided = planned
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logging.getLogger("megatron.training").warning(
+                "pretrain_gpt.py --fp8-precision-config %s:\n%s", args.fp8_precision_config, plan.summary())
+        rule_index = {rule: i + 1 for i, rule in enumerate(plan.rules)}
+    else:
+        decided, rule_index = {}, {}
+
+    def spec_for(number: int):
+        if number in kept:
+            return get_gpt_layer_fp8_spec(high_precision=True, kept_reason=kept_reason, **common)
+        per_linear = {}
+        for (n, place), rule in decided.items():
+            if n != number:
+                continue
+            if rule.high_precision:
+                per_linear[place] = {"fp8": None, "kept_reason": f"precision rule {rule_index[rule]} "
+                                                                 f"{rule.pattern!r} (--fp8-precision-config)"}
+            else:
+                per_linear[place] = {"fp8": rule.config(fp8)}
+        return get_gpt_layer_fp8_spec(fp8, per_linear=per_linear, **common)
+
+    return spec_for
 
 
 def announce_layer_selection(args: argparse.Namespace, chunks: list, log: bool = True) -> tuple[int, list]:
