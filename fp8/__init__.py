@@ -18,6 +18,7 @@ from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
 from .initialize import OPT_LEVEL_ALIASES, OPT_LEVELS, initialize, normalize_opt_level
 from .linear import Float8Linear, Float8LinearConfig
+from .moe import Float8Experts
 from . import distributed, optim
 from .memory import MEMORY_CATEGORIES, memory_report
 from .optim.clip import clip_grad_norm_
@@ -31,7 +32,7 @@ __all__ = [
     "ScalingConfig", "ScalingState", "compute_scale", "update_scales", "set_amax_reduction_group",
     "Float8Tensor", "to_float8", "ScaledFloat16Tensor", "to_scaled_fp16", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
-    "Float8Linear", "Float8LinearConfig", "convert_to_float8_linear", "freeze",
+    "Float8Linear", "Float8LinearConfig", "Float8Experts", "convert_to_float8_linear", "freeze",
     "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]
 

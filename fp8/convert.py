@@ -3,7 +3,13 @@
 transformers' ``Conv1D`` (GPT-2 and relatives: a linear layer whose weight is stored transposed, shape
 ``(in_features, out_features)``, ``y = x @ weight + bias``) converts too, detected by duck typing
 (:func:`is_conv1d`; transformers is not imported). Its FP8 weight is quantized from ``weight.t()``, and its
-master weight is a new ``(out_features, in_features)`` copy (:attr:`ConvertedLinear.transposed_from`)."""
+master weight is a new ``(out_features, in_features)`` copy (:attr:`ConvertedLinear.transposed_from`).
+
+``nn.Linear`` subclasses convert when their forward is known to be a plain linear (:data:`PLAIN_LINEAR_FORWARDS`,
+e.g. Falcon's ``FalconLinear``); any other subclass (its own forward, or a parent reading its weight directly, as
+``nn.MultiheadAttention`` does its ``out_proj``'s) stays in high precision, reported with the reason. transformers MoE
+experts (fused 3-D ``gate_up_proj``/``down_proj``) become :class:`fp8.moe.Float8Experts` (FP8 expert weights, FP8
+grouped GEMM)."""
 
 from __future__ import annotations
 
@@ -17,10 +23,12 @@ from torch import nn
 
 from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
+from .moe import Float8Experts, experts_problem, is_fused_experts
 
 __all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
-           "announce_fp8_selection", "fp8_selection_message", "ModuleFilter"]
+           "announce_fp8_selection", "fp8_selection_message", "ModuleFilter", "PLAIN_LINEAR_FORWARDS",
+           "linear_subclass_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,22 @@ def default_min_fp8_dim(model: nn.Module) -> int:
     """The default ``min_fp8_dim`` for ``model``: :data:`CUDA_MIN_FP8_DIM` when its parameters are on
     CUDA, 0 elsewhere (CPU has no FP8 units, and small test layers stay convertible)."""
     return CUDA_MIN_FP8_DIM if any(p.is_cuda for p in model.parameters()) else 0
+
+
+PLAIN_LINEAR_FORWARDS = (("transformers.models.falcon.modeling_falcon", "FalconLinear.forward"),)
+"""``(module, qualified name)`` of ``nn.Linear`` subclasses' forwards known to compute ``x @ weight.T + bias`` exactly as
+``nn.Linear`` does (read from their source); such subclasses convert to FP8. Checked by identity of the forward's
+defining module and name, never by running it."""
+
+
+def linear_subclass_problem(module: nn.Linear) -> str | None:
+    """Why an ``nn.Linear`` subclass must stay in high precision, or None if its forward is a plain linear
+    (:data:`PLAIN_LINEAR_FORWARDS`)."""
+    forward = type(module).forward
+    if (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) in PLAIN_LINEAR_FORWARDS:
+        return None
+    return (f"{type(module).__name__} subclasses nn.Linear but is not known to be a plain linear (its forward, or a "
+            f"parent reading its weight directly, may differ); it stays in high precision")
 
 
 def module_paths(model: nn.Module) -> dict[int, list[str]]:
@@ -64,12 +88,18 @@ class ConvertedLinear:
     ``Conv1D`` it is the module's own ``(in_features, out_features)`` weight, which the user's optimizer
     holds: ``original_weight`` is then a new Parameter holding its transpose, and the optimizer must swap
     ``transposed_from`` for it (O1) or for the FP8 weight (O2/O3).
+
+    ``split_from`` is set for one expert projection of a transformers MoE experts module (:class:`fp8.moe.Float8Experts`):
+    the fused 3-D parameter the user's optimizer holds, of which ``original_weight`` (a new Parameter) is one expert's
+    slice; ``fp8.initialize`` swaps the fused parameter for the experts' masters in the optimizer before anything
+    else, so ``optimizer_param`` is the master. ``module`` is then a :class:`fp8.moe.ExpertWeight`.
     """
 
     fqn: str
     original_weight: nn.Parameter
-    module: Float8Linear | Float8Embedding
+    module: Float8Linear | Float8Embedding | nn.Module
     transposed_from: nn.Parameter | None = None
+    split_from: nn.Parameter | None = None
 
     @property
     def optimizer_param(self) -> nn.Parameter:
@@ -111,6 +141,24 @@ def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None
     return Float8Linear.from_linear(view, config), master
 
 
+def _experts_skip_reason(fqn: str, module: nn.Module, filter_fn: ModuleFilter | None, use_count: Counter,
+                         min_fp8_dim: int, config: Float8LinearConfig) -> str | None:
+    if filter_fn is not None and not filter_fn(module, fqn):
+        return "excluded by module_filter_fn"
+    problem = experts_problem(module)
+    if problem:
+        return problem
+    e, two_i, h = module.gate_up_proj.shape
+    if min(h, two_i // 2) < min_fp8_dim:
+        return (f"experts hidden_dim={h}, intermediate_dim={two_i // 2} below min_fp8_dim={min_fp8_dim} (too small to "
+                f"gain from FP8 at the measured crossover; pass min_fp8_dim=0 to convert them)")
+    if any(use_count[id(p)] > 1 for p in (module.gate_up_proj, module.down_proj)):
+        return "expert weights are shared with another module (tied); FP8 would untie them"
+    if not config.recipe_spec.tensorwise:
+        return f"the FP8 grouped GEMM runs the tensorwise recipe only, not {config.recipe!r}"
+    return None
+
+
 def _skip_reason(fqn: str, linear, filter_fn: ModuleFilter | None, use_count: Counter,
                  min_fp8_dim: int = 0, module: nn.Module | None = None) -> str | None:
     if filter_fn is not None and not filter_fn(module if module is not None else linear, fqn):
@@ -139,7 +187,13 @@ def convert_to_float8_linear(
     :class:`Float8Linear` (a ``Conv1D``'s FP8 weight is quantized from its ``weight.t()``; see
     :class:`ConvertedLinear` for its master).
 
-    ``module_filter_fn(module, fqn)`` returning False keeps a layer in high precision. Layers whose
+    transformers MoE experts modules (fused 3-D ``gate_up_proj``/``down_proj``; :mod:`fp8.moe`) become
+    :class:`fp8.moe.Float8Experts`, one :class:`ConvertedLinear` per expert projection (``split_from`` set); kept ones
+    are reported with their reason (an experts class fp8 does not know, ``min(hidden, intermediate) < min_fp8_dim``,
+    tied weights, a recipe other than tensorwise).
+
+    ``module_filter_fn(module, fqn)`` returning False keeps a layer in high precision (it also sees the experts
+    modules: a filter reading ``in_features`` must check the type first). Layers whose
     dimensions are not multiples of 16, or whose weight is tied to another module, are kept too;
     every skipped layer is logged with its reason. Layers with ``min(in_features, out_features) <
     min_fp8_dim`` stay in high precision (too small to gain from FP8); None picks
@@ -157,11 +211,31 @@ def convert_to_float8_linear(
     use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     converted: list[ConvertedLinear] = []
     kept: list[tuple[str, str]] = []
+    experts: list[tuple[str, str | None]] = []  # (name, reason kept or None)
     for fqn, module in list(model.named_modules()):
-        conv1d = is_conv1d(module)
-        if type(module) is not nn.Linear and not conv1d:
+        if is_fused_experts(module):
+            reason = _experts_skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim, config)
+            experts.append((fqn or "<root>", reason))
+            if reason:
+                logger.info("fp8: kept experts %s in high precision: %s", fqn or "<root>", reason)
+            else:
+                new, masters = Float8Experts.from_experts(module, config)
+                fused = [module.gate_up_proj] * new.num_experts + [module.down_proj] * new.num_experts
+                names = [f"gate_up.{e}" for e in range(new.num_experts)] + [f"down.{e}" for e in range(new.num_experts)]
+                sub = list(new.gate_up) + list(new.down)
+                converted += [ConvertedLinear(f"{fqn}.{n}" if fqn else n, m, w, split_from=f)
+                              for n, m, w, f in zip(names, masters, sub, fused)]
+                if fqn:
+                    set_submodule(model, fqn, new)
+                else:
+                    model = new
             continue
-        reason = _skip_reason(fqn, _linear_view(module), module_filter_fn, use_count, min_fp8_dim, module)
+        conv1d = is_conv1d(module)
+        if not isinstance(module, nn.Linear) and not conv1d:
+            continue
+        subclass = isinstance(module, nn.Linear) and type(module) is not nn.Linear
+        reason = ((linear_subclass_problem(module) if subclass else None)
+                  or _skip_reason(fqn, _linear_view(module), module_filter_fn, use_count, min_fp8_dim, module))
         if reason:
             logger.info("fp8: kept %s in high precision: %s", fqn or "<root>", reason)
             kept.append((fqn or "<root>", reason))
@@ -176,13 +250,14 @@ def convert_to_float8_linear(
             model = new
             continue
         set_submodule(model, fqn, new)
+    n_linear = sum(c.split_from is None for c in converted)
     if require_fp8 and not converted:  # nothing was swapped: the model is unchanged
         raise ValueError(
-            f"{fp8_selection_message(0, kept, min_fp8_dim)}, and require_fp8=True asks for at least one FP8 "
+            f"{fp8_selection_message(0, kept, min_fp8_dim, experts=experts)}, and require_fp8=True asks for at least one FP8 "
             f"layer: give the linears in/out features that are multiples of 16, lower min_fp8_dim (0 converts "
             f"every eligible layer), loosen module_filter_fn, or pass require_fp8=False to train in high precision"
         )
-    announce_fp8_selection(len(converted), kept, min_fp8_dim)
+    announce_fp8_selection(n_linear, kept, min_fp8_dim, experts=experts)
     return model, converted
 
 
@@ -195,13 +270,23 @@ def _reason_kind(reason: str, min_fp8_dim: int) -> str:
     return reason
 
 
-def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int, max_names: int = 6) -> str:
-    """How many linear layers run in FP8 and which stay in high precision, grouped by reason."""
+def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int, max_names: int = 6,
+                          experts: list[tuple[str, str | None]] = ()) -> str:
+    """How many linear layers (and MoE experts modules: ``experts``, ``(name, reason kept or None)``) run in FP8 and
+    which stay in high precision, grouped by reason."""
     groups: dict[str, list[str]] = {}
     for name, reason in kept:
         groups.setdefault(_reason_kind(reason, min_fp8_dim), []).append(name)
+    kept_experts = [(name, reason) for name, reason in experts if reason]
+    for name, reason in kept_experts:
+        groups.setdefault(_reason_kind(reason, min_fp8_dim), []).append(f"{name} (experts)")
     total = n_fp8 + len(kept)
     message = f"fp8: {n_fp8} of {total} linear layer(s) run in FP8"
+    if experts:
+        message += (f", {len(experts) - len(kept_experts)} of {len(experts)} MoE experts module(s) through the FP8 "
+                    f"grouped GEMM (one E4M3 weight and scale per expert projection)")
+    kept = kept + kept_experts
+    total += len(experts)
     if not total:
         return message + " (the model has no torch.nn.Linear; only nn.Linear modules are converted) -- no FP8 GEMM will run"
     if kept:
@@ -210,16 +295,16 @@ def fp8_selection_message(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: 
             shown = ", ".join(names[:max_names]) + (f", ... ({len(names) - max_names} more)" if len(names) > max_names else "")
             parts.append(f"{len(names)} {kind}: {shown}")
         message += f"; {len(kept)} stay in high precision: " + "; ".join(parts)
-    if n_fp8 == 0 and total:
+    if n_fp8 == 0 and len(kept_experts) == len(experts) and total:
         message += " -- no FP8 GEMM will run"
     return message
 
 
 def announce_fp8_selection(n_fp8: int, kept: list[tuple[str, str]], min_fp8_dim: int,
-                           log: logging.Logger | None = None) -> str:
+                           log: logging.Logger | None = None, experts: list[tuple[str, str | None]] = ()) -> str:
     """Log :func:`fp8_selection_message` at WARNING (a model with no linear, or whose linears all stay in
     high precision, runs no FP8 GEMM: that must not pass unnoticed). Returns the message."""
-    message = fp8_selection_message(n_fp8, kept, min_fp8_dim)
+    message = fp8_selection_message(n_fp8, kept, min_fp8_dim, experts=experts)
     (log or logger).warning(message)
     return message
 

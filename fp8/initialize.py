@@ -11,6 +11,7 @@ from torch import nn
 
 from .activations import compress_activations
 from .convert import ModuleFilter, convert_embeddings_to_float8, convert_to_float8_linear, is_conv1d
+from .moe import is_fused_experts
 from .gemm import scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
@@ -117,6 +118,32 @@ def _check_no_conv1d_state(model: nn.Module, optimizer: torch.optim.Optimizer) -
         )
 
 
+def _check_no_fused_expert_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that already holds state for fused MoE expert weights: each expert projection gets its
+    own master Parameter, and the fused tensor's optimizer state cannot be carried over to them."""
+    stepped = [fqn for fqn, m in model.named_modules() if is_fused_experts(m)
+               and any(optimizer.state.get(p) for p in m.parameters(recurse=False))]
+    if stepped:
+        raise ValueError(
+            f"the optimizer already holds state for the fused expert weights of {len(stepped)} MoE experts module(s) "
+            f"({_names(stepped)}); FP8 gives each expert projection its own master Parameter: call fp8.initialize "
+            f"before the first optimizer step"
+        )
+
+
+def _swap_expert_masters(optimizer: torch.optim.Optimizer, converted: list) -> None:
+    """In ``optimizer``'s param groups, replace each fused MoE expert parameter by its experts' masters (in order;
+    ``ConvertedLinear.split_from``), so every later step treats each expert projection as one weight."""
+    split: dict[int, list[nn.Parameter]] = {}
+    for c in converted:
+        if c.split_from is not None:
+            split.setdefault(id(c.split_from), []).append(c.original_weight)
+    if not split:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [q for p in group["params"] for q in split.get(id(p), [p])]
+
+
 def _swap_conv1d_masters(optimizer: torch.optim.Optimizer, converted: list) -> None:
     """O1: in ``optimizer``'s param groups, replace each converted ``Conv1D``'s own (in, out) weight by its
     (out, in) master (``ConvertedLinear.original_weight``), which the wrapper steps and re-quantizes from."""
@@ -170,7 +197,12 @@ def initialize(
       with their scales, FP8 GEMMs; weight gradients summed over micro-batches in a scaled FP16 buffer, or
       per ``config.grad_accumulation``: in fp32 with ``"fp32"``, in E4M3 with ``"fp8"``); ``module_filter_fn(module, fqn)`` returning
       False keeps a layer in high precision, and layers with dimensions not multiple of 16 or tied
-      weights are kept with a logged reason. The optimizer is wrapped in a
+      weights are kept with a logged reason. ``nn.Linear`` subclasses convert only when their forward is known
+      to be a plain linear (Falcon's ``FalconLinear``; :data:`fp8.convert.PLAIN_LINEAR_FORWARDS`), others are kept,
+      reported. transformers MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE: fused 3-D ``gate_up_proj``/``down_proj``)
+      become :class:`fp8.Float8Experts`: one FP8 weight and scale per expert projection, FP8 grouped GEMMs; the
+      optimizer's fused parameter is replaced by one master per expert projection (docs/moe.md). The optimizer is
+      wrapped in a
       :class:`fp8.optim.MasterWeightOptimizer`: it keeps the original high-precision weights as masters,
       steps them on the dequantized FP8 gradients and refreshes the FP8 copies after each step.
     - ``"O2"``: O1's model, and the given ``torch.optim.Adam``/``AdamW``/``SGD`` is replaced by its
@@ -248,6 +280,8 @@ def initialize(
     _check_hardware(model, config)
     if opt_level in ("O2", "O3") and optimizer is not None:
         check_convertible(optimizer)  # before the model is touched
+    if optimizer is not None:
+        _check_no_fused_expert_state(model, optimizer)
     model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8)
     if fp8_embeddings:
         model, tables = convert_embeddings_to_float8(model, config, module_filter_fn)
@@ -255,6 +289,7 @@ def initialize(
     model = _with_activations(model, fp8_activations)
     if optimizer is None:
         return model, None
+    _swap_expert_masters(optimizer, converted)
     if opt_level in ("O2", "O3"):
         replace = {id(c.optimizer_param): c.module.weight for c in converted}
         masters = {c.module.weight: c.original_weight for c in converted}

@@ -49,6 +49,7 @@ from torch import nn
 from ..convert import is_conv1d
 from ..initialize import initialize, normalize_opt_level
 from ..linear import Float8LinearConfig
+from ..moe import Float8Experts
 from ..optim.base import FP8Optimizer
 from ..optim.clip import clip_grad_norm_
 from ..optim.convert import check_convertible
@@ -104,7 +105,8 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     ``dtype``; None: FP8 weights to the model's dtype (that of its other floating parameters), others keep
     theirs. ``conv1d``: names of the modules that were transformers ``Conv1D`` before conversion (GPT-2's
     ``c_attn``, ...; :func:`conv1d_names` of the unconverted model): their weights are written back transposed,
-    ``(in_features, out_features)``, as ``Conv1D`` stores them. For ``model.save_pretrained(dir,
+    ``(in_features, out_features)``, as ``Conv1D`` stores them. MoE experts (:class:`fp8.moe.Float8Experts`) are written
+    fused (``gate_up_proj``, ``down_proj``), each expert's slice from its master. For ``model.save_pretrained(dir,
     state_dict=high_precision_state_dict(model, optimizer))``.
     """
     masters = _master_values(optimizer)
@@ -127,6 +129,11 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         if key in transposed and is_fp8:
             value = value.t()
         out[key] = value.detach().contiguous()
+    for name, module in model.named_modules():  # MoE experts: fused, transformers' layout, from the masters
+        if isinstance(module, Float8Experts):
+            prefix = f"{name}." if name else ""
+            for key, value in module.fused_weights(lambda p: masters.get(id(p)), dtype or fp8_dtype).items():
+                out[prefix + key] = value.contiguous()
     return out
 
 
