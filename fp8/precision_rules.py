@@ -43,10 +43,9 @@ class PrecisionRule:
 
     pattern: str
     precision: str
-    recipe: str | None = None
-    input_fmt: str | None = None
-    grad_output_fmt: str | None = None
-    weight_fmt: str | None = None
+    overrides: tuple[tuple[str, str], ...] = ()
+    """``(key, value)`` pairs over the run's configuration: ``recipe`` (``tensorwise``/``rowwise``/``blockwise``),
+    ``input_fmt``, ``grad_output_fmt``, ``weight_fmt`` (``e4m3``/``e5m2``)."""
 
     @property
     def high_precision(self) -> bool:
@@ -57,21 +56,18 @@ class PrecisionRule:
         if self.high_precision:
             return None
         changes: dict = {}
-        if self.recipe is not None:
-            changes["recipe"] = self.recipe
-        if self.weight_fmt is not None:
-            changes["weight_fmt"] = self.weight_fmt
-        if self.input_fmt is not None:
-            changes["input"] = dataclasses.replace(base.input, fmt=self.input_fmt)
-        if self.grad_output_fmt is not None:
-            changes["grad_output"] = dataclasses.replace(base.grad_output, fmt=self.grad_output_fmt)
+        for key, value in self.overrides:
+            if key in ("recipe", "weight_fmt"):
+                changes[key] = value
+            else:  # input_fmt / grad_output_fmt: the format of that role's scaling configuration
+                role = key.removesuffix("_fmt")
+                changes[role] = dataclasses.replace(getattr(base, role), fmt=value)
         return dataclasses.replace(base, **changes) if changes else base
 
     def describe(self) -> str:
         if self.high_precision:
             return "high precision"
-        extra = [f"{k}={getattr(self, k)}" for k in ("recipe", "input_fmt", "grad_output_fmt", "weight_fmt")
-                 if getattr(self, k) is not None]
+        extra = [f"{k}={v}" for k, v in self.overrides]
         return "fp8" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -105,9 +101,9 @@ def parse_precision_rules(rules, source: str = "precision rules") -> tuple[Preci
         for key in ("input_fmt", "grad_output_fmt", "weight_fmt"):
             if rule.get(key) is not None and rule[key] not in _FORMATS:
                 raise ValueError(f"{where}: {key} must be 'e4m3' or 'e5m2', got {rule[key]!r}")
-        out.append(PrecisionRule(pattern=str(rule["pattern"]), precision=precision, recipe=rule.get("recipe"),
-                                 input_fmt=rule.get("input_fmt"), grad_output_fmt=rule.get("grad_output_fmt"),
-                                 weight_fmt=rule.get("weight_fmt")))
+        overrides = tuple((k, str(rule[k])) for k in ("recipe", "input_fmt", "grad_output_fmt", "weight_fmt")
+                          if rule.get(k) is not None)
+        out.append(PrecisionRule(pattern=str(rule["pattern"]), precision=precision, overrides=overrides))
     return tuple(out)
 
 

@@ -33,50 +33,51 @@ def record_scalars(record: dict) -> dict[str, float]:
     return out
 
 
-class TensorBoardWriter:
+class _PerLevel:
+    """One sink per opt level, ``open(level)`` at the level's first record, closed together."""
+
+    def __init__(self, open_sink) -> None:
+        self._open = open_sink
+        self._sinks: dict = {}
+
+    def _sink(self, level: str):
+        if level not in self._sinks:
+            self._sinks[level] = self._open(level)
+        return self._sinks[level]
+
+    def close(self) -> None:
+        for sink in self._sinks.values():
+            sink.close() if hasattr(sink, "close") else sink.finish()
+        self._sinks.clear()
+
+
+class TensorBoardWriter(_PerLevel):
     """Event files under ``directory/<level>/`` (``torch.utils.tensorboard``; needs the ``tensorboard`` package)."""
 
     def __init__(self, directory: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._make = SummaryWriter
+        super().__init__(lambda level: SummaryWriter(os.path.join(directory, level)))
         self.directory = directory
-        self._writers: dict = {}
 
     def add(self, level: str, record: dict) -> None:
-        writer = self._writers.get(level)
-        if writer is None:
-            writer = self._writers[level] = self._make(os.path.join(self.directory, level))
+        writer = self._sink(level)
         for tag, value in record_scalars(record).items():
             writer.add_scalar(tag, value, record["iteration"])
         writer.flush()
 
-    def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
 
-
-class WandbWriter:
+class WandbWriter(_PerLevel):
     """One W&B run per level in ``project`` (needs the ``wandb`` package)."""
 
     def __init__(self, project: str) -> None:
         import wandb
 
-        self._wandb = wandb
+        super().__init__(lambda level: wandb.init(project=project, name=level, reinit="create_new"))
         self.project = project
-        self._runs: dict = {}
 
     def add(self, level: str, record: dict) -> None:
-        run = self._runs.get(level)
-        if run is None:
-            run = self._runs[level] = self._wandb.init(project=self.project, name=level, reinit="create_new")
-        run.log(record_scalars(record), step=record["iteration"])
-
-    def close(self) -> None:
-        for run in self._runs.values():
-            run.finish()
-        self._runs.clear()
+        self._sink(level).log(record_scalars(record), step=record["iteration"])
 
 
 def scalar_writers(tensorboard_dir: str | None, wandb_project: str | None) -> list:
