@@ -24,6 +24,7 @@ from torch import nn
 from .embedding import Float8Embedding, embedding_problem
 from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
 from .moe import Float8Experts, experts_problem, is_fused_experts
+from .precision_rules import PrecisionPlan, parse_precision_rules
 
 __all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
@@ -182,6 +183,7 @@ def convert_to_float8_linear(
     min_fp8_dim: int | None = None,
     *,
     require_fp8: bool = False,
+    precision_rules=None,
 ) -> tuple[nn.Module, list[ConvertedLinear]]:
     """Replace every eligible ``nn.Linear`` and transformers ``Conv1D`` in ``model`` (in place) by a
     :class:`Float8Linear` (a ``Conv1D``'s FP8 weight is quantized from its ``weight.t()``; see
@@ -202,8 +204,24 @@ def convert_to_float8_linear(
 
     A conversion that makes no layer FP8 (no ``nn.Linear``, or none eligible) logs so at WARNING, with the
     reasons; ``require_fp8=True`` raises a ``ValueError`` instead (the model is then left unchanged).
+
+    ``precision_rules`` (:mod:`fp8.precision_rules`: a ``{"rules": [...]}`` dict, a list of rules, or parsed
+    :class:`~fp8.precision_rules.PrecisionRule` s) chooses per layer by its name: the first matching rule keeps it in
+    high precision or converts it with the rule's recipe/formats over ``config`` (the eligibility rules above still
+    apply); a pattern that matches no linear, ``Conv1D`` or experts module raises ``ValueError`` before anything is
+    changed, and the matches of each rule are logged at WARNING.
     """
     config = config or Float8LinearConfig()
+    plan = None
+    if precision_rules is not None:
+        plan = PrecisionPlan(parse_precision_rules(precision_rules))
+        for fqn, module in model.named_modules():
+            if is_fused_experts(module) or is_conv1d(module) or isinstance(module, nn.Linear):
+                plan.rule_for(fqn or "<root>")
+        plan.check()
+        logger.warning("fp8: precision rules:\n%s", plan.summary())
+        decided = {name: rule for i, rule in enumerate(plan.rules) for name in plan.matches[i]}
+        rule_number = {id(rule): i + 1 for i, rule in enumerate(plan.rules)}
     if min_fp8_dim is None:
         min_fp8_dim = default_min_fp8_dim(model)
     if min_fp8_dim < 0:
@@ -212,9 +230,14 @@ def convert_to_float8_linear(
     converted: list[ConvertedLinear] = []
     kept: list[tuple[str, str]] = []
     experts: list[tuple[str, str | None]] = []  # (name, reason kept or None)
+    base_config = config
     for fqn, module in list(model.named_modules()):
+        rule = decided.get(fqn or "<root>") if plan is not None else None
+        config = base_config if rule is None or rule.high_precision else rule.config(base_config)
+        by_rule = (f"precision rule {rule_number[id(rule)]} {rule.pattern!r}" if rule is not None and rule.high_precision
+                   else None)
         if is_fused_experts(module):
-            reason = _experts_skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim, config)
+            reason = by_rule or _experts_skip_reason(fqn, module, module_filter_fn, use_count, min_fp8_dim, config)
             experts.append((fqn or "<root>", reason))
             if reason:
                 logger.info("fp8: kept experts %s in high precision: %s", fqn or "<root>", reason)
@@ -234,8 +257,8 @@ def convert_to_float8_linear(
         if not isinstance(module, nn.Linear) and not conv1d:
             continue
         subclass = isinstance(module, nn.Linear) and type(module) is not nn.Linear
-        reason = ((linear_subclass_problem(module) if subclass else None)
-                  or _skip_reason(fqn, _linear_view(module), module_filter_fn, use_count, min_fp8_dim, module))
+        reason = by_rule or ((linear_subclass_problem(module) if subclass else None)
+                             or _skip_reason(fqn, _linear_view(module), module_filter_fn, use_count, min_fp8_dim, module))
         if reason:
             logger.info("fp8: kept %s in high precision: %s", fqn or "<root>", reason)
             kept.append((fqn or "<root>", reason))

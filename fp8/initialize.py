@@ -18,6 +18,7 @@ from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible, convert_optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
+from .precision_rules import parse_precision_rules
 from .optim.sharded import convert_to_sharded
 from .recipes import get_recipe
 from .tensor import Float8Tensor
@@ -181,7 +182,7 @@ def initialize(
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
-    precision: OptimizerPrecision | None = None,
+    precision=None,
     process_group=None,
     min_fp8_dim: int | None = None,
     require_fp8: bool = False,
@@ -216,6 +217,13 @@ def initialize(
       :class:`fp8.distributed.DistributedDataParallel` afterwards, given this optimizer
       (``DistributedDataParallel(model, o3_optimizer=optimizer)``), reduces each gradient to its owner,
       and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
+
+    ``precision`` is also the per-layer precision of the model when given rules (:mod:`fp8.precision_rules`: a
+    ``{"rules": [{"pattern": ..., "precision": "bf16" | "fp8", "recipe": ..., ...}]}`` dict or a list of rules):
+    ordered glob patterns over ``model.named_modules()`` names, first match wins, a rule keeping a layer in high
+    precision or converting it with its recipe/formats; a pattern that matches no linear is a ``ValueError`` before
+    anything changes, and each rule's matches are logged (at any FP8 level; with an ``OptimizerPrecision`` it is
+    the optimizer's, as above).
 
     ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
     logged (None: 2048 on CUDA, the measured crossover, and 0 on CPU; see :data:`fp8.convert.CUDA_MIN_FP8_DIM`).
@@ -255,6 +263,9 @@ def initialize(
     _check_not_initialized(model)
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
+    layer_rules = None
+    if precision is not None and not isinstance(precision, (OptimizerPrecision, str)):
+        layer_rules, precision = parse_precision_rules(precision, source="precision="), None  # per-layer rules
     if precision is not None and opt_level not in ("O2", "O3"):
         raise ValueError(f"precision= applies to opt_levels 'O2' and 'O3', not {opt_level!r}")
     if process_group is not None and opt_level != "O3":
@@ -282,7 +293,8 @@ def initialize(
         check_convertible(optimizer)  # before the model is touched
     if optimizer is not None:
         _check_no_fused_expert_state(model, optimizer)
-    model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8)
+    model, converted = convert_to_float8_linear(model, config, module_filter_fn, min_fp8_dim, require_fp8=require_fp8,
+                                                precision_rules=layer_rules)
     if fp8_embeddings:
         model, tables = convert_embeddings_to_float8(model, config, module_filter_fn)
         converted = converted + tables
