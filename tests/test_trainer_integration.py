@@ -377,3 +377,21 @@ def _measure(seeds=range(5)) -> None:  # pragma: no cover - run by hand: python 
 if __name__ == "__main__":  # pragma: no cover
     torch.set_num_threads(1)
     _measure()
+
+
+def test_fp8_statistics_and_precision_rules_reach_the_logs(tmp_path):
+    rules = [{"pattern": "model.layers.0.*", "precision": "bf16"}, {"pattern": "*", "precision": "fp8"}]
+    trainer = train(tmp_path, "O2", max_steps=4, logging_steps=2,
+                    fp8_kwargs={"fp8_stats_interval": 2, "fp8_precision": rules})
+    layers = [n for n, m in trainer.model.named_modules() if isinstance(m, fp8.Float8Linear)]
+    assert layers and not any(n.startswith("model.layers.0.") for n in layers)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    for h in logged:  # steps 2 and 4 observed, read at each log
+        keys = {k for k in h if k.startswith("fp8_stats/")}
+        assert {f"fp8_stats/{n}/{op}/saturated" for n in layers for op in ("input", "grad_output", "weight")} <= keys
+        assert all(0.0 <= h[f"fp8_stats/{n}/input/flush_to_zero"] <= 1.0 for n in layers)
+        assert all(h[f"fp8_stats/{n}/input/scale"] > 0 for n in layers)
+    with pytest.raises(ValueError, match="fp8_stats_interval=2 needs an FP8 fp8_opt_level"):
+        FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=PermutationLanguage(),
+                   fp8_opt_level="none", fp8_stats_interval=2)

@@ -54,7 +54,9 @@ from ..optim.base import FP8Optimizer
 from ..optim.clip import clip_grad_norm_
 from ..optim.convert import check_convertible
 from ..optim.master_weights import MasterWeightOptimizer
+from ..precision_rules import parse_precision_rules
 from ..recipes import RECIPES, get_recipe
+from ..stats import FP8Statistics
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor
 
@@ -158,6 +160,16 @@ def _check_choices(opt_level: str, recipe: str) -> str:
     return level
 
 
+class _FP8StatsSteps(transformers.TrainerCallback):
+    """Marks each optimizer step observed or not for :class:`fp8.stats.FP8Statistics` (every N-th)."""
+
+    def __init__(self, stats: FP8Statistics) -> None:
+        self.stats = stats
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.stats.begin_step(state.global_step + 1)
+
+
 class FP8TrainerMixin:
     """Makes a ``transformers.Trainer`` (or any subclass of it, listed after this mixin) train in FP8.
 
@@ -174,6 +186,11 @@ class FP8TrainerMixin:
     - ``fp8_min_dim``: linears with ``min(in, out)`` below it stay in high precision (None: 2048 on CUDA, 0 on
       CPU; :func:`fp8.initialize`'s ``min_fp8_dim``).
     - ``fp8_module_filter``: ``fn(module, fqn) -> bool``; False keeps that linear in high precision.
+    - ``fp8_precision``: per-layer precision rules (:mod:`fp8.precision_rules`; :func:`fp8.initialize`'s
+      ``precision=`` rules).
+    - ``fp8_stats_interval``: FP8 numerics statistics (:class:`fp8.stats.FP8Statistics`) observed every N optimizer
+      steps and added to each log (``fp8_stats/<layer>/<operand>/<statistic>``: what ``report_to`` integrations such as
+      TensorBoard and W&B receive, and ``state.log_history``), read at ``logging_steps`` only; 0 (default): off.
 
     The model is converted when the optimizer is created (the start of ``train()``), not before.
     """
@@ -182,7 +199,7 @@ class FP8TrainerMixin:
                  fp8_activations: bool = False, fp8_embeddings: bool = False,
                  fp8_config: Float8LinearConfig | None = None,
                  fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
-                 **kwargs) -> None:
+                 fp8_precision=None, fp8_stats_interval: int = 0, **kwargs) -> None:
         level = _check_choices(fp8_opt_level, fp8_recipe)
         if fp8_config is not None and not isinstance(fp8_config, Float8LinearConfig):
             raise TypeError(f"fp8_config must be an fp8.Float8LinearConfig or None, got {type(fp8_config).__name__}")
@@ -199,6 +216,14 @@ class FP8TrainerMixin:
         self.fp8_config = fp8_config
         self.fp8_min_dim = fp8_min_dim
         self.fp8_module_filter = fp8_module_filter
+        if fp8_precision is not None:
+            parse_precision_rules(fp8_precision, source="fp8_precision")  # bad rules fail here, before training
+        self.fp8_precision = fp8_precision
+        if fp8_stats_interval < 0 or (fp8_stats_interval and level == "none"):
+            raise ValueError(f"fp8_stats_interval={fp8_stats_interval} needs an FP8 fp8_opt_level and a value >= 0 "
+                             f"(0: off)")
+        self.fp8_stats_interval = int(fp8_stats_interval)
+        self.fp8_stats: FP8Statistics | None = None
         self._fp8_optimizer = None  # the optimizer fp8.initialize returned (identity: initialize once)
         self._fp8_conv1d: list[str] = []  # the model's transformers Conv1D modules, saved back transposed
         super().__init__(*args, **kwargs)
@@ -247,7 +272,7 @@ class FP8TrainerMixin:
         new_model, new_optimizer = initialize(
             target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
             fp8_activations=self.fp8_activations, fp8_embeddings=self.fp8_embeddings, min_fp8_dim=self.fp8_min_dim,
-            module_filter_fn=self.fp8_module_filter)
+            module_filter_fn=self.fp8_module_filter, precision=self.fp8_precision)
         if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
             if target is self.model:
                 self.model = new_model
@@ -255,7 +280,19 @@ class FP8TrainerMixin:
                 self.model_wrapped = new_model
         self.optimizer = self._fp8_optimizer = new_optimizer
         self._fp8_conv1d = conv1d
+        if self.fp8_stats_interval and self.fp8_stats is None:
+            self.fp8_stats = FP8Statistics(new_model, self.fp8_stats_interval)
+            self.add_callback(_FP8StatsSteps(self.fp8_stats))
         return new_optimizer
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """``Trainer.log`` with the FP8 statistics observed since the last log added (``fp8_stats_interval``)."""
+        if self.fp8_stats is not None:
+            for layer, operands in self.fp8_stats.read().items():
+                for operand, stats in operands.items():
+                    for stat, value in stats.items():
+                        logs[f"fp8_stats/{layer}/{operand}/{stat}"] = value
+        super().log(logs, *args, **kwargs)
 
     # -- gradient clipping: fp8.clip_grad_norm_ ---------------------------------------------------
     def _clip_grad_norm(self, model):
