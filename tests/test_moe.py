@@ -102,3 +102,22 @@ def test_moe_flags_fill_the_expert_ffn_size():
     args = _validate(["--num-experts", "4", "--ffn-hidden-size", "96"])
     assert args.moe_ffn_hidden_size == 96
     assert _validate(["--num-experts", "4", "--moe-ffn-hidden-size", "32"]).moe_ffn_hidden_size == 32
+
+
+def test_dry_run_counts_the_experts_and_plans_no_memory_it_cannot_model():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", "--num-experts", "4", "--mock-data",
+                           "--vocab-size", "512"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.split("dry run json: ", 1)[1])
+    assert result["plan"] is None and result["plan_not_modelled"] == "--num-experts (mixture of experts)"
+    dense = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", "--mock-data", "--vocab-size", "512"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    dense_params = json.loads(dense.stdout.split("dry run json: ", 1)[1])["max_params_per_rank"]
+    # 4 experts of the dense FFN (h -> 4h -> h with biases) per layer in place of one, plus the router (h -> 4
+    # experts, with a bias as the linears have one)
+    h, layers, experts = 128, 4, 4
+    ffn = 2 * h * 4 * h + 4 * h + h
+    assert result["max_params_per_rank"] == dense_params + layers * ((experts - 1) * ffn + experts * h + experts)

@@ -56,7 +56,13 @@ def dry_run(args: argparse.Namespace) -> dict:
     per_stage = {s: _count_stage(args, world, s * tp * dp, vocab) for s in stages}
     for s in range(1, pp - 1):
         per_stage[s] = per_stage.get(s, None)
-    plan = plan_memory(PlannerConfig.from_args(args))
+    # The planner models dense GPT layers, every one with the run's FP8 selection: a mixture-of-experts model gets no
+    # plan (its parameters per rank above are counted from the built model), per-layer choices a stated caveat.
+    not_modelled = "--num-experts (mixture of experts)" if getattr(args, "num_experts", None) else None
+    plan = None if not_modelled else plan_memory(PlannerConfig.from_args(args))
+    caveat = ("planned with every transformer layer in FP8: --first-last-layers-bf16 / --fp8-precision-config "
+              "choices are not modelled" if (getattr(args, "first_last_layers_bf16", False)
+                                             or getattr(args, "fp8_precision_config", None)) else None)
     total = sum(v for v in per_stage.values() if v is not None)
     result = {
         "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world, "sequence_parallel": args.sequence_parallel},
@@ -65,6 +71,8 @@ def dry_run(args: argparse.Namespace) -> dict:
         "params_per_rank": {f"stage_{s}": n for s, n in sorted(per_stage.items()) if n is not None},
         "max_params_per_rank": max(v for v in per_stage.values() if v is not None),
         "plan": plan,
+        "plan_not_modelled": not_modelled,
+        "plan_caveat": caveat,
     }
     print(f"dry run: GPT {args.num_layers} layers x hidden {args.hidden_size}, {args.num_attention_heads} heads, "
           f"seq {args.seq_length}, vocab {vocab}; TP {tp} x PP {pp} x DP {dp} = {world} ranks"
@@ -76,6 +84,10 @@ def dry_run(args: argparse.Namespace) -> dict:
         print(f"  (stages 1..{pp - 2} hold the same layers as the first stage without its embeddings)")
     if total and pp <= 2:
         print(f"  model total (one replica, summed over TP): {total * tp:,}")
+    if not_modelled:
+        print(f"  planned memory per GPU: not modelled for {not_modelled} yet")
+    if caveat:
+        print(f"  note: {caveat}")
     if plan is not None:
         print("  planned memory per GPU:")
         for key, value in plan.get("bytes", {}).items():
