@@ -31,8 +31,12 @@ STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated")
 def flush_and_saturation_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """``[values that flush to zero, values that saturate, finite values]`` of ``x`` cast with ``scale`` to ``fmt``
     (int64, on ``x``'s device; no host read)."""
+    return _counts(x.detach().abs().float(), scale, fmt)
+
+
+def _counts(ax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """:func:`flush_and_saturation_counts` of the magnitudes ``ax`` (fp32)."""
     tiny = fmt.min_normal * 2.0 ** -fmt.mantissa_bits
-    ax = x.detach().abs().float()
     finite = torch.isfinite(ax)
     scaled = ax * scale.float()
     flush = finite & (ax > 0) & (scaled <= tiny / 2)
@@ -55,8 +59,9 @@ class CastStatistics:
         """Accumulate one cast of ``x`` with ``scale`` (a no-op unless :attr:`active`)."""
         if not self.active:
             return
-        counts = flush_and_saturation_counts(x, scale, fmt)
-        amax = x.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax() if x.numel() else torch.zeros((), device=x.device)
+        ax = x.detach().abs().float()  # one pass for the counts and the amax
+        counts = _counts(ax, scale, fmt)
+        amax = ax.nan_to_num(0.0, 0.0, 0.0).amax() if x.numel() else torch.zeros((), device=x.device)
         if self._counts is None:
             self._amax, self._counts = amax, counts
         else:

@@ -34,10 +34,10 @@ def record_scalars(record: dict) -> dict[str, float]:
 
 
 class _PerLevel:
-    """One sink per opt level, ``open(level)`` at the level's first record, closed together."""
+    """One sink per opt level, ``open_sink(level)`` at the level's first record, ``close_sink`` on each at the end."""
 
-    def __init__(self, open_sink) -> None:
-        self._open = open_sink
+    def __init__(self, open_sink, close_sink) -> None:
+        self._open, self._close = open_sink, close_sink
         self._sinks: dict = {}
 
     def _sink(self, level: str):
@@ -47,7 +47,7 @@ class _PerLevel:
 
     def close(self) -> None:
         for sink in self._sinks.values():
-            sink.close() if hasattr(sink, "close") else sink.finish()
+            self._close(sink)
         self._sinks.clear()
 
 
@@ -57,7 +57,7 @@ class TensorBoardWriter(_PerLevel):
     def __init__(self, directory: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        super().__init__(lambda level: SummaryWriter(os.path.join(directory, level)))
+        super().__init__(lambda level: SummaryWriter(os.path.join(directory, level)), lambda writer: writer.close())
         self.directory = directory
 
     def add(self, level: str, record: dict) -> None:
@@ -73,7 +73,8 @@ class WandbWriter(_PerLevel):
     def __init__(self, project: str) -> None:
         import wandb
 
-        super().__init__(lambda level: wandb.init(project=project, name=level, reinit="create_new"))
+        super().__init__(lambda level: wandb.init(project=project, name=level, reinit="create_new"),
+                         lambda run: run.finish())
         self.project = project
 
     def add(self, level: str, record: dict) -> None:
