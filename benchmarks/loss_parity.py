@@ -22,9 +22,19 @@ difference to the baseline; results in ``loss_parity_recipes.json``::
 
 Mixture of experts (``--moe``): the demo GPT with each MLP a megatron-core MoE layer of 8 experts (each the demo's
 FFN, 128 -> 512 -> 128), top-2 routing, load-balancing loss 0.01, experts replicated over the data-parallel ranks
-(expert-parallel size 1); results in ``loss_parity_moe.json``::
+(expert-parallel size 1); results in ``loss_parity_moe.json``. ``--expert-parallel 2``: the experts split over the 2
+ranks (4 each), tokens exchanged by the all-to-all dispatcher, with ``--moe-fp8-dispatch`` in FP8 at the FP8 levels
+(the baseline dispatches in its own dtype); results in ``loss_parity_moe_ep2.json``::
 
     python benchmarks/loss_parity.py --moe --iters 300
+    python benchmarks/loss_parity.py --moe --expert-parallel 2 --moe-fp8-dispatch --iters 300
+
+Dispatch bytes (``--dispatch-bytes``): the same MoE GPT at EP2 in BF16 (``--bf16``), ``--iters`` iterations at
+level none (tokens in BF16) and at O2 with ``--moe-fp8-dispatch`` (E4M3 and a scale per token), the expert-parallel
+all-to-all bytes each rank sent per iteration (dispatch, combine and their backwards, counted by the run) and per
+token row; results in ``moe_dispatch_bytes.json``::
+
+    python benchmarks/loss_parity.py --dispatch-bytes --iters 20
 """
 
 from __future__ import annotations
@@ -51,11 +61,20 @@ def main() -> None:
     p.add_argument("--out", default=None, help="path stem (default: benchmarks/results/loss_parity[_accum])")
     p.add_argument("--recipes", action="store_true", help="O2 per scaling recipe, with and without --fp8-activations")
     p.add_argument("--moe", action="store_true", help="each MLP a mixture of 8 experts, top-2")
+    p.add_argument("--expert-parallel", type=int, default=1, help="with --moe: expert-parallel size (all-to-all)")
+    p.add_argument("--moe-fp8-dispatch", action="store_true", help="with --expert-parallel: tokens in FP8")
+    p.add_argument("--dispatch-bytes", action="store_true", help="EP2 all-to-all bytes, BF16 vs FP8 dispatch")
     a = p.parse_args()
     if a.recipes:
         recipes(a)
         return
-    default = "loss_parity" + ("_accum" if a.accumulate else "") + ("_moe" if a.moe else "")
+    if a.dispatch_bytes:
+        dispatch_bytes(a)
+        return
+    if a.expert_parallel > 1 and not a.moe:
+        p.error("--expert-parallel needs --moe")
+    default = ("loss_parity" + ("_accum" if a.accumulate else "") + ("_moe" if a.moe else "")
+               + (f"_ep{a.expert_parallel}" if a.expert_parallel > 1 else ""))
     out = Path(a.out or ROOT / "benchmarks" / "results" / default)
     micro, global_batch = (1, a.accumulate * a.nproc) if a.accumulate else (16 // a.nproc, 16)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +93,10 @@ def main() -> None:
            "--compare", "none,O1,O3", "--no-progress", "--log-interval", "50", "--log-json", str(log),
            "--plot", str(out.with_suffix(".png"))]
     if a.moe:
-        cmd += ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+        cmd += MOE_FLAGS
+    if a.expert_parallel > 1:
+        cmd += ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(a.expert_parallel)]
+        cmd += ["--moe-fp8-dispatch"] if a.moe_fp8_dispatch else []
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     curves: dict[str, dict] = {}
     summaries = []
@@ -92,11 +114,59 @@ def main() -> None:
                 c["val_loss"].append(r["val_loss"])
     for s in summaries:
         s.pop("memory", None)
-    result = {"command": cmd[1:], "iters": a.iters, "moe": a.moe, "data_parallel": a.nproc, "micro_batch_size": micro,
+    result = {"command": cmd[1:], "iters": a.iters, "moe": a.moe, "expert_parallel": a.expert_parallel,
+              "moe_fp8_dispatch": a.moe_fp8_dispatch, "data_parallel": a.nproc, "micro_batch_size": micro,
               "global_batch_size": global_batch, "micro_batches_per_rank": global_batch // (micro * a.nproc),
               "summaries": summaries, "curves": curves}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+DISPATCH_TAGS = ("moe dispatch", "moe combine", "moe dispatch grad", "moe combine grad")
+
+
+def dispatch_bytes(a) -> None:
+    """EP2 all-to-all bytes per iteration and per token row, BF16 dispatch (level none) vs FP8 dispatch (O2)."""
+    import socket
+    import tempfile
+
+    hidden = 128
+    rows = []
+    for level, extra, row_bytes in (("none", [], 2 * hidden), ("O2", ["--moe-fp8-dispatch"], hidden + 4)):
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            log = Path(tmp) / "log.jsonl"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                   "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+                   "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters",
+                   str(a.iters), "--eval-interval", "0", "--bf16", "--fp8-opt-level", level, "--no-progress",
+                   "--log-interval", str(a.iters), "--log-json", str(log), *MOE_FLAGS, "--moe-token-dispatcher-type",
+                   "alltoall", "--expert-model-parallel-size", "2", *extra]
+            subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            summary = json.loads(log.read_text().splitlines()[-1])["summary"][0]
+        per_iter = summary["comm_bytes_per_iteration"]
+        by_tag = {t: per_iter.get(t, 0.0) for t in DISPATCH_TAGS}
+        total = sum(by_tag.values())
+        rows.append({"level": level, "dispatch": "FP8 (E4M3 + scale per token)" if extra else "BF16",
+                     "bytes_per_iteration": by_tag, "total_per_iteration": total, "bytes_per_row": row_bytes,
+                     "rows_per_iteration": total / row_bytes, "command": cmd[1:]})
+    base, fp8 = rows
+    ratio = fp8["total_per_iteration"] / base["total_per_iteration"]
+    print(f"EP2 all-to-all bytes per iteration and rank (rank 0), {a.iters} iterations, hidden {hidden}, 8 experts top-2")
+    print(f"{'dispatch':<30} {'dispatch':>10} {'combine':>10} {'backward':>10} {'total':>10} {'B/row':>6}")
+    for r in rows:
+        b = r["bytes_per_iteration"]
+        print(f"{r['dispatch']:<30} {b['moe dispatch']:>10.0f} {b['moe combine']:>10.0f} "
+              f"{b['moe dispatch grad'] + b['moe combine grad']:>10.0f} {r['total_per_iteration']:>10.0f} "
+              f"{r['bytes_per_row']:>6}")
+    print(f"FP8 / BF16: {ratio:.3f} of the bytes ({fp8['bytes_per_row'] / base['bytes_per_row']:.3f} per row)")
+    out = ROOT / "benchmarks" / "results" / "moe_dispatch_bytes.json"
+    out.write_text(json.dumps({"iters": a.iters, "rows": rows, "ratio": ratio}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 RECIPE_VARIANTS = [("none", "tensorwise", False)] + [

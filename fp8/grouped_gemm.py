@@ -17,6 +17,12 @@ Paths (:func:`grouped_fp8_mm`):
   each group's slice: on the CPU the exact emulation. Slicing needs the group sizes on the host: the caller reads
   them once per layer and passes them in (``sizes``), so no GEMM reads the device.
 
+:class:`GroupedBlockLinearFunction` is the same grouped linear under the ``rowwise``/``blockwise`` recipes
+(:mod:`fp8.recipes`): the input and the output gradient cast once for all groups in their per-token blocks (a row,
+or 1x128 tiles: each token's scales are its own, whatever group it is in), each group's GEMMs those of
+:class:`fp8.linear.Float8LinearFunction` on the group's rows (:func:`fp8.gemm.fp8_mm_payload`, one call per group and
+pass), the operands whose blocks span tokens (the weight gradient's) quantized per group.
+
 :func:`grouped_mm_reference` is the float64 oracle of tests.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .blocks import dequantize_blocks, quantize_to_blocks, transpose_block
 from .cast import quantize
 from .gemm import fp8_mm_payload
 from .linear import Float8LinearConfig, weight_grad
@@ -31,7 +38,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["grouped_fp8_mm", "grouped_mm_problem", "grouped_mm_reference", "GroupedLinearFunction", "group_bounds",
-           "scaled_grouped_mm"]
+           "scaled_grouped_mm", "GroupedBlockLinearFunction"]
 
 
 def group_bounds(sizes: list[int]) -> list[tuple[int, int]]:
@@ -142,3 +149,74 @@ class GroupedLinearFunction(torch.autograd.Function):
                                           config.gemm_backend)
                 grad_ws[g] = weight_grad(grad_w32, config, ctx.weight_dtypes[g])
         return (grad_x, None, None, None, None, None, None, None, *grad_ws)
+
+
+def _grid_t(scale: torch.Tensor) -> torch.Tensor:
+    """The scale grid of a transposed operand (a 0-d scale is itself)."""
+    return scale.t() if scale.dim() == 2 else scale
+
+
+class GroupedBlockLinearFunction(torch.autograd.Function):
+    """``y[rows of g] = x[rows of g] @ W_g^T`` for every group g under the ``rowwise``/``blockwise`` recipes (module
+    docstring): per group, the three GEMMs of :class:`fp8.linear.Float8LinearFunction` with no hooks, bit for bit.
+
+    ``apply(x, sizes, config, dtype, *weights)``: ``x`` (T x K) sorted by group, ``sizes`` the groups' rows on the
+    host (summing to T), ``config`` a :class:`fp8.linear.Float8LinearConfig` of a block recipe, ``dtype`` the compute
+    dtype, ``weights`` one FP8 :class:`fp8.Float8Tensor` (N x K) per group, in the recipe's weight blocks. Current
+    scales only (no scaling state); weight gradients held per ``config.grad_accumulation``."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, config: Float8LinearConfig, dtype, *weights):
+        recipe = config.recipe_spec
+        if recipe.tensorwise:
+            raise ValueError("GroupedBlockLinearFunction runs the rowwise/blockwise recipes; the tensorwise recipe is "
+                             "GroupedLinearFunction's")
+        if not all(isinstance(w, Float8Tensor) for w in weights):
+            raise TypeError("GroupedBlockLinearFunction: every weight must be a Float8Tensor; assign through "
+                            "fp8.to_float8")
+        if len(weights) != len(sizes) or x.dim() != 2 or x.shape[0] != sum(sizes):
+            raise ValueError(f"GroupedBlockLinearFunction: x of shape {tuple(x.shape)}, {len(weights)} weights and "
+                             f"groups of {list(sizes)} rows; pass the 2-D tokens sorted by group and one weight per group")
+        x_data, x_scale = quantize_to_blocks(x.to(dtype), recipe.input, "e4m3")  # per token: any group split holds
+        outs = [fp8_mm_payload(x_data[start:end], x_scale[start:end], w.payload.t(), _grid_t(w.scale), dtype,
+                               config.gemm_backend, a_block=recipe.input, b_block=transpose_block(w.block))
+                for (start, end), w in zip(group_bounds(sizes), weights)]
+        out = torch.cat(outs) if outs else x.new_empty((0, 0), dtype=dtype)
+        ctx.save_for_backward(x_data, x_scale, *(w.payload for w in weights), *(w.scale for w in weights))
+        ctx.sizes, ctx.config = list(sizes), config
+        ctx.w_blocks = [w.block for w in weights]
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_data, x_scale, *saved = ctx.saved_tensors
+        n = len(ctx.sizes)
+        w_data, w_scales = saved[:n], saved[n:]
+        config, recipe = ctx.config, ctx.config.recipe_spec
+        backend = config.gemm_backend
+        g_data, g_scale = quantize_to_blocks(grad_out.contiguous(), recipe.grad_output, recipe.grad_fmt)  # per token
+        dxs, grad_ws = [], [None] * n
+        for g, (start, end) in enumerate(group_bounds(ctx.sizes)):
+            gd, gs = g_data[start:end], g_scale[start:end]
+            if ctx.needs_input_grad[0]:
+                wd, ws = w_data[g], w_scales[g]
+                if recipe.dgrad_weight != ctx.w_blocks[g]:  # re-quantized from its exact values (fp8.recipes)
+                    wd, ws = quantize_to_blocks(dequantize_blocks(wd, ws, ctx.w_blocks[g]), recipe.dgrad_weight,
+                                                config.weight_fmt)
+                dxs.append(fp8_mm_payload(gd, gs, wd, ws, grad_out.dtype, backend, a_block=recipe.grad_output,
+                                          b_block=recipe.dgrad_weight))
+            if ctx.needs_input_grad[4 + g] and start == end:  # no token: a zero gradient, no empty GEMM
+                grad_ws[g] = weight_grad(x_data.new_zeros((w_data[g].shape[0], x_data.shape[1]), dtype=torch.float32),
+                                         config, ctx.weight_dtypes[g])
+            elif ctx.needs_input_grad[4 + g]:
+                # blocks along the tokens: this group's own (as the expert's linear would cast them)
+                gt_data, gt_scale = quantize_to_blocks(dequantize_blocks(gd, gs, recipe.grad_output),
+                                                       recipe.wgrad_grad_output, recipe.grad_fmt)
+                xw_data, xw_scale = quantize_to_blocks(
+                    dequantize_blocks(x_data[start:end], x_scale[start:end], recipe.input), recipe.wgrad_input, "e4m3")
+                grad_w32 = fp8_mm_payload(gt_data.t(), gt_scale.t(), xw_data, xw_scale, torch.float32, backend,
+                                          a_block=transpose_block(recipe.wgrad_grad_output), b_block=recipe.wgrad_input)
+                grad_ws[g] = weight_grad(grad_w32, config, ctx.weight_dtypes[g])
+        grad_x = torch.cat(dxs) if ctx.needs_input_grad[0] and dxs else None
+        return (grad_x, None, None, None, *grad_ws)

@@ -341,6 +341,9 @@ LAYOUTS = {
                     "--fp8-opt-level", "O2"]),
     # O3 on tied embeddings with pipeline and data parallelism: the embedding-group sum, then the owner reduction.
     "pp2xdp2-o3-tied": (4, ["--pipeline-model-parallel-size", "2", "--fp8-opt-level", "O3"]),
+    # expert parallelism: FP8 token all-to-alls (uneven splits) and the experts' O3 owners over expert data parallelism
+    "ep2-o3-moe": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+                       "--expert-model-parallel-size", "2", "--moe-fp8-dispatch", "--fp8-opt-level", "O3"]),
 }
 
 
@@ -379,6 +382,9 @@ def test_pretrain_gpt_collectives_follow_nccl_rules(traced_runs, layout):
         assert any(c.source == "megatron-core" and len(c.ranks) == 2 for c in calls)
     if layout.startswith("dp2"):
         assert kinds["all_gather"] > 0  # O3: the owners' weight all-gather
+    if layout == "ep2-o3-moe":  # each MoE layer's dispatch and combine, forward and backward, through Collectives
+        for tag in ("moe dispatch", "moe combine", "moe dispatch grad", "moe combine grad"):
+            assert tags[tag] > 0 and all(c.kind == "all_to_all_v" for c in calls if c.tag == tag), tag
     if layout == "pp2xdp2-o3-tied":  # each step: the copies summed over the embedding group (first and last stage),
         for rank, rank_calls in traces.items():  # then reduced to their owner over data parallel
             seq = [c for c in rank_calls if c.kind not in ("send", "recv")]

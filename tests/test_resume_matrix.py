@@ -19,18 +19,14 @@ Checked for each direction and level:
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.spawn import run_worker
+from tests.resume_tasks import ResumeMatrix
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "checkpoint_worker.py"
 SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31))) % 100_000
 BOUND = 1e-3
 
@@ -52,46 +48,21 @@ def _flags(layout: str, level: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    out = tmp_path_factory.mktemp("matrix")
-    ck = out / "ck"
-
-    def ref(layout, level):
-        return {"name": f"ref_{layout}_{level}",
-                "flags": _flags(layout, level, "--save", str(ck / f"{layout}_{level}"), "--save-interval", "3")}
-
-    def resumes(source, target, level):
-        load = ["--load", str(ck / f"{source}_{level}"), "--ckpt-step", "3"]
-        name = f"{source}_to_{target}_{level}"
-        return [{"name": name, "flags": _flags(target, level, *load)},
-                {"name": f"params_{name}", "flags": _flags(target, level, *load), "init_only": str(ck / name)}]
-
-    def launch(nproc, tasks):
-        run_worker(WORKER, nproc, ["--out", str(out), "--seed", str(SEED), "--tasks", json.dumps(tasks)], SEED)
-
-    launch(1, [ref("1", lvl) for lvl in ("none", "O2", "O3")])
+    m = ResumeMatrix(tmp_path_factory.mktemp("matrix"), SEED, _flags)
+    m.launch(1, [m.ref("1", lvl) for lvl in ("none", "O2", "O3")])
     for world in (2, 4):
         tasks = []
         for layout, levels in LEVELS.items():
             if LAYOUTS[layout][0] == world:
                 for lvl in levels:
-                    tasks += [ref(layout, lvl), *resumes("1", layout, lvl)]
-        launch(world, tasks)
-    launch(1, [t for layout, levels in LEVELS.items() for lvl in levels for t in resumes(layout, "1", lvl)])
-
-    def result(name: str) -> dict:
-        r = json.loads((out / f"{name}_rank0.json").read_text())
-        assert "error" not in r, (SEED, name, r["error"])
-        return r
-
-    result.ck = ck
-    return result
+                    tasks += [m.ref(layout, lvl), *m.resumes("1", layout, lvl)]
+        m.launch(world, tasks)
+    m.launch(1, [t for layout, levels in LEVELS.items() for lvl in levels for t in m.resumes(layout, "1", lvl)])
+    return m
 
 
 def _rel(matrix, source, target, level) -> list[float]:
-    full = dict(zip(*(matrix(f"ref_{source}_{level}")[k] for k in ("iterations", "losses"))))
-    resumed = dict(zip(*(matrix(f"{source}_to_{target}_{level}")[k] for k in ("iterations", "losses"))))
-    assert sorted(resumed) == [4, 5, 6], resumed
-    return [abs(resumed[i] - full[i]) / abs(full[i]) for i in (4, 5, 6)]
+    return matrix.relative_loss_after_resume(source, target, level)
 
 
 @pytest.mark.parametrize("source,target,level", CASES, ids=[f"{a}->{b}-{lvl}" for a, b, lvl in CASES])

@@ -1,10 +1,14 @@
 """Per-GPU memory planner for GPT training with fp8lm on megatron-core (command line): model state,
-activations and communication buffers for a model config, a parallel layout (TP x PP x DP), micro-batch,
-sequence length, activation recomputation and FP8 opt level. FP8-LM's Figure 1 question (the largest GPT
-that fits on N x 80 GB GPUs per opt level) is answered from this model by ``benchmarks/figure1.py``.
+activations and communication buffers for a model config (dense or mixture-of-experts), a parallel layout
+(TP x PP x DP, expert parallelism over DP), micro-batch, sequence length, activation recomputation and FP8 opt
+level; for mixture-of-experts models also the expert-parallel all-to-all's bytes per step. FP8-LM's Figure 1
+question (the largest GPT that fits on N x 80 GB GPUs per opt level) is answered from this model by
+``benchmarks/figure1.py``.
 
     python tools/memory_planner.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
         --seq-length 2048 --vocab-size 50257 --bf16 --fp8-opt-level O2 --data-parallel-size 8 [--json]
+    python tools/memory_planner.py ... --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8 \\
+        --moe-token-dispatcher-type alltoall --moe-fp8-dispatch
 
 The model (``PlannerConfig``, ``plan_memory``, ``format_plan``) and its
 assumptions live in the packaged module ``megatron.training.planning.memory_plan``; its names are re-exported here.
@@ -24,6 +28,8 @@ from megatron.training.config_rules import opt_level_arg  # noqa: E402
 from megatron.training.planning.memory_plan import (  # noqa: E402  (re-exported: the planner's Python API)
     CATEGORIES,
     GRAD_ACCUMULATION,
+    MOE_DISPATCHERS,
+    MOE_LOAD_BALANCING,
     NORMALIZATIONS,
     OPT_LEVELS,
     POSITION_EMBEDDINGS,
@@ -90,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-dropout", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--tokenizer-model")
     p.add_argument("--fp8-amax-history-len", type=int, default=16)
+    p.add_argument("--num-experts", type=int, help="every MLP a mixture of this many routed experts (default: dense)")
+    p.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    p.add_argument("--moe-ffn-hidden-size", type=int, help="an expert's FFN size (default: --ffn-hidden-size)")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, help="FFN size of the shared expert")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="data-parallel ranks the routed experts are spread over")
+    p.add_argument("--moe-token-dispatcher-type", choices=MOE_DISPATCHERS, default="allgather")
+    p.add_argument("--moe-fp8-dispatch", action="store_true",
+                   help="the expert-parallel all-to-all's rows in FP8 with a per-row scale")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss coefficient")
+    p.add_argument("--moe-router-load-balancing-type", choices=MOE_LOAD_BALANCING, default="aux_loss")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="accepted; planned as megatron-core's SequentialMLP (the grouped GEMM's saved tensors are not "
+                        "modelled)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     for flag, kind in (("--lr", float), ("--min-lr", float), ("--lr-decay-style", str), ("--lr-warmup-iters", int),
                        ("--weight-decay", float), ("--clip-grad", float), ("--train-iters", int),

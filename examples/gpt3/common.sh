@@ -145,7 +145,7 @@ if [[ -n "${EXTRA_ARGS:-}" ]]; then
 fi
 
 cd "$REPO_ROOT" || exit
-echo "fp8lm GPT-3 $MODEL_NAME: FP8_OPT_LEVEL=$FP8_OPT_LEVEL TP=$TP PP=$PP DP=$DP (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)" >&2
+echo "fp8lm $MODEL_NAME: FP8_OPT_LEVEL=$FP8_OPT_LEVEL TP=$TP PP=$PP DP=$DP (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)" >&2
 if [[ "$DRY_RUN" == 1 ]]; then
     exec "$PYTHON" pretrain_gpt.py "${ARGS[@]}" --dry-run --data-parallel-size "$DP"
 fi

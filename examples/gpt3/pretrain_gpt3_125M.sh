@@ -7,7 +7,7 @@
 # pretrain_gpt.py's --fp8-min-dim (2048 on CUDA; announced at start-up), so "O2" trains the linears in BF16.
 # To run them in FP8 (to see FP8 at work; expect no speed-up at this size): EXTRA_ARGS="--fp8-min-dim 0".
 set -euo pipefail
-MODEL_NAME=125M
+MODEL_NAME="GPT-3 125M"
 : "${NUM_LAYERS:=12}"
 : "${HIDDEN_SIZE:=768}"
 : "${NUM_ATTENTION_HEADS:=12}"

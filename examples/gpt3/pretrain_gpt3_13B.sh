@@ -4,7 +4,7 @@
 #   FP8_OPT_LEVEL=O2 NNODES=1 examples/gpt3/pretrain_gpt3_13B.sh          # torchrun on this node
 #   DRY_RUN=1 examples/gpt3/pretrain_gpt3_13B.sh                          # plan, no GPU
 set -euo pipefail
-MODEL_NAME=13B
+MODEL_NAME="GPT-3 13B"
 : "${NUM_LAYERS:=40}"
 : "${HIDDEN_SIZE:=5120}"
 : "${NUM_ATTENTION_HEADS:=40}"

@@ -4,7 +4,7 @@
 #   FP8_OPT_LEVEL=O2 NNODES=1 examples/gpt3/pretrain_gpt3_175B.sh          # torchrun on this node
 #   DRY_RUN=1 examples/gpt3/pretrain_gpt3_175B.sh                          # plan, no GPU
 set -euo pipefail
-MODEL_NAME=175B
+MODEL_NAME="GPT-3 175B"
 : "${NUM_LAYERS:=96}"
 : "${HIDDEN_SIZE:=12288}"
 : "${NUM_ATTENTION_HEADS:=96}"

@@ -4,7 +4,7 @@
 #   FP8_OPT_LEVEL=O2 NNODES=1 examples/gpt3/pretrain_gpt3_7B.sh          # torchrun on this node
 #   DRY_RUN=1 examples/gpt3/pretrain_gpt3_7B.sh                          # plan, no GPU
 set -euo pipefail
-MODEL_NAME=7B
+MODEL_NAME="GPT-3 7B"
 : "${NUM_LAYERS:=32}"
 : "${HIDDEN_SIZE:=4096}"
 : "${NUM_ATTENTION_HEADS:=32}"

@@ -69,9 +69,11 @@ class DistributedDataParallel(nn.Module):
       ``fp8.initialize(..., opt_level="O3")`` returns; any object with ``owner(param) -> rank`` and the
       ``process_group`` it is sharded over): each gradient is then reduced to its owner only. ``None``
       (default): every gradient is all-reduced to every rank.
-    - ``exclude``: parameters kept out of the buckets (no hook, no reduction: their gradients accumulate
-      locally and the caller reduces them, e.g. the two copies of tied embeddings under pipeline
-      parallelism, summed over the embedding group before the data-parallel reduction).
+    - ``exclude``: parameters kept out of the buckets and out of the start-up broadcast (no hook, no reduction:
+      their gradients accumulate locally and the caller reduces them, e.g. the two copies of tied embeddings under
+      pipeline parallelism, summed over the embedding group before the data-parallel reduction, or the experts of
+      expert parallelism, which differ between the ranks of the data-parallel group and are reduced over the
+      expert-data-parallel group by a second wrapper excluding everything else).
 
     Every rank must produce gradients for the same parameters in each backward (as torch DDP with
     ``find_unused_parameters=False``); parameters without a gradient at the end of backward are
@@ -115,7 +117,7 @@ class DistributedDataParallel(nn.Module):
         self.last_backward_stats: dict[str, int] = {}
         self._owners = self._owner_plan(trained, o3_optimizer)
         self._check_same_structure(params)
-        self._sync_module_states(params)
+        self._sync_module_states([p for p in params if id(p) not in excluded])
         self._hook_handles = self._register_hooks(trained)
 
     # -- set-up ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .precision import OptimizerPrecision
 from .sgd import SGD
 
 __all__ = [
+    "ExpertOwners",
     "ShardedFP8Optimizer", "ShardedAdam", "ShardedAdamW", "ShardedSGD", "convert_to_sharded",
 ]
 
@@ -65,21 +66,34 @@ class ShardedFP8Optimizer(FP8Optimizer):
     LEVEL = "O3"
 
     def __init__(self, params, *args: Any, process_group: dist.ProcessGroup | None = None,
-                 counter: CommBytesCounter | None = None, gather_weights: bool = True, **kwargs: Any) -> None:
+                 counter: CommBytesCounter | None = None, gather_weights: bool = True, expert_params: Any = (),
+                 expert_process_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
         require_process_group("opt_level 'O3' (the FP8 distributed optimizer)")
         groups = _normalize_groups(params)
         self.process_group = process_group
         self.gather_weights = gather_weights
         self._comm = Collectives(process_group, counter)
+        experts = {id(p) for p in expert_params}
+        if experts and expert_process_group is None:
+            raise ValueError("expert_params need the expert_process_group they are sharded over (the "
+                             "expert-data-parallel group)")
+        self.expert_process_group = expert_process_group
+        self._expert_comm = Collectives(expert_process_group, counter) if experts else None
         seen: dict[int, torch.Tensor] = {}
         for group in groups:
             for p in group["params"]:
                 if p.requires_grad:
                     seen.setdefault(id(p), p)
         self._sharded_params = list(seen.values())
-        self.partition: ParamPartition = partition_by_size([p.numel() for p in self._sharded_params],
-                                                           self._comm.world_size)
-        self._owner = {id(p): o for p, o in zip(self._sharded_params, self.partition.owners)}
+        dense = [p for p in self._sharded_params if id(p) not in experts]
+        self._experts = [p for p in self._sharded_params if id(p) in experts]
+        self._expert_ids = frozenset(id(p) for p in self._experts)
+        self.partition: ParamPartition = partition_by_size([p.numel() for p in dense], self._comm.world_size)
+        self._owner = {id(p): o for p, o in zip(dense, self.partition.owners)}
+        if self._experts:
+            self.expert_partition = partition_by_size([p.numel() for p in self._experts],
+                                                      self._expert_comm.world_size)
+            self._owner.update({id(p): o for p, o in zip(self._experts, self.expert_partition.owners)})
         super().__init__(groups, *args, **kwargs)
         self.gather_params()
 
@@ -108,14 +122,27 @@ class ShardedFP8Optimizer(FP8Optimizer):
     @counter.setter
     def counter(self, counter: CommBytesCounter | None) -> None:
         self._comm.counter = counter
+        if self._expert_comm is not None:
+            self._expert_comm.counter = counter
 
     def owner(self, p: torch.Tensor) -> int:
-        """Rank owning parameter ``p``."""
+        """Rank owning parameter ``p`` (in the data-parallel group; an expert parameter's in the
+        expert-data-parallel group)."""
         return self._owner[id(p)]
+
+    def is_expert(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the ``expert_params`` (sharded over the expert-data-parallel group)."""
+        return id(p) in self._expert_ids
 
     def owns(self, p: torch.Tensor) -> bool:
         """Whether this rank owns ``p`` (holds its optimizer state and receives its gradient)."""
-        return self._owner.get(id(p), -1) == self._comm.rank
+        comm = self._expert_comm if id(p) in self._expert_ids else self._comm
+        return self._owner.get(id(p), -1) == comm.rank
+
+    def expert_owners(self) -> "ExpertOwners":
+        """The expert parameters' owners as ``fp8.distributed.DistributedDataParallel(..., o3_optimizer=...)``
+        takes them (``owner(p)``, ``process_group``: the expert-data-parallel group)."""
+        return ExpertOwners(self)
 
     @property
     def owned_params(self) -> list[torch.Tensor]:
@@ -172,23 +199,28 @@ class ShardedFP8Optimizer(FP8Optimizer):
         """Copy every parameter from its owner to all ranks: FP8 weights as ``uint8`` payload plus fp32
         scale (tags ``"fp8 weights"``, ``"fp8 weight scales"``), others in their own dtype (``"weights"``). Nothing
         with ``gather_weights=False`` (the caller gathers what it needs from the same owners)."""
-        if self.world_size == 1 or not self.gather_weights:
+        if not self.gather_weights:
             return
-        fp8 = [p for p in self._sharded_params if isinstance(p, Float8Tensor)]
-        plain: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self._sharded_params:
-            if not isinstance(p, Float8Tensor):
-                plain.setdefault(p.dtype, []).append(p)
         finishers = []
-        by_payload: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in fp8:
-            by_payload.setdefault(p.payload.dtype, []).append(p)
-        for ps in by_payload.values():
-            owners = [self.owner(p) for p in ps]
-            finishers.append(start_owner_gather([p.payload for p in ps], owners, self._comm, "fp8 weights"))
-            finishers.append(start_owner_gather([p.scale for p in ps], owners, self._comm, "fp8 weight scales"))
-        for ps in plain.values():
-            finishers.append(start_owner_gather(ps, [self.owner(p) for p in ps], self._comm, "weights"))
+        for params, comm, prefix in (([p for p in self._sharded_params if id(p) not in self._expert_ids], self._comm,
+                                      ""),
+                                     (self._experts, self._expert_comm, "expert ")):
+            if not params or comm.world_size == 1:
+                continue
+            plain: dict[torch.dtype, list[torch.Tensor]] = {}
+            by_payload: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in params:
+                if isinstance(p, Float8Tensor):
+                    by_payload.setdefault(p.payload.dtype, []).append(p)
+                else:
+                    plain.setdefault(p.dtype, []).append(p)
+            for ps in by_payload.values():
+                owners = [self.owner(p) for p in ps]
+                finishers.append(start_owner_gather([p.payload for p in ps], owners, comm, prefix + "fp8 weights"))
+                finishers.append(start_owner_gather([p.scale for p in ps], owners, comm,
+                                                    prefix + "fp8 weight scales"))
+            for ps in plain.values():
+                finishers.append(start_owner_gather(ps, [self.owner(p) for p in ps], comm, prefix + "weights"))
         for finish in finishers:
             finish()
 
@@ -237,6 +269,21 @@ class ShardedFP8Optimizer(FP8Optimizer):
         self.gather_params()
 
 
+class ExpertOwners:
+    """The expert parameters' ownership of a :class:`ShardedFP8Optimizer` as
+    ``fp8.distributed.DistributedDataParallel(..., o3_optimizer=...)`` takes it: ``owner(p)`` (a rank of the
+    expert-data-parallel group) and that ``process_group``."""
+
+    def __init__(self, optimizer: ShardedFP8Optimizer) -> None:
+        self._optimizer = optimizer
+        self.process_group = optimizer.expert_process_group
+
+    def owner(self, p: torch.Tensor) -> int:
+        if not self._optimizer.is_expert(p):
+            raise KeyError("not an expert parameter")
+        return self._optimizer.owner(p)
+
+
 class ShardedAdam(ShardedFP8Optimizer, Adam):
     """:class:`fp8.optim.Adam` with its states sharded over the data-parallel group (O3)."""
 
@@ -261,10 +308,14 @@ def convert_to_sharded(
     *,
     scaling_module: torch.nn.Module | None = None,
     gather_weights: bool = True,
+    expert_params: Any = (),
+    expert_process_group: dist.ProcessGroup | None = None,
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
-    :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group``; ``gather_weights``
+    :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group`` (``expert_params``, the
+    parameters of this rank's experts under expert parallelism, over ``expert_process_group``); ``gather_weights``
     as :class:`ShardedFP8Optimizer`'s."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
     return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
-                            process_group=process_group, scaling_module=scaling_module, gather_weights=gather_weights)
+                            process_group=process_group, scaling_module=scaling_module, gather_weights=gather_weights,
+                            expert_params=expert_params, expert_process_group=expert_process_group)

@@ -61,7 +61,7 @@ from .init import initialize_sharded_weight
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "FP8ColumnParallelLinear", "FP8RowParallelLinear",
-    "take_initial_masters", "ParallelLinearBase",
+    "take_initial_masters", "ParallelLinearBase", "compute_dtype",
 ]
 
 
@@ -168,7 +168,7 @@ class ParallelLinearBase(nn.Module):
         )
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype activations are computed and saved in: autocast's (e.g. BF16) when it is on, else ``x``'s."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -189,7 +189,7 @@ class _HighPrecisionColumnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         comm, sp = layer.comm, layer.sequence_parallel
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         full = comm.all_gather(x2d, "sp all-gather") if sp else x2d
         out = torch.mm(full, weight.t().to(dtype))
@@ -226,7 +226,7 @@ class _HighPrecisionRowFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer):
         comm, sp = layer.comm, layer.sequence_parallel
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         out = torch.mm(x2d, weight.t().to(dtype))
         if not layer.is_expert:

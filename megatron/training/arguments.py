@@ -241,19 +241,28 @@ def _check_moe(args: argparse.Namespace, dp: int) -> None:
         raise ConfigurationError(
             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (experts are spread over "
             f"data-parallel ranks): launch a multiple of TP x PP x EP processes")
-    if args.moe_fp8_dispatch and (args.fp8_opt_level == "none" or args.moe_token_dispatcher_type != "alltoall"):
+    # --compare's levels train with the same flags: a baseline level among them dispatches in its own dtype
+    levels = {args.fp8_opt_level} | {normalize_opt_level(lvl.strip(), "--compare")
+                                     for lvl in (args.compare or "").split(",") if lvl.strip()}
+    if args.moe_fp8_dispatch and (levels == {"none"} or args.moe_token_dispatcher_type != "alltoall"):
         raise ConfigurationError("--moe-fp8-dispatch dispatches tokens in FP8 over the expert-parallel all-to-all: it "
                                  "needs --fp8-opt-level O1/O2/O3 and --moe-token-dispatcher-type alltoall")
-    # Not built yet (issue 26): say so up front rather than train something else.
-    if ep > 1 or args.moe_fp8_dispatch:
-        raise ConfigurationError(
-            "expert parallelism (--expert-model-parallel-size > 1, --moe-fp8-dispatch) is not available yet: the "
-            "experts' gradient reduction and O3 ownership over the expert-data-parallel group are not built; run the "
-            "experts replicated over data parallelism (--expert-model-parallel-size 1, tensor parallelism splits "
-            "each expert)")
-    if args.moe_grouped_gemm:
-        raise ConfigurationError("--moe-grouped-gemm is not available yet: a rank's experts run one after the other "
-                                 "(megatron-core's SequentialMLP), each expert's linears in FP8; drop the flag")
+    if args.moe_fp8_dispatch and ep == 1:
+        raise ConfigurationError("--moe-fp8-dispatch: at --expert-model-parallel-size 1 no token leaves its rank (there "
+                                 "is no all-to-all to send in FP8); set --expert-model-parallel-size > 1 or drop the flag")
+    if ep > 1 and args.bf16 and args.use_distributed_optimizer and args.fp8_opt_level == "none":
+        raise ConfigurationError("--bf16 --use-distributed-optimizer gathers BF16 parameters over the whole "
+                                 "data-parallel group, which expert parallelism splits: drop "
+                                 "--use-distributed-optimizer, or use --fp8-opt-level O3 (experts sharded over the "
+                                 "expert-data-parallel group)")
+    if args.moe_grouped_gemm and args.tensor_model_parallel_size > 1:
+        raise ConfigurationError("--moe-grouped-gemm runs each expert unsplit (expert tensor-parallel size 1), but "
+                                 f"--tensor-model-parallel-size {args.tensor_model_parallel_size} splits the experts: use "
+                                 "--tensor-model-parallel-size 1 (spread the experts with "
+                                 "--expert-model-parallel-size instead), or drop --moe-grouped-gemm")
+    if args.moe_shared_expert_intermediate_size is not None and not args.disable_bias_linear:
+        raise ConfigurationError("--moe-shared-expert-intermediate-size: megatron-core's shared expert takes no bias; "
+                                 "add --disable-bias-linear")
     if args.tensor_model_parallel_size > 1 and not args.disable_bias_linear:
         raise ConfigurationError("experts split by tensor parallelism take no bias (megatron-core): add "
                                  "--disable-bias-linear, or use --tensor-model-parallel-size 1")

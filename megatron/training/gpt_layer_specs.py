@@ -28,12 +28,17 @@ from torch import nn
 from fp8.comm import CommBytesCounter
 from fp8.linear import Float8LinearConfig
 from fp8.parallel import ColumnParallelLinear, RowParallelLinear
+from fp8.parallel.linear import compute_dtype
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+from .moe import SeededSequentialMLP, install_counted_dispatcher
+from .moe_grouped import FP8GroupedMLP
 
 __all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
            "FP32Router", "LINEAR_PLACES",
@@ -62,12 +67,9 @@ class Norm(nn.Module):
             out = F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
         else:
             out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
-        device = out.device.type
-        if torch.is_autocast_enabled(device):
-            # Normalised in fp32 (autocast's rule), handed on in the autocast dtype: the next GEMM's input, and
-            # the dtype megatron-core's output layer allocates its sequence-parallel buffers in.
-            out = out.to(torch.get_autocast_dtype(device))
-        return out
+        # Normalised in fp32 under autocast (its rule), handed on in the autocast dtype: the next GEMM's input, and
+        # the dtype megatron-core's output layer allocates its sequence-parallel buffers in.
+        return out.to(compute_dtype(out))
 
 
 class SDPAttention(nn.Module):
@@ -133,9 +135,11 @@ def layer_init_seed(init_seed: int, layer_number: int) -> int:
 class SeededTransformerLayer(TransformerLayer):
     """megatron-core's ``TransformerLayer``; with ``init_seed`` it seeds the default generator from
     ``(init_seed, global layer number)`` before building, so its initial weights do not depend on the
-    pipeline split."""
+    pipeline split. ``moe_dispatch`` (a mixture-of-experts layer: ``counter``, ``fmt``, ``grad_fmt``): its
+    all-to-all token dispatcher becomes :class:`megatron.training.moe.CountedAlltoAllTokenDispatcher`."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, *args, init_seed: int | None = None, **kwargs):
+    def __init__(self, config, submodules, layer_number: int = 1, *args, init_seed: int | None = None,
+                 moe_dispatch: dict | None = None, **kwargs):
         if init_seed is not None:
             pg_collection = kwargs.get("pg_collection")
             pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
@@ -146,6 +150,8 @@ class SeededTransformerLayer(TransformerLayer):
             offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"), pp_rank)
             torch.manual_seed(layer_init_seed(init_seed, layer_number + offset))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if moe_dispatch is not None and self.is_moe_layer:
+            install_counted_dispatcher(self.mlp, self.pg_collection, **moe_dispatch)
 
 
 def _select_fp8(partition_dim: int, input_size: int, output_size: int, fp8: Float8LinearConfig | None,
@@ -221,6 +227,8 @@ def get_gpt_layer_fp8_spec(
     num_experts: int | None = None,
     kept_reason: str | None = None,
     per_linear: dict[str, dict] | None = None,
+    moe_fp8_dispatch: bool = False,
+    moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
@@ -236,7 +244,11 @@ def get_gpt_layer_fp8_spec(
     start-up summary's reason, e.g. ``--first-last-layers-bf16``). ``per_linear``: constructor arguments of single
     linears by their place in the layer (:data:`LINEAR_PLACES`: ``"self_attention.linear_qkv"``, ...,
     ``"mlp.experts.linear_fc1"`` for every expert), e.g. ``{"fp8": None, "kept_reason": ...}`` or another ``fp8``
-    configuration (``--fp8-precision-config``).
+    configuration (``--fp8-precision-config``). ``moe_fp8_dispatch``: an FP8 layer's expert-parallel all-to-all sends
+    tokens in E4M3 with a scale per token, the combine and the backwards in the recipe's gradient format
+    (:class:`megatron.training.moe.CountedAlltoAllTokenDispatcher`; otherwise in the activations' dtype, counted the
+    same way). ``moe_grouped_gemm``: a rank's experts are :class:`megatron.training.moe_grouped.FP8GroupedMLP` (the
+    same experts, each projection of all of them one grouped GEMM) instead of ``SequentialMLP``.
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
@@ -266,6 +278,16 @@ def get_gpt_layer_fp8_spec(
     if num_experts is None:
         mlps = {"mlp": layer.mlp.submodules}
     else:  # the router in FP32; the experts' MLP and the shared expert's
+        dispatch = recipe is not None and moe_fp8_dispatch
+        grad_fmt = None
+        if dispatch:  # the recipe's gradient format (tensorwise: the configured output-gradient format)
+            grad_fmt = recipe.grad_output.fmt if recipe.recipe == "tensorwise" else recipe.recipe_spec.grad_fmt
+        spec.params = {**spec.params, "moe_dispatch": {"counter": counter, "fmt": "e4m3" if dispatch else None,
+                                                       "grad_fmt": grad_fmt}}
+        if moe_grouped_gemm:  # the same experts, each projection of all of them one grouped GEMM
+            layer.mlp.submodules.experts.module = FP8GroupedMLP
+        elif layer.mlp.submodules.experts.module is SequentialMLP:
+            layer.mlp.submodules.experts.module = SeededSequentialMLP
         layer.mlp.submodules.router = FP32Router
         mlps = {"mlp.experts": layer.mlp.submodules.experts.submodules,
                 "mlp.shared_experts": layer.mlp.submodules.shared_experts.submodules}

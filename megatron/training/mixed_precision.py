@@ -70,16 +70,29 @@ class MainGrads:
     parallel in FP32.
 
     ``params``: the BF16 parameters; ``dp_group``: the data-parallel group; ``owns(p)`` (with a sharded
-    optimizer): whether this rank keeps ``p``'s main gradient after the reduction.
+    optimizer): whether this rank keeps ``p``'s main gradient after the reduction. ``expert_params`` (a subset of
+    ``params``: this rank's experts under expert parallelism) are summed over ``expert_group`` (the
+    expert-data-parallel group) instead, and divided by the data-parallel size like the others (each expert saw
+    the tokens of every data-parallel rank routed to it).
     """
 
     def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup | None,
-                 owns: Callable[[nn.Parameter], bool] | None = None) -> None:
+                 owns: Callable[[nn.Parameter], bool] | None = None, expert_params=(),
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         self.params = list(params)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.owns = owns
+        experts = {id(p) for p in expert_params}
         self.comm = Collectives(dp_group) if self.dp_size > 1 else None  # built once; counted once a counter is set
+        self._groups = [([p for p in self.params if id(p) not in experts], self.comm)]
+        if experts:
+            if expert_group is None:
+                raise ValueError("expert_params need their expert_group (the expert-data-parallel group)")
+            self.expert_comm = Collectives(expert_group)
+            self._groups.append(([p for p in self.params if id(p) in experts], self.expert_comm))
+        else:
+            self.expert_comm = None
         for p in self.params:
             p.main_grad = None
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
@@ -105,23 +118,27 @@ class MainGrads:
 
     @counter.setter
     def counter(self, counter: CommBytesCounter | None) -> None:
-        if self.comm is not None:
-            self.comm.counter = counter
+        for comm in (self.comm, self.expert_comm):
+            if comm is not None:
+                comm.counter = counter
 
     @torch.no_grad()
     def finish(self) -> None:
         """After the step's backward passes: average the main gradients over data parallel (one flat FP32
         all-reduce; a parameter without a gradient on some rank counts as zeros), then keep only the
         owned ones under a sharded optimizer."""
-        if self.dp_size > 1 and self.params:
+        for params, comm in self._groups if self.dp_size > 1 else ():
+            if not params:
+                continue
             grads = [p.main_grad if p.main_grad is not None else torch.zeros(p.shape, dtype=torch.float32,
                                                                                device=p.device)
-                     for p in self.params]
+                     for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce(flat, tag="bf16 main grads").wait()
+            if comm.world_size > 1:
+                comm.all_reduce(flat, tag="bf16 main grads").wait()
             flat.div_(self.dp_size)
             offset = 0
-            for p, g in zip(self.params, grads):
+            for p, g in zip(params, grads):
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 p.main_grad = g
                 offset += g.numel()

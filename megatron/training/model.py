@@ -150,7 +150,9 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     fp8 = fp8_recipe_from_args(args)
     common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args),
-              "num_experts": getattr(args, "num_experts", None)}
+              "num_experts": getattr(args, "num_experts", None),
+              "moe_fp8_dispatch": bool(getattr(args, "moe_fp8_dispatch", False)),
+              "moe_grouped_gemm": bool(getattr(args, "moe_grouped_gemm", False))}
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, **common)
     spec_for_layer = _spec_for_layer(args, fp8, common)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()

@@ -42,10 +42,13 @@ def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.opti
 
 
 def build_optimizer(
-    args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None
+    args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None,
+    expert_params: list[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of ``args.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
-    the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it)."""
+    the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it). ``expert_params``: this
+    rank's experts under expert parallelism, whose gradients are reduced (and, sharded, owned) over ``expert_group``
+    (the expert-data-parallel group)."""
     level = args.fp8_opt_level
     masters: dict[nn.Parameter, nn.Parameter] = {}
     for chunk in chunks:
@@ -71,12 +74,13 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     base = _torch_optimizer(args, groups)
     scaling_module = nn.ModuleList(chunks)
+    experts = {"expert_params": list(expert_params), "expert_process_group": expert_group}
     if level == "none" and getattr(args, "bf16", False):
-        return _bf16_baseline(args, base, masters, scaling_module, dp_group)
+        return _bf16_baseline(args, base, masters, scaling_module, dp_group, list(expert_params), expert_group)
     if level == "none":
         if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
-            return convert_to_sharded(base, {}, "O1", {}, dp_group)
+            return convert_to_sharded(base, {}, "O1", {}, dp_group, **experts)
         return base
     if level == "O1":
         return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)
@@ -84,7 +88,7 @@ def build_optimizer(
     initial = {weight: master.detach() for weight, master in masters.items()}
     if level == "O2":
         return convert_optimizer(base, replace, "O2", initial, scaling_module=scaling_module)
-    return convert_to_sharded(base, replace, "O2", initial, dp_group, scaling_module=scaling_module)
+    return convert_to_sharded(base, replace, "O2", initial, dp_group, scaling_module=scaling_module, **experts)
 
 
 def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | None:
@@ -94,7 +98,7 @@ def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | N
 
 
 def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
-                   dp_group) -> BF16MasterOptimizer:
+                   dp_group, expert_params: list[nn.Parameter], expert_group) -> BF16MasterOptimizer:
     """Megatron's ``--bf16`` baseline: FP32 masters (sharded over data parallel with
     ``--use-distributed-optimizer``) stepped on FP32 main gradients, copied back into the BF16 parameters."""
     inner = base
@@ -112,7 +116,7 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
 
         def owns(p, _inner=inner, _master_of=master_of):
             return _inner.owns(_master_of[p])
-    main_grads = MainGrads(list(masters), dp_group, owns)
+    main_grads = MainGrads(list(masters), dp_group, owns, [p for p in expert_params if p in masters], expert_group)
     return BF16MasterOptimizer(inner, [(master, p) for p, master in masters.items()], scaling_module, main_grads)
 
 

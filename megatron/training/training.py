@@ -32,10 +32,12 @@ from .config_rules import ConfigurationError
 from .distributed import cpu_compat
 from .distributed.core_collective_bytes import record_core_collectives, record_core_construction
 from .distributed.core_trace import check_trace_directory, trace_megatron_core
-from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads,
+from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads, scale_grads_,
+                                unique_parameters,
                                 reduce_tied_embedding_grads, tied_embedding_weights)
 from .distributed.pipeline_p2p import FP8P2PCommunicator
 from .fp8_numerics import NumericsMonitor
+from .moe import is_routed_expert_param, set_dispatcher_counter
 from .health import SkipMonitor
 from .log import TrainingLogger
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
@@ -75,6 +77,7 @@ def initialize_model_parallel(args: argparse.Namespace, **kwargs) -> None:
     ``parallel_state.initialize_model_parallel``); on machines without CUDA, the CPU compatibility layer first."""
     if not torch.cuda.is_available():
         cpu_compat.enable()
+    kwargs.setdefault("expert_model_parallel_size", getattr(args, "expert_model_parallel_size", 1) or 1)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -212,6 +215,7 @@ class TrainingRun:
             for module in chunk.modules():
                 if isinstance(module, ParallelLinearBase):
                     module.set_counter(self.counter)
+                set_dispatcher_counter(module, self.counter)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
@@ -219,7 +223,13 @@ class TrainingRun:
         self.fp8_selection = announce_layer_selection(
             args, chunks, log=self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0)
         self.bare_chunks = chunks
-        self.optimizer = build_optimizer(args, chunks, self.dp_group)
+        # Expert parallelism: each rank of an expert-parallel group holds other experts, so the experts' gradients
+        # are reduced (and at O3 owned) over the expert-data-parallel group, the rest over data parallelism.
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.expert_params = ([p for p in unique_parameters(chunks) if is_routed_expert_param(p)]
+                              if self.ep_size > 1 else [])
+        expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
+        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, expert_dp_group)
         if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
             self.optimizer.counter = self.counter
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
@@ -231,13 +241,26 @@ class TrainingRun:
         tie_first = sharded and self.dp_size > 1 and pp_world > 1 and not args.untie_embeddings_and_output_weights
         self.tied_weights = tied_embedding_weights(chunks) if tie_first else []
         self.tied_owner = None
+        self.expert_ddps: list[DistributedDataParallel] = []  # the experts' wrappers over expert data parallelism
         if self.dp_size > 1 and self.main_grads is None:
             owners = owner_optimizer(self.optimizer)
             self.tied_owner = owners.owner if owners is not None else None
+            experts = {id(p) for p in self.expert_params}
             self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners,
-                                                   exclude=self.tied_weights)
+                                                   exclude=self.tied_weights + [p for p in c.parameters()
+                                                                                if id(p) in experts])
                            for c in chunks]
-            self.config.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
+            no_sync = [c.no_sync for c in self.chunks]
+            if self.expert_params and dist.get_world_size(expert_dp_group) > 1:
+                # the experts' wrappers (hooks only: forward runs through the data-parallel wrappers above)
+                expert_owners = owners.expert_owners() if owners is not None else None
+                expert_ddps = [DistributedDataParallel(c, process_group=expert_dp_group, counter=self.counter,
+                                                       o3_optimizer=expert_owners,
+                                                       exclude=[p for p in c.parameters() if id(p) not in experts])
+                               for c in chunks]
+                no_sync = [_joint_no_sync(a.no_sync, b.no_sync) for a, b in zip(self.chunks, expert_ddps)]
+                self.expert_ddps = expert_ddps
+            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         else:
             self.chunks = chunks
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -259,6 +282,10 @@ class TrainingRun:
         in_embd = self.embd_group is not None and dist.get_rank(self.embd_group) >= 0
         self.embd_comm = Collectives(self.embd_group, self.counter) if in_embd else None
         self.dp_comm = Collectives(self.dp_group, self.counter)
+        # unsharded, the experts' squared gradient norms are summed over the expert-parallel group first (sharded,
+        # the norm's group is every rank, each expert counted on its owner)
+        self.expert_norm_comm = (Collectives(parallel_state.get_expert_model_parallel_group(), self.counter)
+                                 if self.expert_params and self.norm_group is not dist.group.WORLD else None)
         if self.tied_weights and self.embd_comm is None:
             raise RuntimeError("tied embeddings on a rank outside megatron-core's embedding group")
         if self.main_grads is not None:
@@ -360,9 +387,14 @@ class TrainingRun:
             reduce_tied_embedding_grads(self.tied_weights, self.embd_comm, self.dp_comm, self.tied_owner)
         if self.main_grads is not None:
             self.main_grads.finish()  # --bf16: FP32 main gradients reduced over data parallel
+        elif self.expert_params:
+            # averaged over the expert-data-parallel group (or alone on a rank): each expert saw the tokens of all
+            # expert-parallel ranks, so its gradient is the sum over the data-parallel ranks' losses / EP
+            scale_grads_([p.grad for p in self.expert_params if p.grad is not None], 1.0 / self.ep_size)
         finalize_model_grads(self.bare_chunks, self.tp_comm, self.embd_comm,
                              self.tied and self.pp_size > 1 and not self.tied_weights)
-        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device)
+        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device,
+                                self.expert_norm_comm)
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
         finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
@@ -625,6 +657,19 @@ def traced(directory: str | None):
     Collectives().barrier("collective trace written")  # untraced: every file is complete before rank 0 reads
     if dist.get_rank() == 0:
         check_trace_directory(directory, dist.get_world_size(), log=print)
+
+
+def _joint_no_sync(*no_syncs):
+    """One ``no_sync`` context (megatron-core's ``config.no_sync_func``) entering each of ``no_syncs``."""
+
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for enter in no_syncs:
+                stack.enter_context(enter())
+            yield
+
+    return no_sync
 
 
 def _is_logging_rank() -> bool:

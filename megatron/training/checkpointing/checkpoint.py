@@ -69,6 +69,7 @@ LATEST = "latest_checkpointed_iteration.txt"
 PROGRESS = "progress.txt"
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 # Arguments that fix the model's parameters (shapes, kinds) and the precision of the states: a checkpoint
 # loads only into a run with the same values. The parallel layout may differ.
@@ -133,19 +134,26 @@ def _ranks() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
+            "ep_size": ps.get_expert_model_parallel_world_size(), "tp_size": ps.get_tensor_model_parallel_world_size(),
             "pp_size": ps.get_pipeline_model_parallel_world_size(), "dp_size": ps.get_data_parallel_world_size()}
 
 
 def _global_namer(chunk: torch.nn.Module, tied_copy: bool):
-    """name in ``chunk`` -> global name (decoder layers renumbered by their global layer number; the
-    last stage's copy of tied embeddings named as the embedding it copies)."""
+    """name in ``chunk`` -> global name (decoder layers renumbered by their global layer number, routed experts by
+    their global expert index under expert parallelism; the last stage's copy of tied embeddings named as the
+    embedding it copies)."""
     layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
 
     def name_of(name: str) -> str:
         m = _LAYER.match(name)
         if m:
-            return f"{m.group(1)}{layers[int(m.group(2))].layer_number - 1}{m.group(3)}"
+            layer = layers[int(m.group(2))]
+            rest = m.group(3)
+            e = _LOCAL_EXPERT.match(rest)
+            if e:  # megatron-core's MoELayer: local expert i is global expert local_expert_indices[i]
+                rest = f"{e.group(1)}{layer.mlp.local_expert_indices[int(e.group(2))]}{e.group(3)}"
+            return f"{m.group(1)}{layer.layer_number - 1}{rest}"
         if tied_copy and name == "output_layer.weight":
             return "embedding.word_embeddings.weight"
         return name
@@ -259,6 +267,9 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
         if mu is not None:
             for name, buf in mu.named_buffers():
                 state[f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] = buf
+    for v, ddp in enumerate(run.expert_ddps):  # the experts' reduction over expert data parallelism
+        for name, buf in ddp.grad_scaling.named_buffers():
+            state[f"mu_experts/stage{ranks['pp']}.{v}/tp{ranks['tp']}/ep{ranks['ep']}/{name}"] = buf
     state[f"rng/rank{dist.get_rank()}"] = io.BytesIO(_rng_bytes())
     # Meta must be identical on every rank (DCP writes it once): the parameter table is gathered.
     infos = run.world.all_gather_object({e.name: e.info() for e in entries}, "checkpoint")
@@ -270,7 +281,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
         "format": FORMAT, "iteration": iteration,
         "consumed_samples": iteration * args.global_batch_size if consumed_samples is None else consumed_samples,
         "skipped_steps": run.skipped_steps, "optimizer_skipped_steps": skipped_opt,
-        "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"],
+        "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"], "ep": ranks["ep_size"],
                    "vp": args.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
         "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(args), "args": _run_args(args), "params": dict(sorted(params.items())),
     }
@@ -516,8 +527,9 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     _check_compatible(path, meta, args, run.vocab_size)
     ranks = _ranks()
     saved = meta["layout"]
-    same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("vp")) == (
-        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], args.virtual_pipeline_model_parallel_size)
+    same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("vp"), saved.get("ep", 1)) == (
+        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], args.virtual_pipeline_model_parallel_size,
+        ranks["ep_size"])
     reader = dcp.FileSystemReader(str(path))
     md = reader.read_metadata().state_dict_metadata
     optimizer = run.optimizer
@@ -570,11 +582,15 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         plans.append((e, model_bufs, optim_bufs))
     saved_dp = int(saved["dp"])
     for fqn, buf, scaling in _buffers(run):
-        key = f"scaling/dp{ranks['dp'] % saved_dp}/{fqn}" if scaling else f"buffers/{fqn}"
-        if key in md:
+        # a scaling state from the same data-parallel rank's, else from the rank that held it (an expert's under
+        # another expert-parallel split)
+        keys = ([f"scaling/dp{i}/{fqn}" for i in [ranks["dp"] % saved_dp, *range(saved_dp)]] if scaling
+                else [f"buffers/{fqn}"])
+        key = next((k for k in keys if k in md), None)
+        if key is not None:
             request[key] = buf
         else:
-            missing.append(key)
+            missing.append(keys[0])
     for v, chunk in enumerate(run.chunks):
         mu = getattr(chunk, "grad_scaling", None)
         if mu is None:
@@ -582,6 +598,13 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         for name, buf in mu.named_buffers():
             candidates = [f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] + sorted(
                 k for k in md if k.startswith("mu/") and k.endswith(f"/{name}"))
+            key = next((k for k in candidates if k in md), None)
+            if key is not None:
+                request[key] = buf
+    for v, ddp in enumerate(run.expert_ddps):
+        for name, buf in ddp.grad_scaling.named_buffers():
+            candidates = [f"mu_experts/stage{ranks['pp']}.{v}/tp{ranks['tp']}/ep{ranks['ep']}/{name}"] + sorted(
+                k for k in md if k.startswith("mu_experts/") and k.endswith(f"/{name}"))
             key = next((k for k in candidates if k in md), None)
             if key is not None:
                 request[key] = buf
@@ -611,9 +634,9 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     if same_layout and rng_key in request:
         _set_rng(request[rng_key].getvalue())
     elif rank0:
-        print(f"--load {path}: saved at TP{saved['tp']} PP{saved['pp']} DP{saved['dp']}, resharded to "
-              f"TP{ranks['tp_size']} PP{ranks['pp_size']} DP{ranks['dp_size']}; random streams restart from --seed",
-              flush=True)
+        print(f"--load {path}: saved at TP{saved['tp']} PP{saved['pp']} DP{saved['dp']} EP{saved.get('ep', 1)}, "
+              f"resharded to TP{ranks['tp_size']} PP{ranks['pp_size']} DP{ranks['dp_size']} EP{ranks['ep_size']}; "
+              f"random streams restart from --seed", flush=True)
     if distributed:
         run.world.barrier("checkpoint")
     return int(meta["iteration"])

@@ -22,7 +22,7 @@ from fp8.distributed.pipeline import StagedReduction
 from fp8.optim.clip import tensor_norm
 from fp8.tensor import Float8Tensor
 
-__all__ = ["finalize_model_grads", "tied_embedding_weights", "reduce_tied_embedding_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads"]
+__all__ = ["finalize_model_grads", "tied_embedding_weights", "reduce_tied_embedding_grads", "global_grad_norm", "clip_and_poison_", "main_grad", "model_grads", "scale_grads_", "unique_parameters"]
 
 
 def finalize_model_grads(chunks: list[nn.Module], tp_comm: Collectives, embd_comm: Collectives | None,
@@ -137,12 +137,14 @@ def _squared_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 @torch.no_grad()
 def global_grad_norm(chunks: list[nn.Module], tp_rank: int, comm: Collectives, pp_first_stage: bool,
-                     device: torch.device | None = None) -> torch.Tensor:
+                     device: torch.device | None = None, expert_comm: Collectives | None = None) -> torch.Tensor:
     """L2 norm (0-d fp32 tensor on ``device``) of all gradients of the model across ``comm``'s group (the ranks
     holding distinct parts of the model: tensor x pipeline parallel, and data parallel when gradients
     are sharded, O3). ``device`` (default: the first parameter's) is where the partial sums live and
-    what is all-reduced: the process group's device (CUDA for NCCL). No host synchronisation."""
-    counted = []
+    what is all-reduced: the process group's device (CUDA for NCCL). No host synchronisation. ``expert_comm``: the
+    expert-parallel group, over which the routed experts' squared norms (megatron-core's ``allreduce = False``
+    parameters) are summed first, when ``comm``'s group does not hold every expert-parallel rank."""
+    counted, experts = [], []
     for p in unique_parameters(chunks):
         if device is None:
             device = p.device
@@ -153,11 +155,27 @@ def global_grad_norm(chunks: list[nn.Module], tp_rank: int, comm: Collectives, p
             continue
         if getattr(p, "shared_embedding", False) and not pp_first_stage:
             continue  # the last stage's copy of a tied embedding: counted on the first stage
-        counted.append(grad)
-    total = _squared_norms(counted, device if device is not None else torch.device("cpu"))
+        (experts if expert_comm is not None and getattr(p, "allreduce", True) is False else counted).append(grad)
+    device = device if device is not None else torch.device("cpu")
+    total = _squared_norms(counted, device)
+    if expert_comm is not None:
+        expert_total = _squared_norms(experts, device)
+        if expert_comm.world_size > 1:
+            expert_comm.all_reduce(expert_total, tag="grad norm").wait()
+        total = total + expert_total
     if comm.world_size > 1:
         comm.all_reduce(total, tag="grad norm").wait()
     return total.sqrt()
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiply ``grads`` by ``factor``: scaled gradients (E4M3, FP16 sums) exactly, through their scale."""
+    for g in grads:
+        if payload_and_scale(g) is not None:
+            g.scale.div_(factor)
+        else:
+            g.mul_(factor)
 
 
 @torch.no_grad()

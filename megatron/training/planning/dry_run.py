@@ -1,5 +1,7 @@
 """``pretrain_gpt.py --dry-run``: build the model of each pipeline stage on the meta device, for the
-given layout, with no allocation and no GPU, and print parameters per rank beside the planned memory.
+given layout, with no allocation and no GPU, and print parameters per rank beside the planned memory (with
+``--num-experts``, also the mixture-of-experts figures: parameters in routed experts, the expert-parallel
+all-to-all's bytes per step).
 
 The layout's process groups are stood up in this one process with torch's ``fake`` backend (collectives
 do nothing), so megatron-core and fp8lm build exactly the modules a real rank builds.
@@ -15,12 +17,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from .memory_plan import PlannerConfig, plan_memory
+from .memory_plan import PlannerConfig, format_moe, plan_memory
 
 __all__ = ["dry_run"]
 
 
-def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: int) -> int:
+def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: int) -> tuple[int, int]:
+    """(parameters, of those in routed experts) that global rank ``rank`` builds."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..model import build_model, transformer_config_from_args
@@ -32,11 +35,11 @@ def _count_stage(args: argparse.Namespace, world: int, rank: int, vocab_size: in
         config = transformer_config_from_args(args, torch.bfloat16 if args.bf16 else torch.float32)
         with torch.device("meta"):
             chunks = build_model(args, config, vocab_size)
-        params = sum(p.numel() for c in chunks for p in c.parameters())
+        named = [(name, p) for c in chunks for name, p in c.named_parameters()]
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-    return params
+    return sum(p.numel() for _, p in named), sum(p.numel() for name, p in named if ".mlp.experts." in name)
 
 
 def dry_run(args: argparse.Namespace) -> dict:
@@ -53,46 +56,64 @@ def dry_run(args: argparse.Namespace) -> dict:
     vocab = padded_vocab_size(args.vocab_size or 50257, args)
     stages = sorted({0, pp - 1})
     # Global rank of (tp 0, dp 0) on pipeline stage s, in megatron-core's default order tp-cp-ep-dp-pp.
-    per_stage = {s: _count_stage(args, world, s * tp * dp, vocab) for s in stages}
+    counted = {s: _count_stage(args, world, s * tp * dp, vocab) for s in stages}
+    per_stage = {s: n for s, (n, _) in counted.items()}
     for s in range(1, pp - 1):
         per_stage[s] = per_stage.get(s, None)
-    # The planner models dense GPT layers, every one with the run's FP8 selection: a mixture-of-experts model gets no
-    # plan (its parameters per rank above are counted from the built model), per-layer choices a stated caveat.
-    not_modelled = "--num-experts (mixture of experts)" if getattr(args, "num_experts", None) else None
-    plan = None if not_modelled else plan_memory(PlannerConfig.from_args(args))
-    caveat = ("planned with every transformer layer in FP8: --first-last-layers-bf16 / --fp8-precision-config "
-              "choices are not modelled" if (getattr(args, "first_last_layers_bf16", False)
-                                             or getattr(args, "fp8_precision_config", None)) else None)
+    # The planner gives every transformer layer the run's FP8 selection (per-layer choices: a stated caveat) and
+    # routes tokens uniformly over the experts (mixture of experts).
+    plan = plan_memory(PlannerConfig.from_args(args))
+    caveats = []
+    if getattr(args, "first_last_layers_bf16", False) or getattr(args, "fp8_precision_config", None):
+        caveats.append("planned with every transformer layer in FP8: --first-last-layers-bf16 / --fp8-precision-config "
+                       "choices are not modelled")
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if plan["moe"] is not None:
+        caveats.append("mixture of experts planned with uniform routing (every expert receives topk / experts of the "
+                       "routed tokens); a router that favours some experts raises their ranks' activations and traffic")
+        if getattr(args, "moe_grouped_gemm", False):
+            caveats.append("--moe-grouped-gemm: planned as megatron-core's SequentialMLP (a rank's experts one after "
+                           "the other); the grouped GEMM's saved tensors are not modelled")
+        if ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+            caveats.append("--moe-token-dispatcher-type allgather: its all-gather of the tokens over the tensor x "
+                           "expert-parallel group is not counted (no all-to-all bytes)")
+    caveat = "; ".join(caveats) or None
     total = sum(v for v in per_stage.values() if v is not None)
     result = {
-        "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world, "sequence_parallel": args.sequence_parallel},
+        "layout": {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "world_size": world,
+                   "sequence_parallel": args.sequence_parallel},
         "fp8_opt_level": args.fp8_opt_level,
         "padded_vocab_size": vocab,
         "params_per_rank": {f"stage_{s}": n for s, n in sorted(per_stage.items()) if n is not None},
         "max_params_per_rank": max(v for v in per_stage.values() if v is not None),
+        "expert_params_per_rank": ({f"stage_{s}": e for s, (_, e) in sorted(counted.items())}
+                                   if plan["moe"] is not None else None),
         "plan": plan,
-        "plan_not_modelled": not_modelled,
         "plan_caveat": caveat,
     }
     print(f"dry run: GPT {args.num_layers} layers x hidden {args.hidden_size}, {args.num_attention_heads} heads, "
           f"seq {args.seq_length}, vocab {vocab}; TP {tp} x PP {pp} x DP {dp} = {world} ranks"
-          f"{' + SP' if args.sequence_parallel else ''}; --fp8-opt-level {args.fp8_opt_level}")
+          f"{' + SP' if args.sequence_parallel else ''}{f', EP {ep}' if ep > 1 else ''}; "
+          f"--fp8-opt-level {args.fp8_opt_level}")
     for s, n in sorted(per_stage.items()):
         if n is not None:
-            print(f"  pipeline stage {s}: {n:,} parameters per rank")
+            experts = f" ({counted[s][1]:,} in routed experts)" if plan["moe"] is not None else ""
+            print(f"  pipeline stage {s}: {n:,} parameters per rank{experts}")
+            if n != plan["stages"][s]["params"]:
+                print(f"  note: the memory planner counts {plan['stages'][s]['params']:,} parameters on stage {s}")
     if pp > 2:
         print(f"  (stages 1..{pp - 2} hold the same layers as the first stage without its embeddings)")
-    if total and pp <= 2:
+    if plan["moe"] is not None:  # the expert-parallel ranks hold different experts: the planner's total
+        print(f"  model total (planner, every expert once): {plan['params_total']:,}")
+    elif total and pp <= 2:
         print(f"  model total (one replica, summed over TP): {total * tp:,}")
-    if not_modelled:
-        print(f"  planned memory per GPU: not modelled for {not_modelled} yet")
     if caveat:
         print(f"  note: {caveat}")
-    if plan is not None:
-        print("  planned memory per GPU:")
-        for key, value in plan.get("bytes", {}).items():
-            print(f"    {key:<24} {value / 2**30:9.2f} GiB")
-        if "total" in plan:
-            print(f"    {'total':<24} {plan['total'] / 2**30:9.2f} GiB")
+    print(f"  planned memory per GPU (worst: pipeline stage {plan['worst_stage']}):")
+    for key, value in plan["bytes"].items():
+        print(f"    {key:<24} {value / 2**30:9.2f} GiB")
+    print(f"    {'total':<24} {plan['total_gib']:9.2f} GiB")
+    for line in format_moe(plan):
+        print(f"  {line}")
     print("dry run json: " + json.dumps(result, default=str))
     return result

@@ -1,11 +1,13 @@
 """Per-GPU memory model for GPT training with fp8lm on megatron-core: model state, activations and
-communication buffers for a model config, a parallel layout (TP x PP x DP), micro-batch, sequence
-length, activation recomputation and FP8 opt level; plus FP8-LM's Figure 1 question (the largest GPT
+communication buffers for a model config (dense or mixture-of-experts), a parallel layout (TP x PP x DP, experts
+over EP data-parallel ranks), micro-batch, sequence length, activation recomputation and FP8 opt level, and the
+expert-parallel all-to-all's bytes; plus FP8-LM's Figure 1 question (the largest GPT
 that fits on N x 80 GB GPUs per opt level). Its command line is ``tools/memory_planner.py``.
 
 Python API (``pretrain_gpt.py --dry-run`` uses it): ``PlannerConfig`` (frozen, validated;
 ``PlannerConfig.from_args(namespace)`` takes pretrain_gpt.py's argparse namespace), ``plan_memory(config)
--> dict``, ``format_plan(plan) -> str``, ``largest_model`` and ``figure1``.
+-> dict``, ``format_plan(plan) -> str``, ``format_moe(plan)``, ``all_to_all_bytes(config)``, ``largest_model`` and
+``figure1``.
 
 Assumptions (every figure is bytes on the worst GPU; docs/scale.md has the measured error):
 
@@ -91,6 +93,31 @@ multiples of 16 runs FP8, the loss keeps log-softmax's fp32 output exact, and th
 interleaved (virtual chunks of v layers, m = L / (PP v) chunks) stage i holds min(2 (PP - i - 1) + (m - 1)
 PP + 1, m x micro-batches) chunk-micro-batches.
 
+Mixture of experts (``num_experts``: every MLP is megatron-core's ``MoELayer``, fp8lm's linears as experts). Parameters:
+the router (E x h, plus E biases with ``add_bias_linear``; high precision, replicated over TP), this rank's E / EP
+routed experts, each an MLP of ``moe_ffn_hidden_size`` split by TP (expert-TP = TP; expert linears have no collective
+of their own, so no reduce-scatter state), the shared expert (an MLP of ``moe_shared_expert_intermediate_size`` split
+by TP). With EP > 1 the routed experts' model state is planned over their own group, the expert-data-parallel group
+of DP / EP ranks (gradient reduction, O3 ownership by ``whole_tensor_partition``, the O3 weight all-gather, the
+accumulation window; one rank in the group: the sum over micro-batches is the step's gradient), the rest over DP;
+data-parallel rank d is expert-data-parallel rank d // EP. Activations per MoE layer (megatron-core 0.16 without
+fusions, uniform routing): on the T / SP tokens this rank holds, the router's fp32 input, top-k indices (int64) and
+probabilities (fp32), the permutation's row indices (int64 per routed row), the routing map (bool) and the
+probabilities' masked_select source (fp32, E per token), with a load-balancing loss the fp32 scores over all experts;
+the router weight's fp32 copy with 16-bit weights; at the experts, topk x TP / SP rows per token (the all-to-all
+keeps each rank's count, the expert-TP all-gather multiplies it by TP), each: fc1's input (hp, or E4M3 with the
+recipe's scales), the activation's saves (GELU: its input; SwiGLU: the fc1 output, silu's output and the up half
+plus ``glu_linear_offset``), the activation output and the row's fp32 probability (the probability multiply),
+fc2's input; the shared expert as a dense MLP with the same activation saves. Measured on CPU (megatron-core GPT,
+gloo; tests/test_memory_plan_moe.py): model state byte-exact at TP2 + SP, DP2 EP2 and DP4 EP2 (O3 sharded over
+expert-DP); activations within 0.01% where every rank routes the same tokens, each rank within 5% under EP (the
+router does not route uniformly). The expert-parallel all-to-all (``moe_token_dispatcher_type="alltoall"``, EP > 1):
+per MoE layer and micro-batch each rank sends (EP - 1) / EP of its T / SP x topk rows in the dispatch, the combine
+and both backwards (:func:`all_to_all_bytes`), a row ``hidden`` bytes + a 4-byte scale with ``moe_fp8_dispatch``,
+else ``hidden`` values in hp, plus one fp32 probability per row in the dispatch and its backward; its send and
+receive buffers of one layer are communication buffers. Not counted: the all-gather dispatcher's token all-gather
+over the tensor x expert-parallel group, the expert-TP all-gather's bytes, the per-expert token counts.
+
 Communication buffers: data parallel (DP > 1): two gradient buckets in flight (``dp_bucket_bytes``,
 25 MiB on the wire as torch/fp8lm DDP) plus an fp32 temporary of one bucket's elements (fp8lm's DDP
 quantizes and sums in fp32); tensor parallel with SP: one all-gather buffer of a layer input (s b h hp);
@@ -118,9 +145,10 @@ from dataclasses import dataclass
 
 from ..config_rules import OPT_LEVELS, check_config, normalize_opt_level
 
-__all__ = ["PlannerConfig", "plan_memory", "format_plan", "CATEGORIES", "OPT_LEVELS", "whole_tensor_partition",
+__all__ = ["PlannerConfig", "plan_memory", "format_plan", "format_moe", "all_to_all_bytes", "routed_rows_per_token",
+           "CATEGORIES", "OPT_LEVELS", "whole_tensor_partition",
            "default_min_fp8_dim", "GRAD_ACCUMULATION", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
-           "RECOMPUTE_GRANULARITIES"]
+           "RECOMPUTE_GRANULARITIES", "MOE_DISPATCHERS", "MOE_LOAD_BALANCING"]
 
 CATEGORIES = (
     "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata",
@@ -129,6 +157,8 @@ CATEGORIES = (
 """Keys of ``plan_memory(...)["bytes"]``."""
 
 _IMPLEMENTATIONS = ("megatron-core", "transformers")
+MOE_DISPATCHERS = ("allgather", "alltoall")  # pretrain_gpt.py's --moe-token-dispatcher-type
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")  # --moe-router-load-balancing-type
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
@@ -159,6 +189,9 @@ class PlannerConfig:
     ``recompute_granularity``: none|selective|full. ``fp8_opt_level``: none|O1|O2|O3 (O0 = none). ``bf16``: 16-bit
     weights and activations (else FP32). ``global_batch_size=None`` assumes enough micro-batches to fill
     the pipeline. See the module docstring for ``fp32_grads``, ``fp8_output_layer``, ``dp_bucket_bytes``.
+    ``num_experts`` (None: dense MLPs) makes every MLP a mixture of experts (``moe_*`` and
+    ``expert_model_parallel_size`` as pretrain_gpt.py's MoE flags; ``moe_ffn_hidden_size`` defaults to
+    ``ffn_hidden_size``), checked as pretrain_gpt.py checks them.
     """
 
     num_layers: int
@@ -197,10 +230,21 @@ class PlannerConfig:
     fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise
     fp8_activations: bool = False  # tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)
     implementation: str = "megatron-core"  # whose layers save the activations: megatron-core | transformers (Llama)
+    num_experts: int | None = None  # every MLP a megatron-core MoELayer of this many routed experts (None: dense MLPs)
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # an expert's FFN size (default ffn_hidden_size)
+    moe_shared_expert_intermediate_size: int | None = None  # FFN size of a shared expert every token runs through
+    expert_model_parallel_size: int = 1  # ranks (of the data-parallel group) the routed experts are spread over
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    moe_fp8_dispatch: bool = False  # the expert-parallel all-to-all in FP8 rows (E4M3 + an fp32 scale per row)
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | sinkhorn | none
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
         if self.num_query_groups is None:
@@ -245,6 +289,53 @@ class PlannerConfig:
             use_distributed_optimizer=self.use_distributed_optimizer, swiglu=self.swiglu,
             max_position_embeddings=self.max_position_embeddings, position_embedding_type=self.position_embedding_type,
         )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts fields: consistent with each other and the layout (pretrain_gpt.py's rules)."""
+        ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
+        if self.num_experts is None:
+            moe_only = [flag for flag, value in (("--expert-model-parallel-size", ep != 1),
+                                                 ("--moe-fp8-dispatch", self.moe_fp8_dispatch),
+                                                 ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size is not None),
+                                                 ("--moe-shared-expert-intermediate-size",
+                                                  self.moe_shared_expert_intermediate_size is not None)) if value]
+            if moe_only:
+                raise ValueError(f"{', '.join(moe_only)} need(s) --num-experts (the model has dense MLPs)")
+            return
+        for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "expert_model_parallel_size"):
+            _positive(name, getattr(self, name))
+        if self.moe_shared_expert_intermediate_size is not None:
+            _positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        _one_of("--moe-token-dispatcher-type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)
+        _one_of("--moe-router-load-balancing-type", self.moe_router_load_balancing_type, MOE_LOAD_BALANCING)
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff!r}")
+        if self.implementation != "megatron-core":
+            raise ValueError("num_experts plans megatron-core's MoE layer: use implementation='megatron-core'")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.moe_router_topk} must be in [1, --num-experts "
+                             f"{self.num_experts}]")
+        if self.num_experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide --num-experts {self.num_experts}")
+        if self.data_parallel_size % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+                             f"{self.data_parallel_size} (experts are spread over data-parallel ranks): raise the "
+                             f"data-parallel size to a multiple of {ep} or lower --expert-model-parallel-size")
+        if self.moe_fp8_dispatch and (not self.fp8 or self.moe_token_dispatcher_type != "alltoall"):
+            raise ValueError("--moe-fp8-dispatch dispatches tokens in FP8 over the expert-parallel all-to-all: it "
+                             "needs --fp8-opt-level O1/O2/O3 and --moe-token-dispatcher-type alltoall")
+        if tp > 1 and self.add_bias_linear:
+            raise ValueError("experts split by tensor parallelism take no bias (megatron-core): add "
+                             "--disable-bias-linear (add_bias_linear=False), or use --tensor-model-parallel-size 1")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise ValueError("megatron-core's shared expert takes no bias: add --disable-bias-linear "
+                             "(add_bias_linear=False) with --moe-shared-expert-intermediate-size")
+        for flag, size in (("--moe-ffn-hidden-size", self.moe_ffn_hidden_size),
+                           ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size)):
+            if size is not None and size % tp:
+                raise ValueError(f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}: use a "
+                                 f"multiple of {tp}")
 
     # -- derived sizes -------------------------------------------------------------------------------
     @property
@@ -279,6 +370,12 @@ class PlannerConfig:
     def world_size(self) -> int:
         """TP x PP x DP."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """DP / EP: the ranks holding the same routed experts (their gradients are reduced, and at O3 their
+        optimizer state sharded, over this expert-data-parallel group)."""
+        return self.data_parallel_size // self.expert_model_parallel_size
 
     @property
     def num_microbatches(self) -> int | None:
@@ -359,6 +456,14 @@ class PlannerConfig:
             grad_accumulation=get("fp8_grad_accumulation", "fp16"),
             fp8_recipe=get("fp8_recipe", "tensorwise"), fp8_activations=bool(get("fp8_activations", False)),
             implementation=get("implementation", "megatron-core"),
+            num_experts=get("num_experts"), moe_router_topk=get("moe_router_topk", 2),
+            moe_ffn_hidden_size=get("moe_ffn_hidden_size") if get("num_experts") is not None else None,
+            moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size"),
+            expert_model_parallel_size=get("expert_model_parallel_size", 1),
+            moe_token_dispatcher_type=get("moe_token_dispatcher_type", "allgather"),
+            moe_fp8_dispatch=bool(get("moe_fp8_dispatch", False)),
+            moe_aux_loss_coeff=float(get("moe_aux_loss_coeff", 0.0)),
+            moe_router_load_balancing_type=get("moe_router_load_balancing_type", "aux_loss"),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -375,6 +480,7 @@ class _Tensor:
     fp8: bool  # an FP8 weight (one Float8Linear each)
     rows: int = 0  # an FP8 weight's (out, in) on this rank: its scale grid follows the recipe
     cols: int = 0
+    expert: bool = False  # a routed expert's parameter (megatron-core's MoE layer)
 
 
 def default_min_fp8_dim() -> int:
@@ -387,7 +493,6 @@ def default_min_fp8_dim() -> int:
 def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
     """The parameters one GPU of pipeline stage ``stage`` holds (any TP rank: all hold the same sizes)."""
     h, f, tp, pp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    fc1_out = 2 * f if cfg.swiglu else f
     bias = cfg.add_bias_linear
     tensors: list[_Tensor] = []
 
@@ -396,11 +501,16 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
         if cfg.normalization == "LayerNorm":
             tensors.append(_Tensor(f"{prefix}.bias", h, False))
 
-    def linear(prefix: str, n_out: int, n_in: int, bias_numel: int) -> None:
+    def linear(prefix: str, n_out: int, n_in: int, bias_numel: int, expert: bool = False) -> None:
         tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim,
-                               n_out, n_in))
+                               n_out, n_in, expert))
         if bias:
-            tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False))
+            tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False, expert=expert))
+
+    def mlp(prefix: str, ffn: int, expert: bool = False) -> None:
+        out = 2 * ffn if cfg.swiglu else ffn
+        linear(f"{prefix}.linear_fc1", out // tp, h, out // tp, expert)
+        linear(f"{prefix}.linear_fc2", h, ffn // tp, h, expert)
 
     if stage == 0:
         tensors.append(_Tensor("embedding.word_embeddings.weight", cfg.padded_vocab_size // tp * h, False))
@@ -413,8 +523,17 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
         linear(f"{p}.self_attention.linear_qkv", cfg.qkv_size // tp, h, cfg.qkv_size // tp)
         linear(f"{p}.self_attention.linear_proj", h, h // tp, h)
         norm(f"{p}.pre_mlp_layernorm")
-        linear(f"{p}.mlp.linear_fc1", fc1_out // tp, h, fc1_out // tp)
-        linear(f"{p}.mlp.linear_fc2", h, f // tp, h)
+        if cfg.num_experts is None:
+            mlp(f"{p}.mlp", f)
+        else:  # megatron-core's MoELayer: the router (experts x h, replicated over TP), this rank's routed experts
+            # (each an MLP of moe_ffn_hidden_size split by TP: expert-TP = TP), the shared expert (an MLP split by TP)
+            tensors.append(_Tensor(f"{p}.mlp.router.weight", cfg.num_experts * h, False))
+            if bias:
+                tensors.append(_Tensor(f"{p}.mlp.router.bias", cfg.num_experts, False))
+            for e in range(cfg.num_experts // cfg.expert_model_parallel_size):
+                mlp(f"{p}.mlp.experts.local_experts.{e}", cfg.moe_ffn_hidden_size, expert=True)
+            if cfg.moe_shared_expert_intermediate_size is not None:
+                mlp(f"{p}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
     if stage == pp - 1:
         norm("decoder.final_layernorm")
         if cfg.untie_embeddings_and_output_weights or pp > 1:
@@ -427,7 +546,8 @@ def _total_params(cfg: PlannerConfig) -> int:
     one_tp = dataclasses.replace(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                  num_layers_per_virtual_pipeline_stage=None, sequence_parallel=False,
                                  global_batch_size=None, vocab_size=cfg.padded_vocab_size,
-                                 make_vocab_size_divisible_by=1, fp8_opt_level="none")
+                                 make_vocab_size_divisible_by=1, fp8_opt_level="none", moe_fp8_dispatch=False,
+                                 expert_model_parallel_size=1)
     return sum(t.numel for t in _stage_tensors(one_tp, 0))
 
 
@@ -472,10 +592,12 @@ _SCATTER_STATE_BYTES = 4 * 16 + 4 + 1
 amax history of the default 16 fp32 + scale + flag), one per FP8 linear with SP and TP > 1."""
 
 
-def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]]]:
-    """(bytes per category of the worst DP rank, step transients, bytes per category of every DP rank)
-    for one stage's tensors."""
-    hp, level, dp = cfg.hp_bytes, cfg.fp8_opt_level, cfg.data_parallel_size
+def _group_state(cfg: PlannerConfig, tensors: list[_Tensor], dp: int
+                 ) -> tuple[dict[str, int], list[dict[str, int]], list[int]]:
+    """One gradient-reduction group's tensors over its ``dp`` ranks (the data-parallel group; routed experts under
+    expert parallelism: the expert-data-parallel group): (bytes per category every rank holds, bytes per category
+    by owner (one entry unless sharded at O3), each tensor's owner)."""
+    hp, level = cfg.hp_bytes, cfg.fp8_opt_level
     sp_scatter = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
     hp_master = 4 if hp == 2 else 0  # FP32 parameters are their own master
     grad_hp = 4 if cfg.fp32_grads else hp
@@ -489,7 +611,8 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
             out["weights"] += n
             scales = _weight_scale_bytes(cfg, t)
             out["fp8_scaling_metadata"] += scales + 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)  # weight scales, states
-            if sp_scatter and not t.name.endswith("output_layer.weight"):
+            # (an expert's linear has no collective of its own: no reduce-scatter state)
+            if sp_scatter and not t.name.endswith("output_layer.weight") and not t.expert:
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
             if cfg.grad_accumulation in SUM_BYTES and dp == 1:
                 out["gradients"] += SUM_BYTES[cfg.grad_accumulation] * n  # the sum over micro-batches is the step's
@@ -523,33 +646,55 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
                 mine["master_weights"] += hp_master * n
                 mine["optimizer_states"] += 3 * n + 4
                 mine["fp8_scaling_metadata"] += 2 * 4  # m, v scales
-    per_rank = [{k: out[k] + mine[k] for k in out} for mine in owned]
+    return out, owned, owners
+
+
+def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]]]:
+    """(bytes per category of the worst DP rank, step transients, bytes per category of every DP rank)
+    for one stage's tensors.
+
+    Under expert parallelism (EP > 1) the routed experts' tensors form their own group, reduced (and at O3 sharded)
+    over the expert-data-parallel group of DP / EP ranks (``fp8.optim.ShardedFP8Optimizer``'s ``expert_params``),
+    data-parallel rank d being expert-data-parallel rank d // EP (megatron-core's order: tp, ep, then dp); the
+    other tensors over the data-parallel group. With EP = 1 the experts are data-parallel like any parameter."""
+    hp, level, ep = cfg.hp_bytes, cfg.fp8_opt_level, cfg.expert_model_parallel_size
+    # (tensors, ranks of the group, data-parallel ranks per group rank)
+    groups = [([t for t in tensors if not (t.expert and ep > 1)], cfg.data_parallel_size, 1),
+              ([t for t in tensors if t.expert and ep > 1], cfg.expert_data_parallel_size, ep)]
+    groups = [(ts, size, stride, *_group_state(cfg, ts, size)) for ts, size, stride in groups if ts]
+    n_ranks = cfg.data_parallel_size if level == "O3" and cfg.data_parallel_size > 1 else 1
+
+    def group_rank(d: int, owned: list, stride: int) -> int:
+        return d // stride if len(owned) > 1 else 0  # 0 when not sharded: every owner is 0
+
+    per_rank = [{k: sum(out[k] + owned[group_rank(d, owned, stride)][k] for _, _, stride, out, owned, _ in groups)
+                 for k in CATEGORIES[:5]} for d in range(n_ranks)]
     worst = max(per_rank, key=lambda d: sum(d.values()))  # first of the most loaded ranks
+    worst_rank = per_rank.index(worst)
     largest = max(t.numel for t in tensors)
-    fp8_numel = sum(t.numel for t in tensors if t.fp8)
-    if level == "O1":
-        # FP8 gradients are dequantized into fp32 master gradients; an fp32 sum not reduced to FP8 (one DP rank)
-        # is the master gradient itself.
-        held_in_fp32 = cfg.grad_accumulation == "fp32" and cfg.data_parallel_size == 1
-        transient = 0 if held_in_fp32 else 4 * fp8_numel
-    else:
-        transient = 16 * largest
-    if level == "O3" and cfg.data_parallel_size > 1:
-        dp = cfg.data_parallel_size
-        for is_fp8, elem in ((True, 1), (False, hp)):
-            loads = [0] * dp
-            for t, owner in zip(tensors, owners):
-                if t.fp8 == is_fp8:
-                    loads[owner] += t.numel
-            transient += (dp + 1) * max(loads) * elem
+    transient = 0 if level == "O1" else 16 * largest
     window = 0
-    if cfg.grad_accumulation in SUM_BYTES and cfg.data_parallel_size > 1:
-        # FP16 (+ scale) or fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients (payload +
-        # scale) of the worst rank (O3: only those it owns).
-        worst_rank = per_rank.index(worst)  # 0 when not sharded: every owner is 0
-        held = [t.numel for t, owner in zip(tensors, owners) if t.fp8 and owner == worst_rank]
-        sum_scales = 4 * sum(t.fp8 for t in tensors) if cfg.grad_accumulation == "fp16" else 0
-        window = SUM_BYTES[cfg.grad_accumulation] * fp8_numel + sum_scales - sum(held) - 4 * len(held)
+    for ts, size, stride, _, owned, owners in groups:
+        fp8_numel = sum(t.numel for t in ts if t.fp8)
+        if level == "O1":
+            # FP8 gradients are dequantized into fp32 master gradients; an fp32 sum not reduced to FP8 (one rank in
+            # the group) is the master gradient itself.
+            held_in_fp32 = cfg.grad_accumulation == "fp32" and size == 1
+            transient += 0 if held_in_fp32 else 4 * fp8_numel
+        if level == "O3" and size > 1:
+            for is_fp8, elem in ((True, 1), (False, hp)):
+                loads = [0] * size
+                for t, owner in zip(ts, owners):
+                    if t.fp8 == is_fp8:
+                        loads[owner] += t.numel
+                transient += (size + 1) * max(loads) * elem
+        if cfg.grad_accumulation in SUM_BYTES and size > 1:
+            # FP16 (+ scale) or fp32 sums on every rank until the reduction; beyond the step's E4M3 gradients
+            # (payload + scale) of the worst rank (O3: only those it owns).
+            rank = group_rank(worst_rank, owned, stride)
+            held = [t.numel for t, owner in zip(ts, owners) if t.fp8 and owner == rank]
+            sum_scales = 4 * sum(t.fp8 for t in ts) if cfg.grad_accumulation == "fp16" else 0
+            window += SUM_BYTES[cfg.grad_accumulation] * fp8_numel + sum_scales - sum(held) - 4 * len(held)
     return worst, {"gradient_accumulation": window, "step_transients": transient}, per_rank
 
 
@@ -620,12 +765,70 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
         proj_in = _stored(cfg, h, hp, tokens) if cfg.fp8_activations else 0
     else:
         proj_in = hp * h // tp if cfg.fp8_activations else 0
+    if cfg.num_experts is not None:  # the MLP is megatron-core's MoE layer
+        qkv_in = _fp8_input(cfg, h, cfg.qkv_size // tp) if cfg.fp8 else hp * h
+        return seq_shard / sp + qkv_in + qkv + attn_out + 4 * a / tp + proj_in + _moe_bytes_per_token(cfg)
     act = _stored(cfg, act_in // tp, hp, tokens)
     if hf:  # act(gate) * up keeps act(gate) as well as gate and up
         act = 3 * _stored(cfg, f, hp, tokens)
     fc2_in = _fp8_input(cfg, f // tp, h) if cfg.fp8 else (_stored(cfg, f, hp, tokens) if hf else hp * f // tp)
     sharded = qkv + attn_out + 4 * a / tp + proj_in + act + fc2_in
     return seq_shard / sp + gathered + sharded
+
+
+def _mlp_saved(cfg: PlannerConfig, ffn: int, tokens: float) -> float:
+    """Bytes per row that megatron-core's (unfused) MLP activation saves for an FFN of ``ffn`` features on this TP
+    rank: GELU its input; SwiGLU (``glu``) the fc1 output (2 ffn, silu's input), silu's output and the up half plus
+    ``glu_linear_offset`` (a new tensor)."""
+    hp = cfg.hp_bytes
+    if cfg.swiglu:
+        return _stored(cfg, 2 * ffn, hp, tokens) + 2 * _stored(cfg, ffn, hp, tokens)
+    return _stored(cfg, ffn, hp, tokens)
+
+
+def routed_rows_per_token(cfg: PlannerConfig) -> float:
+    """Rows one GPU's routed experts process per token of a micro-batch (uniform routing): each of the T / SP
+    tokens this rank routes goes to ``moe_router_topk`` experts, the rows are exchanged evenly over the
+    expert-parallel ranks and gathered over the (expert-)tensor-parallel group (megatron-core's dispatcher): topk x
+    TP / SP (topk with sequence parallelism)."""
+    sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    return cfg.moe_router_topk * cfg.tensor_model_parallel_size / sp
+
+
+def _moe_bytes_per_token(cfg: PlannerConfig) -> float:
+    """Bytes one MoE layer (router, token dispatch, this rank's routed experts, shared expert; megatron-core 0.16 with
+    fp8lm's linears, no fusions) keeps for backward per token of one micro-batch, in place of a dense MLP's."""
+    h, hp, tp = cfg.hidden_size, cfg.hp_bytes, cfg.tensor_model_parallel_size
+    sp = tp if cfg.sequence_parallel else 1
+    e, k = cfg.num_experts, cfg.moe_router_topk
+    tokens = cfg.seq_length * cfg.micro_batch_size
+    # Router and routing, on the T / SP tokens this rank holds: the gating GEMM's fp32 input (FP32Router), top-k
+    # indices (int64) and their softmax (fp32), the permutation's row indices (int64, k per token), the routing map
+    # (bool, E per token) and the probabilities' masked_select source (fp32, E per token); with a load-balancing loss
+    # also the softmax scores over all experts (fp32). The router weight's fp32 copy: once.
+    routing = _stored(cfg, h, 4, tokens / sp) + 8 * k + 4 * k + 8 * k + e + 4 * e
+    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type != "none":
+        routing += 4 * e
+    routing = routing / sp + (4 * e * h / tokens if hp != 4 else 0)
+    # Each routed row at an expert: fc1's input (the dispatched rows, or their E4M3 copy), the activation's saves,
+    # the activation output and the row's fp32 probability (the probability multiply), fc2's input.
+    f = cfg.moe_ffn_hidden_size // tp
+    fc1_out = 2 * f if cfg.swiglu else f
+    rows = tokens * routed_rows_per_token(cfg)
+    fc1_in = _fp8_input(cfg, h, fc1_out) if cfg.fp8 else hp * h
+    fc2_in = _fp8_input(cfg, f, h) if cfg.fp8 else hp * f
+    per_row = fc1_in + _mlp_saved(cfg, f, rows) + _stored(cfg, f, hp, rows) + 4 + fc2_in
+    experts = routed_rows_per_token(cfg) * per_row
+    shared = 0.0  # the shared expert: a dense MLP (sequence-parallel linears) on every token
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        fs = cfg.moe_shared_expert_intermediate_size // tp
+        fs1 = 2 * fs if cfg.swiglu else fs
+        if cfg.fp8:
+            fc1_in = _fp8_input(cfg, h, fs1)
+        else:  # the norm's output (no gather at TP 1), in an FP32 model the router's saved input itself
+            fc1_in = 0 if hp == 4 and tp == 1 else hp * h
+        shared = fc1_in + _mlp_saved(cfg, fs, tokens) + (_fp8_input(cfg, fs, h) if cfg.fp8 else hp * fs)
+    return routing + experts + shared
 
 
 def _activations(cfg: PlannerConfig, stage: int) -> int:
@@ -693,7 +896,65 @@ def _comm_buffers(cfg: PlannerConfig) -> int:
         total += tokens_h * hp
     if pp > 1:
         total += 2 * tokens_h * hp // (tp if cfg.sequence_parallel else 1)
+    if _has_all_to_all(cfg):  # the expert-parallel all-to-all's send and receive buffers of one layer's rows
+        sp = tp if cfg.sequence_parallel else 1
+        rows = cfg.seq_length * cfg.micro_batch_size * cfg.moe_router_topk // sp
+        total += 2 * rows * _row_bytes(cfg, cfg.moe_fp8_dispatch)
     return total
+
+
+# -- mixture of experts: token all-to-all ---------------------------------------------------------------
+def _has_all_to_all(cfg: PlannerConfig) -> bool:
+    """Whether routed tokens cross ranks through megatron-core's expert-parallel all-to-all."""
+    return (cfg.num_experts is not None and cfg.expert_model_parallel_size > 1
+            and cfg.moe_token_dispatcher_type == "alltoall")
+
+
+def _row_bytes(cfg: PlannerConfig, fp8: bool) -> int:
+    """Bytes of one routed token on the wire: ``hidden`` FP8 bytes plus its fp32 scale, else ``hidden`` values in
+    the activations' dtype."""
+    return cfg.hidden_size + 4 if fp8 else cfg.hidden_size * cfg.hp_bytes
+
+
+def all_to_all_bytes(cfg: PlannerConfig, fp8: bool | None = None) -> dict[str, float]:
+    """Bytes one GPU sends to other expert-parallel ranks per MoE layer and micro-batch (uniform routing: the
+    fraction (EP - 1) / EP of its T / SP x topk routed rows leaves the rank), by direction: ``dispatch`` (the rows,
+    plus one fp32 routing probability each), ``combine`` (the expert outputs back), ``dispatch_grad`` and
+    ``combine_grad`` (their backwards: the rows' gradients, and the probabilities' for the dispatch), ``total``.
+    ``fp8``: rows as FP8 with a scale each (dispatch in E4M3, the rest in the recipe's gradient format), else in the
+    activations' dtype; default ``moe_fp8_dispatch``. Zero without an expert-parallel all-to-all."""
+    fp8 = cfg.moe_fp8_dispatch if fp8 is None else fp8
+    if not _has_all_to_all(cfg):
+        return dict.fromkeys(("dispatch", "combine", "dispatch_grad", "combine_grad", "total"), 0.0)
+    ep = cfg.expert_model_parallel_size
+    sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    leaving = cfg.seq_length * cfg.micro_batch_size / sp * cfg.moe_router_topk * (ep - 1) / ep
+    row, prob = _row_bytes(cfg, fp8), 4
+    out = {"dispatch": leaving * (row + prob), "combine": leaving * row, "dispatch_grad": leaving * (row + prob),
+           "combine_grad": leaving * row}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _moe_summary(cfg: PlannerConfig, tensors: list[_Tensor]) -> dict:
+    """``plan_memory(...)["moe"]`` for the stage holding ``tensors`` (the largest)."""
+    layers = cfg.num_layers // cfg.pipeline_model_parallel_size
+    nmb = cfg.num_microbatches
+    expert_params = sum(t.numel for t in tensors if t.expert)
+    per_layer = {"fp8" if fp8 else "high_precision": all_to_all_bytes(cfg, fp8)["total"] for fp8 in (True, False)}
+    mine = all_to_all_bytes(cfg)
+    return {
+        "num_experts": cfg.num_experts, "experts_per_gpu": cfg.num_experts // cfg.expert_model_parallel_size,
+        "expert_model_parallel_size": cfg.expert_model_parallel_size,
+        "expert_data_parallel_size": cfg.expert_data_parallel_size, "moe_router_topk": cfg.moe_router_topk,
+        "token_dispatcher": cfg.moe_token_dispatcher_type, "fp8_dispatch": cfg.moe_fp8_dispatch,
+        "expert_params_per_gpu": expert_params,
+        "dense_params_per_gpu": sum(t.numel for t in tensors) - expert_params,
+        "routed_rows_per_microbatch": cfg.seq_length * cfg.micro_batch_size * routed_rows_per_token(cfg),
+        "all_to_all_bytes_per_layer_microbatch": mine,
+        "all_to_all_bytes_per_step": None if nmb is None else {k: v * layers * nmb for k, v in mine.items()},
+        "all_to_all_total_bytes_per_step": None if nmb is None else {k: v * layers * nmb for k, v in per_layer.items()},
+    }
 
 
 # -- the plan -----------------------------------------------------------------------------------------
@@ -707,8 +968,16 @@ def plan_memory(config: PlannerConfig) -> dict:
     - ``worst_stage``; ``stages``: per pipeline stage ``{"stage", "params", "fp8_params", "bytes", "total_bytes",
       "dp_rank_bytes"}`` (``dp_rank_bytes``: the model-state categories of each data-parallel rank, which
       differ only under O3's whole-tensor sharding);
-    - ``layout``: ``{"tp", "pp", "dp", "vpp", "world_size", "sequence_parallel", "num_microbatches"}``;
-      ``config``: the config as a dict.
+    - ``layout``: ``{"tp", "pp", "dp", "vpp", "world_size", "sequence_parallel", "num_microbatches", "ep"}``;
+      ``config``: the config as a dict;
+    - ``moe`` (None for dense MLPs): ``num_experts``, ``experts_per_gpu``, ``expert_model_parallel_size``,
+      ``expert_data_parallel_size``, ``moe_router_topk``, ``token_dispatcher``, ``fp8_dispatch``;
+      ``expert_params_per_gpu`` and ``dense_params_per_gpu`` (the routed experts' and the other parameters of the
+      largest stage's GPU); ``routed_rows_per_microbatch`` (rows at a GPU's experts per MoE layer);
+      ``all_to_all_bytes_per_layer_microbatch`` and ``all_to_all_bytes_per_step`` (bytes one GPU sends, by
+      direction, :func:`all_to_all_bytes`; per step: x the stage's layers x micro-batches, None without
+      ``global_batch_size``); ``all_to_all_total_bytes_per_step`` (``{"fp8", "high_precision"}``: the step's total
+      with and without FP8 dispatch).
     """
     cfg = config
     stages = []
@@ -730,6 +999,7 @@ def plan_memory(config: PlannerConfig) -> dict:
                        "dp_rank_bytes": dp_rank_bytes})
     worst = max(stages, key=lambda s: (s["total_bytes"], -s["stage"]))
     biggest = max(stages, key=lambda s: s["params"])
+    moe = None if cfg.num_experts is None else _moe_summary(cfg, _stage_tensors(cfg, biggest["stage"]))
     state_bytes = sum(worst["bytes"][c] for c in CATEGORIES[:5])
     return {
         "params_total": _total_params(cfg),
@@ -744,7 +1014,8 @@ def plan_memory(config: PlannerConfig) -> dict:
         "layout": {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
                    "dp": cfg.data_parallel_size, "vpp": cfg.num_layers_per_virtual_pipeline_stage,
                    "world_size": cfg.world_size, "sequence_parallel": cfg.sequence_parallel,
-                   "num_microbatches": cfg.num_microbatches},
+                   "num_microbatches": cfg.num_microbatches, "ep": cfg.expert_model_parallel_size},
+        "moe": moe,
         "config": dataclasses.asdict(cfg),
     }
 
@@ -753,7 +1024,8 @@ def format_plan(plan: dict) -> str:
     """A human-readable summary of :func:`plan_memory`'s result (what ``--dry-run`` prints)."""
     lay, cfg = plan["layout"], plan["config"]
     lines = [
-        f"layout: TP={lay['tp']} PP={lay['pp']} DP={lay['dp']} (world size {lay['world_size']})"
+        f"layout: TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}"
+        + (f" EP={lay['ep']}" if plan["moe"] is not None else "") + f" (world size {lay['world_size']})"
         + (f", virtual pipeline {lay['vpp']} layers/chunk" if lay["vpp"] else "")
         + (", sequence parallel" if lay["sequence_parallel"] else "")
         + f"; fp8 opt level {cfg['fp8_opt_level']}, {'bf16' if cfg['bf16'] else 'fp32'}, "
@@ -768,4 +1040,35 @@ def format_plan(plan: dict) -> str:
         lines.append(f"  {cat:<22} {plan['bytes'][cat] / GiB:10.3f} GiB")
     lines.append(f"  {'total':<22} {plan['total_gib']:10.3f} GiB "
                  f"(model state {plan['model_state_bytes_per_param']:.2f} B/param)")
-    return "\n".join(lines)
+    return "\n".join(lines + format_moe(plan))
+
+
+def format_moe(plan: dict) -> list[str]:
+    """Lines on :func:`plan_memory`'s mixture-of-experts figures (none for dense MLPs)."""
+    moe, cfg = plan["moe"], plan["config"]
+    if moe is None:
+        return []
+    lines = [
+        f"mixture of experts: {moe['num_experts']} experts, top-{moe['moe_router_topk']}, expert parallel "
+        f"{moe['expert_model_parallel_size']} ({moe['experts_per_gpu']} expert(s) per GPU, expert-data-parallel "
+        f"{moe['expert_data_parallel_size']}), {moe['token_dispatcher']} dispatcher"
+        + (", FP8 dispatch" if moe["fp8_dispatch"] else ""),
+        f"  parameters per GPU (largest stage): {moe['expert_params_per_gpu']:,} in routed experts, "
+        f"{moe['dense_params_per_gpu']:,} other; {moe['routed_rows_per_microbatch']:,.0f} routed rows per MoE "
+        f"layer and micro-batch",
+    ]
+    per_mb = moe["all_to_all_bytes_per_layer_microbatch"]
+    if not per_mb["total"]:
+        lines.append("  expert-parallel all-to-all: none (expert parallel 1 or the allgather dispatcher)")
+        return lines
+    wire = "FP8 rows + fp32 scale" if moe["fp8_dispatch"] else ("bf16" if cfg["bf16"] else "fp32") + " rows"
+    lines.append(f"  all-to-all sent per GPU ({wire}): {per_mb['total'] / _MiB:.2f} MiB per MoE layer and "
+                 f"micro-batch (dispatch {per_mb['dispatch'] / _MiB:.2f}, combine {per_mb['combine'] / _MiB:.2f}, "
+                 f"backward {(per_mb['dispatch_grad'] + per_mb['combine_grad']) / _MiB:.2f})")
+    step = moe["all_to_all_total_bytes_per_step"]
+    if step is not None:
+        hp = "bf16" if cfg["bf16"] else "fp32"
+        lines.append(f"  all-to-all sent per GPU per step ({plan['layout']['num_microbatches']} micro-batches x "
+                     f"{cfg['num_layers'] // plan['layout']['pp']} MoE layers): {step['fp8'] / GiB:.2f} GiB with "
+                     f"FP8 dispatch, {step['high_precision'] / GiB:.2f} GiB in {hp}")
+    return lines
