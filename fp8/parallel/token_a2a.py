@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..blocks import block_amax, quantize_blocks
+from ..blocks import block_amax, dequantize_blocks, quantize_blocks
 from ..comm import Collectives
 from ..formats import get_format
 from ..scaling import power_of_two_scale
@@ -47,7 +47,7 @@ def decode_rows(wire: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tenso
     hidden = wire.shape[1] - _SCALE_BYTES
     payload = wire[:, :hidden].contiguous().view(fmt.dtype)
     scales = wire[:, hidden:].contiguous().view(torch.float32)  # (rows, 1)
-    return (payload.to(torch.float32) / scales).to(dtype)
+    return dequantize_blocks(payload, scales, _ROW, dtype)
 
 
 def _exchange(x: torch.Tensor, comm: Collectives, output_splits: Sequence[int], input_splits: Sequence[int],

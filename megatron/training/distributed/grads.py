@@ -169,13 +169,14 @@ def global_grad_norm(chunks: list[nn.Module], tp_rank: int, comm: Collectives, p
 
 
 @torch.no_grad()
-def scale_grads_(grads: list[torch.Tensor], factor: float) -> None:
-    """Multiply ``grads`` by ``factor``: scaled gradients (E4M3, FP16 sums) exactly, through their scale."""
+def scale_grads_(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply ``grads`` by ``factor`` (a number, or a 0-d tensor on their device): scaled gradients (E4M3, FP16
+    sums) exactly, through their scale, others in place."""
     for g in grads:
         if payload_and_scale(g) is not None:
             g.scale.div_(factor)
         else:
-            g.mul_(factor)
+            g.mul_(factor.to(g.dtype) if isinstance(factor, torch.Tensor) else factor)
 
 
 @torch.no_grad()
@@ -192,9 +193,5 @@ def clip_and_poison_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: fl
     else:
         coef = torch.ones_like(norm)
     coef = torch.where(finite, coef, torch.full_like(coef, float("nan")))
-    for g in grads:
-        if payload_and_scale(g) is not None:  # scaled gradients (E4M3, FP16 sums): exactly, through the scale
-            g.scale.div_(coef)
-        else:
-            g.mul_(coef.to(g.dtype))
+    scale_grads_(grads, coef)
     return finite
