@@ -22,6 +22,7 @@ PACKAGES = ("fp8", "megatron/training")
 # one. Kernels and the GEMM work on payloads and scales (plain tensors); Float8Tensor sits above them.
 LAYERS = (
     ("fp8.formats",),
+    ("fp8.launches",),  # device launches counted at the dispatcher (torch only)
     # comm_trace: recorded calls and NCCL's rules (plain data); host_read: device values read at a fixed step
     ("fp8.comm_trace", "fp8.host_read"),
     ("fp8.comm",),  # every collective: counted, FP8 as bytes, on the group's device (needs only the formats)
