@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,6 +17,7 @@ import torch
 from benchmarks import planner_validation as pv
 from examples.tiny_gpt import GPTConfig, TinyGPT
 from benchmarks.figure1 import largest_model
+from megatron.training.planning.memory_plan import STATE_CATEGORIES
 from tools.memory_planner import CATEGORIES, PlannerConfig, plan_memory, whole_tensor_partition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,13 +86,19 @@ def tiny_case():
     return pv.small_cases()[0]
 
 
-@pytest.mark.parametrize("level", ["none", "none-bf16", "O1", "O2"])
+@pytest.mark.parametrize("level", ["none", "none-bf16", "O1", "O2", pv.SCALED_MM])
 def test_model_state_bytes_match_memory_report(tiny_case, level):
     rows = pv.validate_case(tiny_case, levels=(level,))
     state = [r for r in rows if not r["what"].startswith("activations")]
     assert {r["what"] for r in state} == {*pv.STATE_KEYS, "model state"}
     for row in state:
         assert row["planned"] == pytest.approx(row["measured"], rel=0.01, abs=64), row
+    transposes = next(r for r in state if r["what"] == "weight_transposes")
+    if level == pv.SCALED_MM:  # the hardware GEMM (CPU torch._scaled_mm): 1 B per FP8 weight element, exactly
+        assert transposes["measured"] == transposes["planned"] == plan_memory(
+            replace(tiny_case.planner, fp8_opt_level="O2"))["fp8_params_per_gpu"] > 0
+    else:  # the emulated GEMM (the CPU default) keeps none
+        assert transposes["measured"] == transposes["planned"] == 0
     for row in rows:
         if row["what"].startswith("activations"):
             assert row["planned"] == pytest.approx(row["measured"], rel=0.02), row
@@ -115,7 +123,7 @@ def test_o3_partition_is_the_engines(seed):
 
 
 def _state(plan: dict) -> int:
-    return sum(plan["bytes"][c] for c in CATEGORIES[:5])
+    return sum(plan["bytes"][c] for c in STATE_CATEGORIES)
 
 
 def test_levels_shrink_model_state_and_o3_shrinks_with_dp():
@@ -123,7 +131,10 @@ def test_levels_shrink_model_state_and_o3_shrinks_with_dp():
     assert _state(plans["O3"]) < _state(plans["O2"]) < _state(plans["O1"]) < _state(plans["none"])
     assert plans["O2"]["total_bytes"] < plans["none"]["total_bytes"]
     assert plans["none"]["model_state_bytes_per_param"] == pytest.approx(16.0, abs=0.01)
-    assert plans["O2"]["model_state_bytes_per_param"] == pytest.approx(7.0, abs=0.2)
+    # 7 B per FP8-layer parameter, and 1 more for the weight transposes a GPU's hardware GEMM keeps
+    assert plans["O2"]["model_state_bytes_per_param"] == pytest.approx(8.1, abs=0.2)
+    assert plan_memory(gpt(fp8_opt_level="O2", data_parallel_size=8, gemm_device="cpu"))[
+        "model_state_bytes_per_param"] == pytest.approx(7.1, abs=0.2)
     o3 = [_state(plan_memory(gpt(fp8_opt_level="O3", data_parallel_size=dp))) for dp in (1, 2, 4, 8, 16)]
     assert o3 == sorted(o3, reverse=True) and len(set(o3)) == 5
     assert o3[0] == _state(plan_memory(gpt(fp8_opt_level="O2", data_parallel_size=1)))  # one rank: O3 is O2
@@ -244,7 +255,19 @@ def test_megatron_gpt_tp2_sp_matches_planner_on_every_rank():
         {"name": "tp2sp blockwise+act", "layout": "TP=2+SP", "levels": ["O2"], "recompute": [False, True],
          "flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hidden-size", "256",
                    "--ffn-hidden-size", "512", "--fp8-recipe", "blockwise", "--fp8-activations"]},
+        # the hardware GEMM (CPU torch._scaled_mm): each FP8 weight keeps its transpose (rowwise: re-quantized per
+        # input channel, with its scales)
+        *({"name": f"tp2sp scaled_mm {recipe}", "layout": "TP=2+SP", "levels": ["O2"], "recompute": [False],
+           "flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-gemm-backend", "scaled_mm",
+                     "--fp8-recipe", recipe]} for recipe in ("tensorwise", "rowwise")),
     ], timeout=300)
+    transposes = {(r["case"], r["rank"]): r for r in rows if r["what"] == "weight_transposes"}
+    for (case, _), row in transposes.items():
+        assert (row["measured"] > 0) == ("scaled_mm" in case), row
+    # per rank and layer: qkv 64 x 96, proj 32 x 64, fc1 64 x 128, fc2 128 x 64 (in x out); rowwise adds 4 B per input
+    per_layer = 64 * 96 + 32 * 64 + 64 * 128 + 128 * 64
+    assert transposes[("tp2sp scaled_mm tensorwise", 0)]["measured"] == 4 * per_layer
+    assert transposes[("tp2sp scaled_mm rowwise", 0)]["measured"] == 4 * (per_layer + 4 * (64 + 32 + 64 + 128))
     assert {r["rank"] for r in rows} == {0, 1}
     assert {r["what"] for r in rows} >= {*pv.STATE_KEYS, "model state", "activations (recompute none)",
                                          "activations (recompute full)"}
@@ -301,3 +324,36 @@ def test_planner_flags_mean_what_pretrain_gpts_mean():
                                          "--fp8-min-dim", str(min_dim)]), world_size=1)
         assert PlannerConfig.from_args(args).min_fp8_dim == min_dim
         assert PlannerConfig.from_args(args).fp32_grads is False  # O2: FP8 levels keep their own gradients
+
+
+def test_weight_transposes_are_planned_where_the_hardware_gemm_keeps_them():
+    """The input-gradient GEMM's transposed FP8 weight (fp8.Float8Tensor.transpose_cache): 1 B per FP8 weight
+    element on a GPU (the default plan: 6 GiB at 7B) and with --fp8-gemm-backend scaled_mm anywhere; none on the CPU's
+    emulated GEMM, with the emulated backend, under blockwise (the block GEMM reads the weight as it is) or for the
+    experts of the grouped GEMM; rowwise adds 4 B per input channel; every O3 rank keeps all of its FP8 weights'."""
+    o2 = gpt(fp8_opt_level="O2", data_parallel_size=8)
+    plan = plan_memory(o2)
+    n_fp8 = plan["fp8_params_per_gpu"]
+    assert plan["bytes"]["weight_transposes"] == n_fp8 == 32 * 12 * 4096 * 4096  # 6.0 GiB
+    assert plan["bytes"]["weight_transposes"] / 2**30 == 6.0
+    assert plan["total_bytes"] == plan_memory(replace(o2, gemm_device="cpu"))["total_bytes"] + n_fp8
+    for other in (replace(o2, gemm_device="cpu"), replace(o2, fp8_gemm_backend="emulated"),
+                  replace(o2, fp8_recipe="blockwise"), replace(o2, fp8_opt_level="none")):
+        assert plan_memory(other)["bytes"]["weight_transposes"] == 0, other
+    assert plan_memory(replace(o2, gemm_device="cpu", fp8_gemm_backend="scaled_mm"))["bytes"]["weight_transposes"] == n_fp8
+    inputs = 32 * (4096 + 4096 + 4096 + 16384)  # qkv, proj, fc1, fc2 input channels
+    assert plan_memory(replace(o2, fp8_recipe="rowwise"))["bytes"]["weight_transposes"] == n_fp8 + 4 * inputs
+    o3 = plan_memory(replace(o2, fp8_opt_level="O3"))
+    assert all(rank["weight_transposes"] == n_fp8 for rank in o3["stages"][0]["dp_rank_bytes"])
+    assert o3["model_state_bytes_per_param"] > plan_memory(replace(o2, fp8_opt_level="O3", gemm_device="cpu"))[
+        "model_state_bytes_per_param"]
+    moe = gpt(num_layers=4, fp8_opt_level="O2", data_parallel_size=8, num_experts=8, expert_model_parallel_size=8,
+              add_bias_linear=False)
+    dense = 4 * (4096 * 12288 + 4096 * 4096)  # attention keeps its transposes either way
+    expert = 4 * 2 * 4096 * 16384
+    assert plan_memory(moe)["bytes"]["weight_transposes"] == dense + expert
+    assert plan_memory(replace(moe, moe_grouped_gemm=True))["bytes"]["weight_transposes"] == dense
+    with pytest.raises(ValueError, match="--moe-grouped-gemm runs each expert unsplit"):
+        replace(moe, moe_grouped_gemm=True, tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=re.escape("--fp8-gemm-backend must be one of auto|scaled_mm|emulated")):
+        replace(o2, fp8_gemm_backend="cublas")

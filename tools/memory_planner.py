@@ -27,6 +27,7 @@ if __name__ == "__main__":  # run as a script from a checkout: the repository ro
 from megatron.training.config_rules import opt_level_arg  # noqa: E402
 from megatron.training.planning.memory_plan import (  # noqa: E402  (re-exported: the planner's Python API)
     CATEGORIES,
+    GEMM_BACKENDS,
     GRAD_ACCUMULATION,
     MOE_DISPATCHERS,
     MOE_LOAD_BALANCING,
@@ -108,8 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss coefficient")
     p.add_argument("--moe-router-load-balancing-type", choices=MOE_LOAD_BALANCING, default="aux_loss")
     p.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="accepted; planned as megatron-core's SequentialMLP (the grouped GEMM's saved tensors are not "
-                        "modelled)")
+                   help="a rank's experts as one grouped GEMM: their weights keep no transposes (otherwise planned as "
+                        "megatron-core's SequentialMLP: the grouped GEMM's saved tensors are not modelled); needs "
+                        "--tensor-model-parallel-size 1")
+    p.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
+                   help="pretrain_gpt.py's: where the input-gradient GEMM runs torch._scaled_mm (scaled_mm; auto on a "
+                        "GPU, which the planner plans) each FP8 weight keeps its transposed copy (weight_transposes)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     for flag, kind in (("--lr", float), ("--min-lr", float), ("--lr-decay-style", str), ("--lr-warmup-iters", int),
                        ("--weight-decay", float), ("--clip-grad", float), ("--train-iters", int),

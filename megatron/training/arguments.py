@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from .config_rules import (OPT_LEVELS, ConfigurationError, check_config, check_split, high_precision_layers,
-                           normalize_opt_level, opt_level_arg)
+from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_config, check_split,
+                           high_precision_layers, normalize_opt_level, opt_level_arg)
 from .output_paths import check_output_path
 
 __all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="granularity of the FP8 scales (fp8.recipes): one per tensor (delayed, E4M3/E5M2), per row "
                         "(tokens and output channels) or DeepSeek-style blocks (1x128 activation and gradient tiles, "
                         "128x128 weight blocks), E4M3 everywhere for the last two")
+    f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
+                   help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
+                        "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
+                        "CPU included), scaled_mm (the hardware GEMM everywhere: a GEMM it cannot take is refused at "
+                        "start-up, naming the layer and the shape; on CPU torch's reference _scaled_mm, bit-identical "
+                        "to the emulation and much slower) or emulated (dequantize, fp32 matmul)")
     f.add_argument("--fp8-activations", action="store_true",
                    help="store the tensors non-linear ops save for backward (norms, activations, gated products, "
                         "attention inputs) as E4M3 in 1x128 tiles (fp8.activations), at every opt level")
@@ -369,4 +375,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     else:
         args.compare_levels = []
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.fp8_gemm_backend == "scaled_mm":
+        from .model import check_gemm_backend  # imports megatron-core: only when the check is asked for
+
+        check_gemm_backend(args)  # every FP8 GEMM of the run decided for this machine's device, before anything runs
     return args

@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["ConfigurationError", "check_split", "high_precision_layers", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
-           "check_config"]
+           "check_config", "GEMM_BACKENDS"]
 
 OPT_LEVELS = ("none", "O1", "O2", "O3")
 """FP8 opt levels: ``none`` (the high-precision baseline), ``O1``, ``O2``, ``O3``."""
 
 OPT_LEVEL_ALIASES = {"O0": "none"}
 """Accepted spellings, normalised to the name in :data:`OPT_LEVELS`."""
+
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
+"""``--fp8-gemm-backend``'s choices: :data:`fp8.gemm.GEMM_BACKENDS` (repeated here so that this module imports no
+torch; ``tests/test_gemm_backend_flag.py`` checks they agree)."""
 
 
 class ConfigurationError(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 import torch
@@ -23,7 +24,8 @@ from .config_rules import ConfigurationError, high_precision_layers
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
-           "resolved_min_fp8_dim", "announce_layer_selection"]
+           "resolved_min_fp8_dim", "announce_layer_selection", "FP8LinearShape", "fp8_linear_shapes", "gemm_target",
+           "gemm_backend_problems", "check_gemm_backend"]
 
 
 def resolved_min_fp8_dim(args: argparse.Namespace) -> int:
@@ -54,6 +56,7 @@ def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
         grad_output=ScalingConfig("e5m2", "delayed", history, margin),
         grad_accumulation=getattr(args, "fp8_grad_accumulation", "fp16"),
         recipe=getattr(args, "fp8_recipe", "tensorwise"),
+        gemm_backend=getattr(args, "fp8_gemm_backend", "auto"),
     )
 
 
@@ -282,3 +285,163 @@ def announce_layer_selection(args: argparse.Namespace, chunks: list, log: bool =
         logger.warning("pretrain_gpt.py --fp8-opt-level %s, pipeline stage %d: %s", args.fp8_opt_level, stage,
                        message.removeprefix("fp8: "))
     return n_fp8, kept
+
+
+# -- the FP8 GEMMs of a run, decided before anything is built (--fp8-gemm-backend) ---------------------------
+@dataclasses.dataclass(frozen=True)
+class FP8LinearShape:
+    """One FP8 linear of the run as this rank's GEMMs see it: ``name`` in the single-process model (a layer's routed
+    experts as one entry, ``...mlp.experts.local_experts.*.linear_fc1``: they share shape and precision), the local
+    shard's ``in_features``/``out_features`` and the ``config`` it is built with (per-layer rules and the blockwise
+    recipe's fallback applied)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    config: Float8LinearConfig
+
+
+def _place_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """(in, out) of the GEMM one rank runs for each place of a layer (:data:`LINEAR_PLACES`): column-parallel linears
+    split their output over TP, row-parallel ones their input; the experts over the expert tensor-parallel group
+    (TP, megatron-core's default)."""
+    h, f, tp = args.hidden_size, args.ffn_hidden_size, args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    groups = args.num_query_groups or heads
+    gated = 2 if args.swiglu else 1
+    shapes = {"self_attention.linear_qkv": (h, (h + 2 * groups * (h // heads)) // tp),
+              "self_attention.linear_proj": (h // tp, h),
+              "mlp.linear_fc1": (h, gated * f // tp), "mlp.linear_fc2": (f // tp, h)}
+    for place, size in (("mlp.experts", getattr(args, "moe_ffn_hidden_size", None) or f),
+                        ("mlp.shared_experts", getattr(args, "moe_shared_expert_intermediate_size", None))):
+        if size:
+            shapes[f"{place}.linear_fc1"] = (h, gated * size // tp)
+            shapes[f"{place}.linear_fc2"] = (size // tp, h)
+    return shapes
+
+
+def fp8_linear_shapes(args: argparse.Namespace) -> list[FP8LinearShape]:
+    """Every linear of the model that runs in FP8 (all global layers, whatever the pipeline split), with its
+    per-rank shape and configuration, from ``args`` alone (validated): the selection the layer spec makes when the
+    model is built (``--fp8-min-dim`` on the local shard, ``--first-last-layers-bf16``, ``--fp8-precision-config``,
+    blockwise falling back to tensorwise where a shard does not tile in 128s). Empty at ``--fp8-opt-level none``."""
+    fp8 = fp8_recipe_from_args(args)
+    if fp8 is None:
+        return []
+    kept = high_precision_layers(args)
+    planned = precision_plan(args)
+    decided = planned[1] if planned is not None else {}
+    min_dim = resolved_min_fp8_dim(args)
+    shapes = _place_shapes(args)
+    out = []
+    for number in range(1, args.num_layers + 1):
+        if number in kept:
+            continue
+        for place, names in _layer_linears(args, number).items():
+            rule = decided.get((number, place))
+            config = fp8 if rule is None else (None if rule.high_precision else rule.config(fp8))
+            n_in, n_out = shapes[place]
+            if config is None or min(n_in, n_out) < min_dim:
+                continue
+            name = names[0] if len(names) == 1 else names[0].replace(".local_experts.0.", ".local_experts.*.")
+            out.append(FP8LinearShape(name, n_in, n_out, config.for_dims(n_in, n_out, name)))
+    return out
+
+
+def gemm_target():
+    """The device this process's run decides its FP8 GEMMs for, as an :class:`fp8.gemm.GemmTarget`: the current CUDA
+    GPU where there is one, else the CPU (``--dry-run`` included: it checks the run this machine would start)."""
+    from fp8.gemm import GemmTarget
+
+    if torch.cuda.is_available():
+        return GemmTarget.of(torch.device("cuda", torch.cuda.current_device()))
+    return GemmTarget.of("cpu")
+
+
+def _linear_gemms(linear: FP8LinearShape, tokens: int, dtype: torch.dtype):
+    """The three GEMMs of ``linear`` on ``tokens`` rows as ``(name, a, a_block, b, b_block, out_dtype)`` with ``a``/``b``
+    ``meta`` FP8 tensors of the shapes :class:`fp8.linear.Float8LinearFunction` passes (M x K and K x N). The weight
+    gradient's K, the tokens, is padded to the GEMM's multiple (16; the block GEMM's 128) as the FP8 core pads it."""
+    from fp8.blocks import transpose_block
+    from fp8.formats import get_format
+
+    from .moe_grouped import PAD_MULTIPLE
+
+    config, recipe = linear.config, linear.config.recipe_spec
+    n_in, n_out = linear.in_features, linear.out_features
+    x_fmt = config.input.fmt if recipe.tensorwise else "e4m3"
+    g_fmt = config.grad_output.fmt if recipe.tensorwise else recipe.grad_fmt
+    padded = -(-tokens // PAD_MULTIPLE[config.recipe]) * PAD_MULTIPLE[config.recipe]
+
+    def meta(rows: int, cols: int, fmt: str) -> torch.Tensor:
+        return torch.empty((rows, cols), dtype=get_format(fmt).dtype, device="meta")
+
+    blocks = (lambda b: None) if recipe.tensorwise else (lambda b: b)
+    return [
+        ("forward y = x @ W^T", meta(tokens, n_in, x_fmt), blocks(recipe.input), meta(n_in, n_out, config.weight_fmt),
+         blocks(transpose_block(recipe.weight)), dtype),
+        ("input gradient dX = dY @ W", meta(tokens, n_out, g_fmt), blocks(recipe.grad_output),
+         meta(n_out, n_in, config.weight_fmt), blocks(recipe.dgrad_weight), dtype),
+        ("weight gradient dW = dY^T @ x", meta(n_out, padded, g_fmt), blocks(transpose_block(recipe.wgrad_grad_output)),
+         meta(padded, n_in, x_fmt), blocks(recipe.wgrad_input), torch.float32),
+    ]
+
+
+def gemm_backend_problems(args: argparse.Namespace, target=None, backend: str | None = None) -> list[str]:
+    """Why the FP8 GEMMs of the run cannot run on the hardware GEMM with ``backend`` (default
+    ``--fp8-gemm-backend``) on ``target`` (default :func:`gemm_target`): one line per place and GEMM that
+    :func:`fp8.gemm.gemm_path` decides to emulate, naming the linear(s) (layers with the same shape and reason
+    together), the shape (M x K x N), the scale blocks and the reason. Empty when every GEMM runs on the hardware."""
+    from fp8.gemm import gemm_path
+
+    backend = backend or getattr(args, "fp8_gemm_backend", "auto")
+    target = target or gemm_target()
+    tokens = args.micro_batch_size * args.seq_length
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    found: dict[tuple, list[str]] = {}
+    for linear in fp8_linear_shapes(args):
+        for gemm, a, a_block, b, b_block, out_dtype in _linear_gemms(linear, tokens, dtype):
+            choice = gemm_path(a, b, out_dtype, target, backend, a_block, b_block)
+            if choice.hardware:
+                continue
+            m, k = a.shape
+            blocks = "" if a_block is None and b_block is None else f", scale blocks {a_block} x {b_block}"
+            place = linear.name.split(".", 3)[-1]  # the place in the layer, for grouping over layers
+            key = (place, gemm, linear.in_features, linear.out_features, linear.config.recipe,
+                   f"{m} x {k} x {b.shape[1]}{blocks}", choice.reason)
+            found.setdefault(key, []).append(linear.name)
+    lines = []
+    for (_, gemm, n_in, n_out, recipe, shape, reason), names in found.items():
+        who = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more layer(s) of that shape"
+        lines.append(f"{who} (in_features={n_in}, out_features={n_out} per rank, {recipe} recipe): {gemm}, "
+                     f"M x K x N = {shape}: {reason}")
+    return lines
+
+
+def check_gemm_backend(args: argparse.Namespace, target=None) -> None:
+    """``--fp8-gemm-backend scaled_mm``: raise :class:`ConfigurationError` at start-up (and in ``--dry-run``) when any
+    FP8 GEMM of the run cannot run on the hardware GEMM, naming each linear, GEMM, shape and reason and the fix;
+    nothing for ``auto``/``emulated`` or a run without FP8 levels."""
+    if getattr(args, "fp8_gemm_backend", "auto") != "scaled_mm":
+        return
+    levels = {args.fp8_opt_level, *getattr(args, "compare_levels", [])}
+    fp8_levels = sorted(level for level in levels if level != "none")
+    if not fp8_levels:
+        return
+    target = target or gemm_target()
+    problems = gemm_backend_problems(_at_level(args, fp8_levels[0]), target, "scaled_mm")
+    if problems:
+        where = (f"a CUDA GPU of compute capability {target.capability}"
+                 + ("" if target.triton else " without Triton") if target.kind == "cuda" else target.kind)
+        raise ConfigurationError(
+            f"--fp8-gemm-backend scaled_mm runs every FP8 GEMM on the hardware GEMM, but on this machine's device "
+            f"({where}) these cannot:\n  " + "\n  ".join(problems)
+            + "\nuse --fp8-gemm-backend auto (the hardware GEMM where it can run, the emulation elsewhere) or "
+              "emulated, or change the recipe (--fp8-recipe) or the shapes named above")
+
+
+def _at_level(args: argparse.Namespace, level: str) -> argparse.Namespace:
+    """``args`` with ``--fp8-opt-level level`` (the linears' shapes and precision are the same at every FP8 level)."""
+    copy = argparse.Namespace(**vars(args))
+    copy.fp8_opt_level = level
+    return copy

@@ -72,8 +72,8 @@ def dry_run(args: argparse.Namespace) -> dict:
         caveats.append("mixture of experts planned with uniform routing (every expert receives topk / experts of the "
                        "routed tokens); a router that favours some experts raises their ranks' activations and traffic")
         if getattr(args, "moe_grouped_gemm", False):
-            caveats.append("--moe-grouped-gemm: planned as megatron-core's SequentialMLP (a rank's experts one after "
-                           "the other); the grouped GEMM's saved tensors are not modelled")
+            caveats.append("--moe-grouped-gemm: activations planned as megatron-core's SequentialMLP's (a rank's experts "
+                           "one after the other; the grouped GEMM's saved tensors and token padding are not modelled)")
         if ep > 1 and args.moe_token_dispatcher_type != "alltoall":
             caveats.append("--moe-token-dispatcher-type allgather: its all-gather of the tokens over the tensor x "
                            "expert-parallel group is not counted (no all-to-all bytes)")

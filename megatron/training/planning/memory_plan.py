@@ -64,6 +64,20 @@ re-implemented in :func:`whole_tensor_partition` so planning imports no torch) o
 the worst DP rank (by bytes) is reported (every rank's in ``stages[i]["dp_rank_bytes"]``). Gradients are
 counted at the peak of the accumulation window (G above).
 
+Weight transposes (``weight_transposes``, model state: ``fp8.memory_report``'s ``"weight transposes"``): where the
+input-gradient GEMM ``dX = dY @ W`` of an FP8 linear runs ``torch._scaled_mm``, which takes ``W`` column-major, each
+FP8 weight keeps that operand (:attr:`fp8.Float8Tensor.transpose_cache`) from its first backward on, rebuilt at the
+first backward after each optimizer step (the stale one is dropped then, so one is held at any time, through the
+step and the next forward too): 1 byte per FP8 weight element under the tensorwise recipe, the weight re-quantized
+per input channel plus its fp32 scales (1 byte per element + 4 per input channel) under rowwise, none under
+blockwise (the Triton block GEMM reads the weight as it is). Every rank holds those of all its FP8 weights (O3
+included: the weights are all-gathered). Whether that GEMM runs ``torch._scaled_mm`` follows ``fp8_gemm_backend``
+(pretrain_gpt.py's ``--fp8-gemm-backend``) on ``gemm_device``: ``"scaled_mm"`` always, ``"emulated"`` never,
+``"auto"`` on a GPU (``gemm_device="cuda"``, the default: the planner plans GPUs, whatever machine it runs on) and
+not on the CPU (``gemm_device="cpu"``: the CPU runs this planner is validated against). The experts of
+``moe_grouped_gemm`` keep none (the grouped GEMM copies each expert's weight into its layout at every call). At 7B
+(TP1) the tensorwise transposes are 6.0 GiB per GPU (6,442,450,944 FP8 weight elements).
+
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 adapted). Per layer and token, with hp-byte activations: norm inputs (hp x h each, plus fp32 mean/rstd),
 the inputs of the four linears (hp each, the projection's input being the attention output itself; FP8
@@ -131,8 +145,8 @@ all-gather (send shard + DP x shard, shard = the largest rank's FP8 elements, 1 
 the high-precision parameters in hp). An Adam without fused kernels (torch's foreach AdamW) adds 4 B per
 parameter at ``none``/O1: not counted (Megatron uses a fused Adam).
 
-``total_bytes`` = weights + master weights + gradients + optimizer states + FP8 scaling metadata +
-max(activations + communication buffers + gradient accumulation, optimizer-step transients). Not counted: CUDA context and
+``total_bytes`` = weights + master weights + gradients + optimizer states + FP8 scaling metadata + weight
+transposes + max(activations + communication buffers + gradient accumulation, optimizer-step transients). Not counted: CUDA context and
 library workspaces (~0.5-1 GiB), allocator fragmentation (the Figure 1 mode keeps 10% headroom).
 """
 
@@ -143,18 +157,27 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..config_rules import OPT_LEVELS, check_config, normalize_opt_level
+from ..config_rules import GEMM_BACKENDS, OPT_LEVELS, check_config, normalize_opt_level
 
 __all__ = ["PlannerConfig", "plan_memory", "format_plan", "format_moe", "all_to_all_bytes", "routed_rows_per_token",
-           "CATEGORIES", "OPT_LEVELS", "whole_tensor_partition",
+           "CATEGORIES", "STATE_CATEGORIES", "OPT_LEVELS", "whole_tensor_partition", "GEMM_DEVICES", "GEMM_BACKENDS",
+           "holds_weight_transposes",
            "default_min_fp8_dim", "GRAD_ACCUMULATION", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
            "RECOMPUTE_GRANULARITIES", "MOE_DISPATCHERS", "MOE_LOAD_BALANCING"]
 
 CATEGORIES = (
-    "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata",
+    "weights", "master_weights", "gradients", "optimizer_states", "fp8_scaling_metadata", "weight_transposes",
     "activations", "communication_buffers", "gradient_accumulation", "step_transients",
 )
 """Keys of ``plan_memory(...)["bytes"]``."""
+
+STATE_CATEGORIES = CATEGORIES[:6]
+"""The categories held for the whole run (model state: ``fp8.memory_report``'s categories, ``weight_transposes``
+its ``"weight transposes"``); the others are the peak's (activations and what is held with them) or the optimizer
+step's (transients)."""
+
+GEMM_DEVICES = ("cuda", "cpu")
+"""``PlannerConfig.gemm_device``: the device whose FP8 GEMMs the plan assumes (module docstring)."""
 
 _IMPLEMENTATIONS = ("megatron-core", "transformers")
 MOE_DISPATCHERS = ("allgather", "alltoall")  # pretrain_gpt.py's --moe-token-dispatcher-type
@@ -239,6 +262,9 @@ class PlannerConfig:
     moe_fp8_dispatch: bool = False  # the expert-parallel all-to-all in FP8 rows (E4M3 + an fp32 scale per row)
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | sinkhorn | none
+    moe_grouped_gemm: bool = False  # a rank's experts as one grouped GEMM per projection (FP8GroupedMLP)
+    fp8_gemm_backend: str = "auto"  # --fp8-gemm-backend: auto | scaled_mm | emulated
+    gemm_device: str = "cuda"  # the device whose GEMMs are planned: cuda (a GPU, the default) | cpu
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -257,6 +283,8 @@ class PlannerConfig:
         object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
         for flag, value, choices in (("--fp8-recipe", self.fp8_recipe, _RECIPES),
                                      ("--fp8-grad-accumulation", self.grad_accumulation, GRAD_ACCUMULATION),
+                                     ("--fp8-gemm-backend", self.fp8_gemm_backend, GEMM_BACKENDS),
+                                     ("gemm_device", self.gemm_device, GEMM_DEVICES),
                                      ("implementation", self.implementation, _IMPLEMENTATIONS)):
             _one_of(flag, value, choices)
         if self.implementation == "transformers" and not (
@@ -297,6 +325,7 @@ class PlannerConfig:
         if self.num_experts is None:
             moe_only = [flag for flag, value in (("--expert-model-parallel-size", ep != 1),
                                                  ("--moe-fp8-dispatch", self.moe_fp8_dispatch),
+                                                 ("--moe-grouped-gemm", self.moe_grouped_gemm),
                                                  ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size is not None),
                                                  ("--moe-shared-expert-intermediate-size",
                                                   self.moe_shared_expert_intermediate_size is not None)) if value]
@@ -325,6 +354,10 @@ class PlannerConfig:
         if self.moe_fp8_dispatch and (not self.fp8 or self.moe_token_dispatcher_type != "alltoall"):
             raise ValueError("--moe-fp8-dispatch dispatches tokens in FP8 over the expert-parallel all-to-all: it "
                              "needs --fp8-opt-level O1/O2/O3 and --moe-token-dispatcher-type alltoall")
+        if self.moe_grouped_gemm and tp > 1:
+            raise ValueError(f"--moe-grouped-gemm runs each expert unsplit (expert tensor-parallel size 1), but "
+                             f"--tensor-model-parallel-size {tp} splits the experts: use --tensor-model-parallel-size 1 "
+                             f"(spread the experts with --expert-model-parallel-size instead), or drop --moe-grouped-gemm")
         if tp > 1 and self.add_bias_linear:
             raise ValueError("experts split by tensor parallelism take no bias (megatron-core): add "
                              "--disable-bias-linear (add_bias_linear=False), or use --tensor-model-parallel-size 1")
@@ -464,6 +497,8 @@ class PlannerConfig:
             moe_fp8_dispatch=bool(get("moe_fp8_dispatch", False)),
             moe_aux_loss_coeff=float(get("moe_aux_loss_coeff", 0.0)),
             moe_router_load_balancing_type=get("moe_router_load_balancing_type", "aux_loss"),
+            moe_grouped_gemm=bool(get("moe_grouped_gemm", False)),
+            fp8_gemm_backend=get("fp8_gemm_backend", "auto"),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -569,6 +604,30 @@ def _weight_scale_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
     return 4
 
 
+def holds_weight_transposes(cfg: PlannerConfig, recipe: str) -> bool:
+    """Whether an FP8 weight of this ``recipe`` (the layer's, after the blockwise fallback) keeps the transposed
+    operand of its input-gradient GEMM (:attr:`fp8.Float8Tensor.transpose_cache`): where that GEMM runs
+    ``torch._scaled_mm`` (tensorwise and rowwise scales; blockwise runs the Triton block GEMM on the weight as it
+    is), that is with ``fp8_gemm_backend="scaled_mm"``, or ``"auto"`` on a GPU (``gemm_device="cuda"``); the
+    emulated GEMM (``"emulated"``, ``"auto"`` on the CPU) keeps none."""
+    if recipe == "blockwise" or cfg.fp8_gemm_backend == "emulated":
+        return False
+    return cfg.fp8_gemm_backend == "scaled_mm" or cfg.gemm_device == "cuda"
+
+
+def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
+    """Bytes an FP8 weight keeps for its input-gradient GEMM from its first backward on (replaced, not added to, at
+    the first backward after each optimizer step): its payload transposed, 1 byte per element; rowwise, the weight
+    re-quantized per input channel (1 byte per element) with its fp32 scales (4 bytes per input channel). None for
+    the experts of ``moe_grouped_gemm`` (the grouped GEMM transposes the weights at each call, keeping nothing)."""
+    if t.expert and cfg.moe_grouped_gemm:
+        return 0
+    recipe = _recipe(cfg, t.rows, t.cols)
+    if not holds_weight_transposes(cfg, recipe):
+        return 0
+    return t.numel + (4 * t.cols if recipe == "rowwise" else 0)
+
+
 def whole_tensor_partition(sizes: list[int], world_size: int) -> tuple[list[int], list[int]]:
     """(owner of each tensor, elements per rank) under O3's rule, as ``fp8.optim.partition_by_size``
     (largest first to the least-loaded rank, ties to the lower rank, then tensor order); kept here so
@@ -603,8 +662,8 @@ def _group_state(cfg: PlannerConfig, tensors: list[_Tensor], dp: int
     grad_hp = 4 if cfg.fp32_grads else hp
     sharded = level == "O3" and dp > 1
     owners = whole_tensor_partition([t.numel for t in tensors], dp)[0] if sharded else [0] * len(tensors)
-    out = dict.fromkeys(CATEGORIES[:5], 0)  # held by every rank
-    owned = [dict.fromkeys(CATEGORIES[:5], 0) for _ in range(dp if sharded else 1)]  # O2/O3: by the owner
+    out = dict.fromkeys(STATE_CATEGORIES, 0)  # held by every rank
+    owned = [dict.fromkeys(STATE_CATEGORIES, 0) for _ in range(dp if sharded else 1)]  # O2/O3: by the owner
     for t, owner in zip(tensors, owners):
         n, mine = t.numel, owned[owner]
         if t.fp8:
@@ -614,6 +673,7 @@ def _group_state(cfg: PlannerConfig, tensors: list[_Tensor], dp: int
             # (an expert's linear has no collective of its own: no reduce-scatter state)
             if sp_scatter and not t.name.endswith("output_layer.weight") and not t.expert:
                 out["fp8_scaling_metadata"] += _SCATTER_STATE_BYTES
+            out["weight_transposes"] += _weight_transpose_bytes(cfg, t)  # every rank (O3 gathers every FP8 weight)
             if cfg.grad_accumulation in SUM_BYTES and dp == 1:
                 out["gradients"] += SUM_BYTES[cfg.grad_accumulation] * n  # the sum over micro-batches is the step's
                 if cfg.grad_accumulation == "fp16":
@@ -668,7 +728,7 @@ def _model_state(cfg: PlannerConfig, tensors: list[_Tensor]) -> tuple[dict[str, 
         return d // stride if len(owned) > 1 else 0  # 0 when not sharded: every owner is 0
 
     per_rank = [{k: sum(out[k] + owned[group_rank(d, owned, stride)][k] for _, _, stride, out, owned, _ in groups)
-                 for k in CATEGORIES[:5]} for d in range(n_ranks)]
+                 for k in STATE_CATEGORIES} for d in range(n_ranks)]
     worst = max(per_rank, key=lambda d: sum(d.values()))  # first of the most loaded ranks
     worst_rank = per_rank.index(worst)
     largest = max(t.numel for t in tensors)
@@ -1000,7 +1060,7 @@ def plan_memory(config: PlannerConfig) -> dict:
     worst = max(stages, key=lambda s: (s["total_bytes"], -s["stage"]))
     biggest = max(stages, key=lambda s: s["params"])
     moe = None if cfg.num_experts is None else _moe_summary(cfg, _stage_tensors(cfg, biggest["stage"]))
-    state_bytes = sum(worst["bytes"][c] for c in CATEGORIES[:5])
+    state_bytes = sum(worst["bytes"][c] for c in STATE_CATEGORIES)
     return {
         "params_total": _total_params(cfg),
         "params_per_gpu": biggest["params"],
