@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--adam-eps", float), ("--split", str), ("--fp8-margin", int), ("--fp8-pipeline", str),
                        ("--compare", str), ("--plot", str)):
         p.add_argument(flag, type=kind, help=argparse.SUPPRESS)
-    for flag in ("--dry-run", "--fp32", "--mock-data", "--no-progress"):
+    for flag in ("--dry-run", "--fp32", "--mock-data", "--no-progress", "--compile-layers"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--data-parallel-size", type=int, default=None,
                      help="--dry-run only: the data-parallel size to plan for (otherwise world size / (TP x PP))")
     par.add_argument("--recompute-activations", action="store_true", help="full activation recomputation")
+    par.add_argument("--compile-layers", action="store_true",
+                     help="torch.compile each transformer layer (fullgraph: one graph per layer, Inductor fusing the "
+                          "non-GEMM ops around the FP8 GEMMs; compiled at the first step, which takes longer: "
+                          "docs/gpu.md)")
     moe = p.add_argument_group("mixture of experts (megatron-core's MoE layer; docs/moe.md)")
     moe.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     moe.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
@@ -375,6 +379,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     else:
         args.compare_levels = []
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.compile_layers:
+        from .model import check_compile_layers  # imports megatron-core: only when the flag is given
+
+        check_compile_layers(args)
     if args.fp8_gemm_backend == "scaled_mm":
         from .model import check_gemm_backend  # imports megatron-core: only when the check is asked for
 

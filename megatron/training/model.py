@@ -25,7 +25,7 @@ from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, lay
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
            "resolved_min_fp8_dim", "announce_layer_selection", "FP8LinearShape", "fp8_linear_shapes", "gemm_target",
-           "gemm_backend_problems", "check_gemm_backend"]
+           "gemm_backend_problems", "check_gemm_backend", "compile_layers", "check_compile_layers"]
 
 
 def resolved_min_fp8_dim(args: argparse.Namespace) -> int:
@@ -184,8 +184,23 @@ def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_siz
         _initialize_megatron_weights(model, args, config)
         if getattr(args, "fp8_activations", False):
             model.fp8_activation_compressor = compress_activations(model)
+        if getattr(args, "compile_layers", False):
+            compile_layers(model)
         chunks.append(model)
     return chunks
+
+
+def compile_layers(model: GPTModel) -> int:
+    """``--compile-layers``: each transformer layer of ``model`` compiled in place (``nn.Module.compile``: its forward
+    runs through ``torch.compile(fullgraph=True)``, compiled at its first call; module, parameter and state-dict names
+    unchanged, so checkpoints, DDP and the optimizers see the same model). ``fullgraph`` refuses a graph break: the FP8
+    linears are built to trace without one (tests/test_no_host_sync.py), so a layer that breaks fails loudly instead of
+    running partly eager. Inductor fuses the non-GEMM ops of the layer (norms, activation, casts to FP8, bias and
+    residual adds) around the GEMMs. Returns the number of layers compiled."""
+    layers = list(model.decoder.layers) if getattr(model, "decoder", None) is not None else []
+    for layer in layers:
+        layer.compile(fullgraph=True, dynamic=False)
+    return len(layers)
 
 
 def _layer_linears(args: argparse.Namespace, number: int) -> dict[str, list[str]]:
@@ -445,3 +460,35 @@ def _at_level(args: argparse.Namespace, level: str) -> argparse.Namespace:
     copy = argparse.Namespace(**vars(args))
     copy.fp8_opt_level = level
     return copy
+
+
+def check_compile_layers(args: argparse.Namespace) -> None:
+    """``--compile-layers``: raise :class:`ConfigurationError` at start-up, naming the fix, for what does not compile
+    into one graph per layer (measured on CPU, torch 2.13): tensor parallelism (the FP8 layers' collectives, e.g. the
+    asynchronous amax all-reduce of agreed scales, and the baseline's, do not trace), megatron-core's mixture-of-experts
+    layer (data-dependent token routing: host reads of the per-expert counts), and a rowwise/blockwise FP8 weight
+    holding its scaled FP16 gradient (``--fp8-grad-accumulation fp16``): torch.compile fails creating the fake of a
+    block-scaled :class:`fp8.Float8Tensor` whose gradient's scale has another shape, at any recompilation after the
+    first backward (evaluation included)."""
+    if not getattr(args, "compile_layers", False):
+        return
+    if args.tensor_model_parallel_size > 1:
+        raise ConfigurationError(
+            f"--compile-layers compiles each transformer layer into one graph, but the tensor-parallel collectives inside "
+            f"the layers (--tensor-model-parallel-size {args.tensor_model_parallel_size}) do not trace: drop "
+            f"--compile-layers, or use --tensor-model-parallel-size 1 (pipeline and data parallelism compile)")
+    if getattr(args, "num_experts", None) is not None:
+        raise ConfigurationError(
+            "--compile-layers compiles each transformer layer into one graph, but megatron-core's mixture-of-experts "
+            "layer routes tokens by data-dependent counts read on the host (a graph break): drop --compile-layers with "
+            "--num-experts")
+    levels = {args.fp8_opt_level, *getattr(args, "compare_levels", [])} - {"none"}
+    if levels and getattr(args, "fp8_grad_accumulation", "fp16") == "fp16":
+        blocked = sorted({linear.config.recipe for linear in fp8_linear_shapes(_at_level(args, min(levels)))} - {
+            "tensorwise"})
+        if blocked:
+            raise ConfigurationError(
+                f"--compile-layers with the {'/'.join(blocked)} recipe and --fp8-grad-accumulation fp16: torch.compile "
+                f"fails on a block-scaled FP8 weight holding its scaled FP16 gradient (recompiling after a backward, e.g. "
+                f"for evaluation); use --fp8-grad-accumulation fp32 (or fp8), or --fp8-recipe tensorwise, or drop "
+                f"--compile-layers")
