@@ -219,7 +219,7 @@ LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NO
                "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "EXTRA_ARGS", "SEQUENCE_PARALLEL", "RECOMPUTE", "REPO_ROOT",
                "WORLD_SIZE", "CHECKPOINT_DIR", "LOG_JSON", "DISTRIBUTED_OPTIMIZER", "VPP", "MOCK_DATA", "VOCAB_SIZE",
                "EXIT_SIGNAL_HANDLER", "EXIT_DURATION_IN_MINS", "NUM_EXPERTS", "MOE_TOPK", "MOE_FFN_HIDDEN_SIZE",
-               "MOE_AUX_LOSS_COEFF", "MOE_DISPATCHER", "MOE_FP8_DISPATCH", "NUM_QUERY_GROUPS")
+               "MOE_AUX_LOSS_COEFF", "MOE_DISPATCHER", "MOE_FP8_DISPATCH", "NUM_QUERY_GROUPS", "MOE_GROUPED_GEMM")
 
 
 def run_script(script: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -245,13 +245,16 @@ def test_plan_only_uses_the_mixtral_layout(level):
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert {k: plan["layout"][k] for k in ("tp", "pp", "dp", "ep", "world_size")} == \
-        {"tp": 2, "pp": 4, "dp": 8, "ep": 8, "world_size": 64}
+        {"tp": 1, "pp": 8, "dp": 8, "ep": 8, "world_size": 64}
     assert plan["params_total"] == MIXTRAL_PARAMS
     cfg = plan["config"]
     assert (cfg["num_experts"], cfg["moe_router_topk"], cfg["moe_ffn_hidden_size"], cfg["num_query_groups"],
             cfg["seq_length"], cfg["vocab_size"]) == (8, 2, 14336, 8, 4096, 32000)
     assert cfg["moe_fp8_dispatch"] == (level != "none") and cfg["moe_token_dispatcher_type"] == "alltoall"
+    assert cfg["moe_grouped_gemm"] and not cfg["sequence_parallel"]  # the grouped experts: TP1, no SP
     assert plan["moe"]["experts_per_gpu"] == 1 and plan["total_gib"] < 80, plan["bytes"]
+    # the grouped experts keep no weight transposes: attention's (4 layers x (4096 x 6144 + 4096 x 4096)) on a GPU
+    assert plan["bytes"]["weight_transposes"] == (0 if level == "none" else 4 * (4096 * 6144 + 4096 * 4096))
 
 
 def test_dry_run_of_the_mixtral_script_reports_the_planned_parameters():
@@ -264,14 +267,14 @@ def test_dry_run_of_the_mixtral_script_reports_the_planned_parameters():
     assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
     result = json.loads(dry.stdout.split("dry run json: ", 1)[1])
     assert result["params_per_rank"] == {"stage_0": expected["stages"][0]["params"],
-                                         "stage_3": expected["stages"][3]["params"]}
+                                         "stage_7": expected["stages"][7]["params"]}
     assert result["plan"]["total_bytes"] == expected["total_bytes"]
     assert result["plan"]["moe"] == expected["moe"]
     assert "all-to-all sent per GPU per step" in dry.stdout
 
 
 def test_layouts_the_experts_cannot_take_are_refused_with_the_fix():
-    out = run_script(SCRIPT, {"PLAN_ONLY": "1", "MOCK_DATA": "1", "NNODES": "1"})  # 8 GPUs / (TP2 x PP4): DP 1
+    out = run_script(SCRIPT, {"PLAN_ONLY": "1", "MOCK_DATA": "1", "NNODES": "1"})  # 8 GPUs / (TP1 x PP8): DP 1
     assert out.returncode == 2 and "EP=8 must divide the data-parallel size 1" in out.stderr, out.stderr
     out = run_script(SCRIPT, {"PLAN_ONLY": "1", "MOCK_DATA": "1", "EP": "3", "NNODES": "3"})
     assert out.returncode == 2 and "EP=3 must divide NUM_EXPERTS=8" in out.stderr, out.stderr
@@ -287,7 +290,8 @@ def test_slurm_script_runs_one_torchrun_per_node_with_the_moe_flags(fake_bin, tm
     assert len(runs) == 8
     for rank, line in enumerate(runs):
         assert f"--nnodes 8 --nproc-per-node 8 --node-rank {rank} --master-addr gpu-a01 --master-port 24321" in line
-        for flag in ("--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 4", "--sequence-parallel",
+        assert "--sequence-parallel" not in line
+        for flag in ("--tensor-model-parallel-size 1", "--pipeline-model-parallel-size 8", "--moe-grouped-gemm",
                      "--num-experts 8", "--moe-router-topk 2", "--expert-model-parallel-size 8",
                      "--moe-token-dispatcher-type alltoall", "--moe-fp8-dispatch", "--num-query-groups 8",
                      "--seq-length 4096", "--vocab-size 32000", "--log-interval 1"):
@@ -296,3 +300,24 @@ def test_slurm_script_runs_one_torchrun_per_node_with_the_moe_flags(fake_bin, tm
     assert baseline.returncode == 0 and "--moe-fp8-dispatch" not in baseline.stdout  # BF16 dispatch at level none
     no_data = run_script(SBATCH, {**env, "MOCK_DATA": "0"}, cwd=tmp_path)
     assert no_data.returncode == 2 and "DATA_PATH is not set" in no_data.stderr and "srun" not in no_data.stdout
+
+
+def test_the_grouped_experts_need_tp1_and_the_sequential_layout_stays_available():
+    """MOE_GROUPED_GEMM=1 (the default: --moe-grouped-gemm) with TP > 1 is refused by the script, naming the fix;
+    pretrain_gpt.py and the planner refuse --moe-grouped-gemm with TP > 1 too; MOE_GROUPED_GEMM=0 TP=2 PP=4 plans the
+    sequential experts split over TP with sequence parallelism."""
+    base = {"PLAN_ONLY": "1", "PLAN_JSON": "1", "MOCK_DATA": "1"}
+    out = run_script(SCRIPT, {**base, "TP": "2", "PP": "4"})
+    assert out.returncode == 2 and "MOE_GROUPED_GEMM=1 (--moe-grouped-gemm) runs each expert unsplit, but TP=2" in \
+        out.stderr, out.stderr
+    out = run_script(SCRIPT, {**base, "MOE_GROUPED_GEMM": "2"})
+    assert out.returncode == 2 and "MOE_GROUPED_GEMM=2: use 1" in out.stderr
+    for mode, needle in (("PLAN_ONLY", "memory_planner: error"), ("DRY_RUN", "configuration error")):
+        out = run_script(SCRIPT, {"MOCK_DATA": "1", mode: "1", "MOE_GROUPED_GEMM": "0", "TP": "2", "PP": "4",
+                                  "EXTRA_ARGS": "--moe-grouped-gemm"})
+        assert out.returncode == 2 and needle in out.stderr and "--moe-grouped-gemm runs each expert unsplit" in \
+            out.stderr, out.stderr[-2000:]
+    sequential = json.loads(run_script(SCRIPT, {**base, "MOE_GROUPED_GEMM": "0", "TP": "2", "PP": "4"}).stdout)
+    assert (sequential["layout"]["tp"], sequential["layout"]["pp"], sequential["config"]["sequence_parallel"],
+            sequential["config"]["moe_grouped_gemm"]) == (2, 4, True, False)
+    assert sequential["total_gib"] < 80
