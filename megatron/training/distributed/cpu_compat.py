@@ -14,7 +14,12 @@ What it redirects, and why:
    ``utils`` (``GlobalMemoryBuffer``), ``models.common.embeddings.rotary_pos_embedding`` (RoPE's
    inverse frequencies) and the mixture-of-experts ``transformer.moe.router`` (moves the router weight to
    ``torch.cuda.current_device()``), ``moe_utils`` and ``token_dispatcher`` (routing buffers on ``cuda``; the
-   all-to-all dispatcher's side stream and event for its host copies of the split sizes: the host's order).
+   all-to-all dispatcher's side stream and event for its host copies of the split sizes: the host's order,
+   :class:`HostStream`; ``torch.cuda.synchronize`` is :class:`CudaOnCpu`'s). The dispatcher's host copies
+   themselves (``maybe_move_tensor_to_cpu``, which copies only CUDA tensors) are made on the CPU too, by
+   :func:`host_copy`: a host tensor of their own, copied without blocking and read after the dispatcher's event
+   synchronisation, as on a GPU (what reads them then reads host data on both, one data flow to check:
+   ``tests/test_no_host_sync.py``).
 2. The RNG tracker (``tensor_parallel.random``): a tracker of named CPU generator states replaces the
    CUDA one (``TransformerBlock`` forks it under sequence parallelism), and the module's CUDA RNG
    state get/set helpers (used by activation recomputation) read and write the CPU generator.
@@ -36,7 +41,7 @@ import torch
 
 from fp8.comm import Collectives
 
-__all__ = ["enable", "enabled", "seed", "CPURNGStatesTracker"]
+__all__ = ["enable", "enabled", "seed", "CPURNGStatesTracker", "CudaOnCpu", "HostStream", "host_copy"]
 
 _ENABLED = False
 _REBOUND_MODULES = (
@@ -63,14 +68,15 @@ def _cpu_device(device):
     return device
 
 
-class _HostStream:
+class HostStream:
     """A CUDA stream or event as megatron-core's MoE all-to-all dispatcher uses one, on a CPU machine: the host runs
-    every operation in order, so waiting, recording and synchronising are immediate."""
+    every operation in order, so waiting, recording and synchronising are immediate. :meth:`synchronize` stands for
+    the event's host-blocking wait (a host-sync detector watches it as it watches ``torch.cuda.Event.synchronize``)."""
 
     def wait_stream(self, stream) -> None:
         return None
 
-    def record_event(self, event=None) -> "_HostStream":
+    def record_event(self, event=None) -> "HostStream":
         return self
 
     def synchronize(self) -> None:
@@ -80,12 +86,12 @@ class _HostStream:
         return True
 
 
-_HOST_STREAM = _HostStream()
+_HOST_STREAM = HostStream()
 
 
-class _CudaOnCpu:
+class CudaOnCpu:
     """``torch.cuda`` as seen by megatron-core on a CPU machine: the current device is the CPU; streams and
-    events are the host's order (:class:`_HostStream`)."""
+    events are the host's order (:class:`HostStream`); :meth:`synchronize` stands for ``torch.cuda.synchronize``."""
 
     def current_device(self) -> torch.device:
         return torch.device("cpu")
@@ -93,10 +99,10 @@ class _CudaOnCpu:
     def synchronize(self, device=None) -> None:
         return None
 
-    def Stream(self, *args, **kwargs) -> _HostStream:  # noqa: N802 (torch.cuda's name)
+    def Stream(self, *args, **kwargs) -> HostStream:  # noqa: N802 (torch.cuda's name)
         return _HOST_STREAM
 
-    def current_stream(self, device=None) -> _HostStream:
+    def current_stream(self, device=None) -> HostStream:
         return _HOST_STREAM
 
     def stream(self, stream) -> contextlib.AbstractContextManager:
@@ -110,7 +116,7 @@ class _TorchOnCpu:
     """``torch`` with CUDA placement requests of tensor factories answered by the CPU."""
 
     def __init__(self) -> None:
-        self.cuda = _CudaOnCpu()
+        self.cuda = CudaOnCpu()
 
     def __getattr__(self, name):
         attr = getattr(torch, name)
@@ -120,6 +126,17 @@ class _TorchOnCpu:
                 return attr(*args, device=_cpu_device(device), **kwargs)
             return on_cpu
         return attr
+
+
+def host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``moe_utils.maybe_move_tensor_to_cpu`` on a CPU machine: the copy a GPU makes of a device
+    tensor (``tensor.to("cpu", non_blocking=True)``, then NumPy when ``as_numpy``), a host tensor of its own, not
+    the device tensor itself; anything else (an int, None) is returned as it is."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.to("cpu", non_blocking=True, copy=True)
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
 
 
 def _cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -209,6 +226,7 @@ def enable() -> bool:
     proxy = _TorchOnCpu()
     for name in _REBOUND_MODULES:
         importlib.import_module(name).torch = proxy
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher").maybe_move_tensor_to_cpu = host_copy
     from megatron.core.models.common.language_module import language_module
     from megatron.core.tensor_parallel import random
 
