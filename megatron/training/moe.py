@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 __all__ = ["install_counted_dispatcher", "set_dispatcher_counter", "CountedAlltoAllTokenDispatcher", "SeededSequentialMLP", "expert_init_seed",
-           "is_routed_expert_param"]
+           "is_routed_expert_param", "permute_dropless"]
 
 
 def expert_init_seed(base: int, global_expert: int) -> int:
@@ -65,6 +65,21 @@ class SeededSequentialMLP(SequentialMLP):
         torch.manual_seed(expert_init_seed(base, -1))
 
 
+def permute_dropless(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+                     num_out_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron-core's unfused ``moe_utils.permute`` (no drop, no padding) without a host sync: ``(tokens sorted by
+    expert, their probabilities, each row's token index)``, the same values in the same order. megatron-core selects
+    the routed (expert, token) pairs with ``masked_select`` (an output size read from the device); their number is
+    known on the host in dropless routing (``num_out_tokens``: tokens x top-k, each token routed to top-k distinct
+    experts, as megatron-core's own buffer sizes assume), so ``nonzero_static`` finds them on the device."""
+    num_tokens = routing_map.shape[0]
+    flat = routing_map.T.contiguous().view(-1)  # expert-major: position e * num_tokens + t
+    selected = torch.nonzero_static(flat, size=num_out_tokens).view(-1)
+    sorted_indices = selected % num_tokens
+    permuted_probs = probs.T.contiguous().view(-1).index_select(0, selected)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
 class CountedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron-core's all-to-all dispatcher with its expert-parallel all-to-alls through ``comm`` (the
     expert-parallel group's :class:`Collectives`). ``fmt``: the format tokens are dispatched in (``"e4m3"``, one
@@ -87,6 +102,30 @@ class CountedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # megatron-core's all-gather of this rank's per-expert token counts (int64) over the tp x ep group
             self.comm.counter.record("all_gather", world * self.num_experts * 8, world, "moe token counts")
         return out
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """megatron-core's, with the dropless permutation made without a host sync (:func:`permute_dropless`) where
+        megatron-core's unfused one reads the routing map's size to the host (``masked_select``, twice)."""
+        config = self.config
+        if (self.drop_and_pad or config.moe_permute_fusion or config.moe_router_padding_for_quantization
+                or config.moe_expert_capacity_factor is not None):
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        # megatron-core 0.16.1's dispatch_preprocess, its permutation replaced
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        if probs.dim() != 2 or routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+            raise ValueError(f"the all-to-all dispatcher takes 2-D probs and a 2-D bool routing map, not "
+                             f"{tuple(probs.shape)} and {tuple(routing_map.shape)} {routing_map.dtype}")
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(self.routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        tokens, permuted_probs, self.reversed_local_input_permutation_mapping = permute_dropless(
+            hidden_states, self.routing_map, probs, self.num_out_tokens)
+        return tokens, permuted_probs
 
     def _splits(self) -> tuple[list[int], list[int]]:
         """(output, input) split sizes in rows, host integers (megatron-core's dispatcher moved them there)."""

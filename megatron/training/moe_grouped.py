@@ -37,6 +37,8 @@ not used by the grouped GEMMs (the grouped states are this module's ``fc1_input_
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from fp8.grouped_gemm import GroupedBlockLinearFunction, GroupedLinearFunction, group_bounds
@@ -61,15 +63,27 @@ def padded_sizes(sizes: list[int], multiple: int) -> list[int]:
 
 class ExpertPadding:
     """The padded layout of tokens sorted by expert: ``rows`` (on ``device``) are the padded rows holding the
-    tokens, in order; :meth:`pad` scatters into zeros, :meth:`unpad` gathers back (both differentiable)."""
+    tokens, in order; :meth:`pad` scatters into zeros, :meth:`unpad` gathers back (both differentiable);
+    :meth:`offsets` are the padded groups' cumulative ends (int32, on ``device``).
+
+    Both index tensors are built on the device from host integers passed as kernel arguments (an ``arange`` or a
+    ``full`` per group), never copied from host memory: a copy from pageable host memory synchronises the host
+    with the device."""
 
     def __init__(self, sizes: list[int], multiple: int, device: torch.device) -> None:
         self.sizes = padded_sizes(sizes, multiple)
         self.total = sum(self.sizes)
+        self.device = device
         self.rows = None
         if self.sizes != sizes:
-            starts = [end - size for end, size in zip(torch.tensor(self.sizes).cumsum(0).tolist(), self.sizes)]
-            self.rows = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, sizes)]).to(device)
+            starts = list(itertools.accumulate(self.sizes, initial=0))
+            self.rows = torch.cat([torch.arange(start, start + n, device=device) for start, n in zip(starts, sizes)])
+
+    def offsets(self) -> torch.Tensor:
+        """The padded groups' cumulative ends, int32 on the device (``torch._scaled_grouped_mm``'s ``offs``)."""
+        ends = itertools.accumulate(self.sizes)
+        return torch.cat([torch.full((1,), end, dtype=torch.int32, device=self.device) for end in ends]
+                         or [torch.zeros(0, dtype=torch.int32, device=self.device)])
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
@@ -139,16 +153,20 @@ class FP8GroupedMLP(SeededSequentialMLP):
         self.pad_multiple = max([PAD_MULTIPLE[fp8.recipe] for fp8 in (self.fc1_fp8, self.fc2_fp8) if fp8 is not None],
                                 default=1)
 
-    def _project(self, name: str, x: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """Projection ``name`` (``"fc1"``/``"fc2"``) of every local expert on its rows of ``x``: one grouped linear."""
+    def _project(self, name: str, x: torch.Tensor, padding: ExpertPadding, dtype: torch.dtype,
+                 offsets: dict) -> torch.Tensor:
+        """Projection ``name`` (``"fc1"``/``"fc2"``) of every local expert on its rows of ``x`` (laid out as
+        ``padding``): one grouped linear. ``offsets`` caches the padded groups' device offsets for the layer."""
         weights = [getattr(e, f"linear_{name}").weight for e in self.local_experts]
         fp8 = getattr(self, f"{name}_fp8")
+        sizes = padding.sizes
         if fp8 is None:
             return _HighPrecisionGroupedFunction.apply(x, sizes, dtype, *weights)
         if not fp8.recipe_spec.tensorwise:
             return GroupedBlockLinearFunction.apply(x, sizes, fp8, dtype, *weights)
-        offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-        return GroupedLinearFunction.apply(x, offsets, sizes, getattr(self, f"{name}_input_scaling"),
+        if "offsets" not in offsets:
+            offsets["offsets"] = padding.offsets()
+        return GroupedLinearFunction.apply(x, offsets["offsets"], sizes, getattr(self, f"{name}_input_scaling"),
                                            getattr(self, f"{name}_grad_output_scaling"), fp8, torch.is_grad_enabled(),
                                            dtype, *weights)
 
@@ -173,7 +191,9 @@ class FP8GroupedMLP(SeededSequentialMLP):
                 raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1 (megatron-core's rule)")
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)  # applied already
-        # The one host read of the layer (as SequentialMLP's split): every grouped GEMM slices by these counts.
+        # The counts megatron-core's dispatcher hands over on the host (its all-to-all dispatcher copies them there
+        # and waits for the copy once per layer): every grouped GEMM slices by them, and the device offsets and rows
+        # are built from them on the device (ExpertPadding), so the layer adds no host sync of its own.
         sizes = [int(n) for n in torch.as_tensor(tokens_per_expert).tolist()]
         if len(sizes) != self.num_local_experts or sum(sizes) != hidden.shape[0]:
             raise ValueError(f"FP8GroupedMLP: tokens_per_expert {sizes} for {self.num_local_experts} local experts and "
@@ -182,12 +202,13 @@ class FP8GroupedMLP(SeededSequentialMLP):
         x, p = padding.pad(hidden), padding.pad(probs)  # padding rows: zero tokens of probability 0
         dtype = compute_dtype(x)
         experts = list(self.local_experts)
-        h = self._project("fc1", x, padding.sizes, dtype)
+        offsets = {}  # the tensorwise projections' device offsets, built once for both
+        h = self._project("fc1", x, padding, dtype, offsets)
         if experts and experts[0].linear_fc1.bias is not None:
             h = torch.cat([h_g + e.linear_fc1.bias for h_g, e in zip(h.split(padding.sizes), experts)])
         h = self._activation(h)
         h = (h * p.unsqueeze(-1)).to(h.dtype)
-        y = self._project("fc2", h, padding.sizes, dtype)
+        y = self._project("fc2", h, padding, dtype, offsets)
         if experts and experts[0].linear_fc2.bias is not None:
             y = torch.cat([(y_g + e.linear_fc2.bias.unsqueeze(0) * p_g.unsqueeze(-1)).to(y.dtype)
                            for y_g, p_g, e in zip(y.split(padding.sizes), p.split(padding.sizes), experts)])
