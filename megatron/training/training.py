@@ -115,8 +115,7 @@ def _forward_step(data_iterator, model):
 
 
 def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
+    """``t`` on ``device``: a host tensor pinned, then copied without blocking (on one device, ``t`` itself)."""
     if device.type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
