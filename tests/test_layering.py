@@ -28,7 +28,7 @@ LAYERS = (
     ("fp8.comm",),  # every collective: counted, FP8 as bytes, on the group's device (needs only the formats)
     ("fp8.cast",),
     ("fp8.kernels.backend", "fp8.kernels.triton_formats", "fp8.kernels.triton_cast", "fp8.kernels.triton_adam",
-     "fp8.kernels.cast_transpose_amax", "fp8.kernels.triton_block_gemm"),
+     "fp8.kernels.triton_multi_tensor", "fp8.kernels.cast_transpose_amax", "fp8.kernels.triton_block_gemm"),
     ("fp8.scaling",),
     ("fp8.blocks", "fp8.recipes"),  # block scale grids (power-of-two scale per block); which block each GEMM operand uses
     ("fp8.kernels", "fp8.gemm"),  # grad accumulation (+ its Triton launch), the package's re-exports; FP8 GEMM

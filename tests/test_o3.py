@@ -242,6 +242,18 @@ def _run_reshard(rank, world, seed, out_dir):
     return out
 
 
+def _run_launches(rank, world, seed, out_dir):
+    """The O3 step's launches per extra FP8 linear (tests/test_optim_launches.py's counting), sharded over every rank
+    (the owner-reduced gradients, the weight all-gather; 2 and 8 linears per rank, so that every rank owns some) and
+    on a one-rank subgroup (O2's step)."""
+    from tests.test_optim_launches import adamw_for_counts, slope
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    whole, _ = slope("O3", adamw_for_counts, linears=(2 * world, 8 * world), process_group=None, ddp=True)
+    single, _ = slope("O3", adamw_for_counts, process_group=groups[rank], ddp=True)
+    return {"whole": whole, "single": single}
+
+
 def _run_errors(rank, world, seed, out_dir):
     out = {}
     model, optimizer, _ = _build(seed, "O3", wrap=False)
@@ -255,7 +267,7 @@ def _run_errors(rank, world, seed, out_dir):
 
 
 SCENARIOS = (("match", _run_match), ("single", _run_single_rank), ("resume", _run_resume),
-             ("reshard", _run_reshard), ("errors", _run_errors))
+             ("reshard", _run_reshard), ("errors", _run_errors), ("launches", _run_launches))
 
 
 def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
@@ -493,6 +505,15 @@ def test_export_to_safetensors_loads_into_plain_model(launched2, tmp_path):
     bf16 = load_file(str(out16))
     assert all(t.dtype == torch.bfloat16 for t in bf16.values() if t.is_floating_point())
     TinyGPT(CFG).load_state_dict({k: v.float() for k, v in bf16.items()})
+
+
+def test_o3_step_launches_do_not_grow_with_the_fp8_linears(launched):
+    """O3's step (finite agreement, owned update, weight all-gather) is a fixed number of ops on every rank: at most
+    one launch per extra FP8 linear (none today), over all ranks and on a one-rank subgroup."""
+    world, _, results = launched
+    for rank in range(world):
+        counts = results[rank]["launches"]
+        assert counts["whole"] <= 1 and counts["single"] <= 1, (rank, counts)
 
 
 def test_o3_step_without_the_wrapper_names_the_fix(launched):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .base import FP8Optimizer
 from .fused_adam import fused_adam_step  # Triton itself is imported only when a fused step runs
 from .precision import OptimizerPrecision
@@ -20,10 +21,22 @@ class Adam(FP8Optimizer):
     def _moment_roles(self, group: dict) -> dict[str, str]:
         return {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
-    _has_fused_step = True
+    _has_fused_step = True  # delayed state scaling's Triton path (fused_adam_step)
+    _bias_correction = True
 
     def _fused_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
         return fused_adam_step(self, params, agreed_ok)
+
+    def _stage(self, stage, group, lists, ws, rows, backend, tables) -> None:
+        beta1, beta2 = group["betas"]
+        args = self._state_args(lists, rows, ws)
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], decoupled=bool(group["decoupled_weight_decay"]),
+                     maximize=bool(group.get("maximize", False)), tables=tables or [], backend=backend)
+        if stage == 1:
+            ops.adam_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
+        else:
+            ops.adam_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper)
 
     def __init__(
         self,
@@ -55,19 +68,15 @@ class Adam(FP8Optimizer):
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        if weight_decay:
-            if group["decoupled_weight_decay"]:
-                w.mul_(1 - lr * weight_decay)
-            else:
-                g = g.add(w, alpha=weight_decay)
-        exp_avg = self._load(state, "exp_avg").lerp_(g, 1 - beta1)
-        exp_avg_sq = self._load(state, "exp_avg_sq").mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        lr = group["lr"]
+        exp_avg = self._load(state, "exp_avg")
+        exp_avg_sq = self._load(state, "exp_avg_sq")
         step = state["step"].to(torch.float64)  # 1 - beta**step cancels: float64 keeps it exact to fp32 rounding
         bias_correction1 = (1 - beta1**step).to(torch.float32)
         bias_correction2_sqrt = (1 - beta2**step).sqrt().to(torch.float32)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        w.sub_(exp_avg / denom * (lr / bias_correction1))
+        ops.adam_update_(w, g, exp_avg, exp_avg_sq, lr / bias_correction1, bias_correction2_sqrt, lr=lr, beta1=beta1,
+                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         decoupled=group["decoupled_weight_decay"])
         self._store(state, "exp_avg", "exp_avg", exp_avg, delayed=delayed)
         self._store(state, "exp_avg_sq", "exp_avg_sq", exp_avg_sq, delayed=delayed)
 

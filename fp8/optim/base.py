@@ -22,19 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.backend import KERNEL_BACKENDS, resolve_backend
+from ..kernels.backend import KERNEL_BACKENDS, interpreter_enabled, resolve_backend, triton_available
 from ..blocks import quantize_to_blocks
 from ..cast import payload_and_scale, quantize
-from ..formats import FP8_DTYPES, byte_view
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
+from . import ops
 from .levels import level_name
 from .skipped import SkippedStepsCounter
 from .precision import (
     STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, delayed_or_current_scale, encode, encode_delayed,
 )
 
-__all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where"]
+__all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where",
+           "op_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +64,62 @@ def grads_are_finite(params: Iterable[torch.Tensor]) -> bool:
     return bool(grads_finite_flag(params))
 
 
-def grads_finite_flag(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor on device: whether every gradient of ``params`` is finite (no host sync)."""
-    flags = []
+def op_backend(kernel_backend: str, tensors) -> str:
+    """The ``backend`` of the multi-tensor ops (:mod:`fp8.optim.ops`) for ``kernel_backend`` (``"auto"``,
+    ``"torch"``, ``"triton"``) on ``tensors``: ``"auto"`` is Triton where every tensor is on CUDA and Triton is
+    installed (also while ``torch.compile`` traces: the ops are opaque to it), the torch reference elsewhere;
+    ``"triton"`` raises (naming the fix) where it cannot run."""
+    tensors = list(tensors)
+    if kernel_backend == "auto":
+        on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+        return "triton" if on_cuda and triton_available() and not interpreter_enabled() else "torch"
+    return resolve_backend(kernel_backend, *tensors)
+
+
+def _grad_tensors(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor of ``params``' gradients whose values must be finite: payloads and scales of scaled gradients,
+    plain gradients."""
+    out = []
     for p in params:
-        grad = p.grad
-        if grad is None:
+        if p.grad is None:
             continue
-        parts = payload_and_scale(grad)  # FP8 or FP16 payload with its scale(s)
-        if parts is not None:
-            flags.append(torch.isfinite(parts[0].to(torch.float32)).all() & torch.isfinite(parts[1]).all())
-        else:
-            flags.append(torch.isfinite(grad).all())
-    if not flags:
+        parts = payload_and_scale(p.grad)  # FP8 or FP16 payload with its scale(s)
+        out.extend(parts if parts is not None else (p.grad,))
+    return out
+
+
+def grads_finite_flag(params: Iterable[torch.Tensor], kernel_backend: str = "auto") -> torch.Tensor:
+    """0-d bool tensor on device: whether every gradient of ``params`` is finite (scaled gradients' payloads and
+    scales included). No host sync; a fixed number of ops (a zeroed flag, one multi-tensor check
+    :func:`fp8.optim.ops.mark_nonfinite_`, the comparison), whatever the number of gradients."""
+    tensors = _grad_tensors(params)
+    if not tensors:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack(flags).all()
+    flag = torch.zeros(1, dtype=torch.int32, device=tensors[0].device)
+    ops.mark_nonfinite_(tensors, flag, backend=op_backend(kernel_backend, tensors))
+    return (flag == 0).reshape(())
 
 
-def select_where(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` where the 0-d bool ``ok`` is set, else ``old`` (any dtype, FP8 included; no host sync)."""
-    if new.dtype in FP8_DTYPES:  # torch.where has no FP8 kernel: select the bytes
-        return torch.where(ok, byte_view(new), byte_view(old)).view(new.dtype)
-    return torch.where(ok, new, old)
+select_where = ops.select_where
+
+
+_STATE_LISTS = ("weights", "exp_avgs", "exp_avg_sqs", "params", "weight_scales", "exp_avg_scales", "exp_avg_sq_scales",
+                "param_scales", "steps")
+"""The per-row state lists of the ops of :mod:`fp8.optim.ops`, in their argument order."""
+
+
+class _Workspace:
+    """A step's per-row scratch tensors: ``old`` scales ``(rows, 5)``, bias corrections ``bc`` ``(rows, 2)``,
+    ``amax`` ``(rows, 3)``, ``new`` scales ``(rows, 4)`` (fp32, one buffer) and the skip flag ``bad`` (int32)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        buffer = torch.empty(rows * 14, dtype=torch.float32, device=device)
+        self.old = buffer[: rows * 5].view(rows, 5)
+        self.bc = buffer[rows * 5: rows * 7].view(rows, 2)
+        self.amax = buffer[rows * 7: rows * 10].view(rows, 3)
+        self.new = buffer[rows * 10:].view(rows, 4)
+        self.bad = torch.empty(1, dtype=torch.int32, device=device)
 
 
 class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
@@ -172,9 +207,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict, initial_master: torch.Tensor | None = None) -> None:
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         for key, role in self._moment_roles(group).items():
-            self._store(state, key, role, zeros)
+            # Each state its own storage: the step updates them in place (an unscaled format stores the value given).
+            self._store(state, key, role, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
         if self._uses_delayed_state_scaling(p):
             # Amax histories of the delayed state scales: 0 = none yet, so the first step scales currently.
             keys = [*self._moment_roles(group), "master"] + (["param"] if isinstance(p, Float8Tensor) else [])
@@ -183,7 +218,8 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         if self.needs_master(p):
             if initial_master is None:
                 initial_master = p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p
-            self._store_master(p, state, initial_master.detach().to(torch.float32))
+            # A copy: the master is updated in place, never the tensor it started from.
+            self._store_master(p, state, initial_master.detach().to(torch.float32, copy=True))
             self._refresh_param(p, state)
 
     def _refresh_param(self, p: torch.Tensor, state: dict) -> None:
@@ -215,7 +251,11 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
     @torch.no_grad()
     def _step_masked(self, agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
         """The step's work (no closure): every write masked by the device flag "all gradients finite",
-        and by ``agreed_ok`` too when given (e.g. O3's cross-rank agreement); returns the flag used."""
+        and by ``agreed_ok`` too when given (e.g. O3's cross-rank agreement); returns the flag used.
+
+        A fixed number of ops whatever the number of parameters (:meth:`_multi_tensor_step`), except for
+        block-scaled weights or gradients (recipes ``rowwise``/``blockwise``) and delayed state scaling, which take
+        the per-parameter paths."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for group in self.param_groups:
             for p in group["params"]:
@@ -224,10 +264,14 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         device = self._skipped_counter.device
         block_scaled = any(getattr(p, "block", None) is not None or getattr(p.grad, "block", None) is not None
                            for p in params)
-        if params and self._has_fused_step and not block_scaled and resolve_backend(self.kernel_backend, *params) == "triton":
+        delayed = any("master_amax" in self.state[p] for p in params)
+        if params and not block_scaled and not delayed:
+            ok = self._multi_tensor_step(params, agreed_ok)
+        elif (params and self._has_fused_step and not block_scaled
+              and resolve_backend(self.kernel_backend, *params) == "triton"):
             ok = self._fused_step(params, agreed_ok)
         else:
-            ok = grads_finite_flag(params).to(device)
+            ok = grads_finite_flag(params, self.kernel_backend).to(device)
             if agreed_ok is not None:
                 ok = ok & agreed_ok.to(device)
             for group in self.param_groups:
@@ -239,6 +283,136 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             discard_step_amaxes(self.scaling_module, keep=ok)
             update_scales(self.scaling_module, enabled=ok)
         return ok
+
+    # -- the multi-tensor step -------------------------------------------------------------------------------------
+    _bias_correction = False
+    """Whether :func:`fp8.optim.ops.prepare_states_` computes Adam's bias corrections for this optimizer."""
+
+    def _moment_count(self, group: dict) -> int:
+        """How many moments (``exp_avg``, ``exp_avg_sq`` slots of the ops) ``group``'s parameters keep."""
+        return len(self._moment_roles(group))
+
+    def _moment_keys(self, group: dict) -> tuple[str | None, str | None]:
+        """The state keys in the ops' ``exp_avg`` and ``exp_avg_sq`` slots (None: no such moment)."""
+        keys = list(self._moment_roles(group))
+        return (keys + [None, None])[0], (keys + [None, None])[1]
+
+    def _stage(self, stage: int, group: dict, lists: dict, ws: "_Workspace", rows: slice, backend: str,
+               tables: list[torch.Tensor] | None) -> None:
+        """Run update pass ``stage`` (1: amaxes and non-finite gradients; 2: writes) over one param group's
+        ``rows`` of ``lists`` (the per-row lists of :mod:`fp8.optim.ops`); subclasses run their op."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _state_args(lists: dict, rows: slice, ws: "_Workspace") -> tuple:
+        """The arguments a group's pass op takes after its gradients: the state lists, kinds, old scales and bias
+        corrections of ``rows``."""
+        return (*(lists[key][rows] for key in _STATE_LISTS), lists["kinds"][rows], ws.old[rows], ws.bc[rows])
+
+    def _multi_tensor_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None) -> torch.Tensor:
+        """The step as a fixed number of multi-tensor ops (:mod:`fp8.optim.ops`), whatever the number of parameters:
+        :func:`~fp8.optim.ops.prepare_states_` (old scales, bias corrections, zeroed amaxes, the skip flag from
+        ``agreed_ok``), one first pass per param group (amaxes of the new states; non-finite gradients raise the
+        skip flag), :func:`~fp8.optim.ops.state_scales_` (every new scale), one second pass per group (states,
+        masters and parameters written unless the step is skipped), and the "step taken" flag it returns. No host
+        sync; the moments, masters and parameters are updated in place."""
+        backend = op_backend(self.kernel_backend, params)
+        device = params[0].device
+        lists: dict[str, list] = {key: [] for key in (*_STATE_LISTS, "grads", "grad_scales", "kinds", "moments",
+                                                      "beta1", "beta2", "lr")}
+        groups = []
+        for group in self.param_groups:
+            start = len(lists["kinds"])
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._append_row(lists, p, group, device)
+            if len(lists["kinds"]) > start:
+                groups.append((group, slice(start, len(lists["kinds"]))))
+        ws = self._workspace(len(lists["kinds"]), device)
+        tables = self._device_tables(lists, groups, device) if backend == "triton" else None
+        state = [lists[key] for key in _STATE_LISTS]
+        ops.prepare_states_(lists["grad_scales"], *state, lists["kinds"], lists["moments"], lists["beta1"],
+                            lists["beta2"], lists["lr"], self._bias_correction,
+                            None if agreed_ok is None else agreed_ok.to(device=device, dtype=torch.bool).reshape(()),
+                            ws.old, ws.bc, ws.amax, ws.bad, backend=backend,
+                            tables=[] if tables is None else tables["all"])
+        for group, rows in groups:
+            self._stage(1, group, lists, ws, rows, backend, None if tables is None else tables[rows.start])
+        ops.state_scales_(*state, lists["kinds"], lists["moments"], ws.amax, ws.old, ws.new, backend=backend,
+                          tables=[] if tables is None else tables["all"])
+        for group, rows in groups:
+            self._stage(2, group, lists, ws, rows, backend, None if tables is None else tables[rows.start])
+        written = [p for p in params if isinstance(p, Float8Tensor)]
+        if written:  # the ops bumped the payloads' and scales' versions; the weights themselves, as copy_ would
+            torch.autograd.graph.increment_version(written)
+        return (ws.bad == 0).reshape(())
+
+    def _append_row(self, lists: dict, p: torch.Tensor, group: dict, device: torch.device) -> None:
+        """Add parameter ``p``'s row to the ops' ``lists``: its gradient, master (or itself), moments, the parameter
+        refreshed from the master, their scales, step count, kind and hyper-parameters; empty placeholders where it
+        has no such tensor."""
+        state = self.state[p]
+        empty = lambda: torch.empty(0, dtype=torch.float32, device=device)  # noqa: E731
+        parts = payload_and_scale(p.grad)
+        lists["grads"].append(parts[0] if parts is not None else p.grad)
+        lists["grad_scales"].append(parts[1] if parts is not None else empty())
+        if isinstance(p, Float8Tensor):
+            kind, weight, weight_scale = 2, state["master"], state["master_scale"]
+            param, param_scale = p.payload, p.scale
+        elif "master" in state:
+            kind, weight, weight_scale, param, param_scale = 1, state["master"], state["master_scale"], p.detach(), empty()
+        else:
+            kind, weight, weight_scale, param, param_scale = 0, p.detach(), empty(), empty(), empty()
+        m_key, v_key = self._moment_keys(group)
+        lists["weights"].append(weight)
+        lists["weight_scales"].append(weight_scale)
+        lists["params"].append(param)
+        lists["param_scales"].append(param_scale)
+        lists["exp_avgs"].append(state[m_key] if m_key else empty())
+        lists["exp_avg_scales"].append(state[f"{m_key}_scale"] if m_key else empty())
+        lists["exp_avg_sqs"].append(state[v_key] if v_key else empty())
+        lists["exp_avg_sq_scales"].append(state[f"{v_key}_scale"] if v_key else empty())
+        lists["steps"].append(state["step"])
+        lists["kinds"].append(kind)
+        lists["moments"].append(self._moment_count(group))
+        beta1, beta2 = group.get("betas", (0.0, 0.0))
+        lists["beta1"].append(float(beta1))
+        lists["beta2"].append(float(beta2))
+        lists["lr"].append(float(group["lr"]))
+
+    def _workspace(self, rows: int, device: torch.device) -> "_Workspace":
+        """The step's per-row scratch tensors (old scales, bias corrections, amaxes, new scales, the skip flag), kept
+        while the number of rows and the device stay (allocations only: no launch)."""
+        ws = self.__dict__.get("_step_workspace")
+        if ws is None or ws.rows != rows or ws.bad.device != device:
+            ws = self.__dict__["_step_workspace"] = _Workspace(rows, device)
+        return ws
+
+    def _device_tables(self, lists: dict, groups: list, device: torch.device) -> dict:
+        """The Triton launches' tables (:func:`fp8.kernels.triton_multi_tensor.state_table`): the whole step's
+        (``"all"``) and each group's (keyed by its first row), uploaded once and cached on the optimizer while no
+        state tensor moves (``_fused_adam_tables[0]``: ``(key, tables)``); only the gradients' addresses are
+        uploaded each step."""
+        from ..kernels import triton_multi_tensor as mt
+
+        scratch = self.__dict__.get("_step_scratch")
+        if scratch is None or scratch.device != device:
+            scratch = self.__dict__["_step_scratch"] = torch.ones(1, dtype=torch.float32, device=device)
+        rows, fmaxes = mt.state_table(*(lists[key] for key in _STATE_LISTS), lists["kinds"], lists["moments"],
+                                      scratch)
+        key = (tuple(map(tuple, rows)), tuple((r.start, r.stop) for _, r in groups))
+        cache = self.__dict__.setdefault("_fused_adam_tables", {})
+        cached = cache.get(0)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        table = mt.device_table(rows, torch.int64, device)
+        fmax = mt.device_table(fmaxes, torch.float32, device)
+        tables = {"all": [table, fmax]}
+        for _, r in groups:
+            blocks, _ = mt.block_table([row[9] for row in rows[r]], device)
+            tables[r.start] = [table[r], fmax[r], blocks]
+        cache[0] = (key, tables)
+        return tables
 
     _has_fused_step = False
 

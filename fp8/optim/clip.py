@@ -1,4 +1,7 @@
-"""``clip_grad_norm_`` over FP8 and high-precision gradients together."""
+"""``clip_grad_norm_`` over FP8 and high-precision gradients together, in a fixed number of ops whatever the number of
+gradients: the per-tensor norms by one ``torch._foreach_norm`` per payload dtype (FP8 payloads cast to FP16 first, in
+one multi-tensor op: exact), the clip by one ``torch._foreach_div_`` of the scaled gradients' scales and one
+``torch._foreach_mul_`` per dtype of the others (multi-tensor launches on CUDA)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,11 @@ from collections.abc import Iterable
 import torch
 
 from ..cast import payload_and_scale
+from ..formats import FP8_DTYPES
 from ..tensor import Float8Tensor
+from . import ops
 
-__all__ = ["clip_grad_norm_", "scale_grads_to_norm_", "tensor_norm"]
+__all__ = ["clip_grad_norm_", "scale_grads_to_norm_", "tensor_norm", "grad_norms"]
 
 
 def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -20,6 +25,53 @@ def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
         # The norm of payload / scale, without materialising the dequantized gradient twice.
         return torch.linalg.vector_norm(parts[0].to(torch.float32), norm_type) / parts[1]
     return torch.linalg.vector_norm(grad, norm_type).to(torch.float32)
+
+
+@torch.no_grad()
+def grad_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """``torch.stack([tensor_norm(g, norm_type) for g in grads])`` (fp32, the same values bit for bit), in a fixed
+    number of ops: one ``torch._foreach_norm`` per payload dtype (the norm of ``payload / scale`` is the payload's
+    norm divided by the scale), block-scaled FP8 gradients one by one (dequantized)."""
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    divisors: list[torch.Tensor | None] = [None] * len(grads)
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    fp8_payloads: list[tuple[int, torch.Tensor]] = []
+    for i, g in enumerate(grads):
+        if isinstance(g, Float8Tensor) and g.block is not None:
+            norms[i] = tensor_norm(g, norm_type)
+            continue
+        parts = payload_and_scale(g)  # a tensor-wise scaled gradient, FP8 or FP16
+        payload = parts[0] if parts is not None else g
+        divisors[i] = parts[1] if parts is not None else None
+        if payload.dtype in FP8_DTYPES:
+            fp8_payloads.append((i, payload))
+        else:
+            by_dtype.setdefault(payload.dtype, []).append((i, payload))
+    if fp8_payloads:  # FP8 has no norm kernel: FP16 holds every FP8 value exactly
+        empty = fp8_payloads[0][1].new_empty(0, dtype=torch.float32)
+        halves = ops.dequantize_grads([t for _, t in fp8_payloads], [empty] * len(fp8_payloads), torch.float16,
+                                backend=_backend([t for _, t in fp8_payloads]))
+        by_dtype.setdefault(torch.float16, []).extend((i, h) for (i, _), h in zip(fp8_payloads, halves))
+    for dtype, rows in by_dtype.items():
+        scaled = [(i, t) for i, t in rows if divisors[i] is not None]
+        plain = [(i, t) for i, t in rows if divisors[i] is None]
+        if scaled:  # the payloads' norms in fp32 (as vector_norm(payload.to(torch.float32)))
+            for (i, _), n in zip(scaled, torch._foreach_norm([t for _, t in scaled], norm_type, dtype=torch.float32)):
+                norms[i] = n
+        if plain:  # in the gradient's dtype, then fp32 (as vector_norm(grad).to(torch.float32))
+            for (i, _), n in zip(plain, torch._foreach_norm([t for _, t in plain], norm_type)):
+                norms[i] = n
+    if not any(d is not None for d in divisors):
+        return torch.stack(norms).to(torch.float32)
+    one = torch.ones((), dtype=torch.float32, device=norms[0].device)
+    return torch.stack(norms).to(torch.float32) / torch.stack([one if d is None else d.to(torch.float32)
+                                                              for d in divisors])
+
+
+def _backend(tensors: list[torch.Tensor]) -> str:
+    from .base import op_backend
+
+    return op_backend("auto", tensors)
 
 
 @torch.no_grad()
@@ -42,7 +94,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    norms = torch.stack([tensor_norm(g, float(norm_type)) for g in grads])
+    norms = grad_norms(grads, float(norm_type))
     total = torch.linalg.vector_norm(norms, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -55,11 +107,17 @@ def clip_grad_norm_(
 
 def scale_grads_to_norm_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
     """Multiply ``grads`` (whose global norm is ``total``) by ``min(1, max_norm / total)`` in place:
-    scaled gradients (FP8 or FP16) exactly, through their scale; others with an in-place multiply."""
+    scaled gradients (FP8 or FP16) exactly, through their scale (one ``torch._foreach_div_`` for all); others with an
+    in-place multiply (one ``torch._foreach_mul_`` per dtype)."""
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    scales, plain = [], {}
     for g in grads:
         parts = payload_and_scale(g)
         if parts is not None:
-            parts[1].div_(coef)
+            scales.append(parts[1])
         else:
-            g.mul_(coef.to(g.dtype))
+            plain.setdefault(g.dtype, []).append(g)
+    if scales:
+        torch._foreach_div_(scales, coef)
+    for dtype, tensors in plain.items():
+        torch._foreach_mul_(tensors, coef.to(dtype))

@@ -1,17 +1,14 @@
-"""The FP8 Adam/AdamW update as multi-tensor Triton kernels (CUDA; interpreter in tests): the optimizer-level
-driver (state layout, scales, tables) over the plain-tensor kernels of :mod:`fp8.kernels.triton_adam`.
+"""The FP8 Adam/AdamW update with opt-in delayed state scaling (``OptimizerPrecision(state_scaling="delayed")``) as
+multi-tensor Triton kernels (CUDA; interpreter in tests): the optimizer-level driver (state layout, scales, tables)
+over the plain-tensor kernels of :mod:`fp8.kernels.triton_adam`.
 
-:func:`fused_adam_step` does what :meth:`fp8.optim.base.FP8Optimizer.step`'s torch path does for
-:class:`fp8.optim.Adam`/``AdamW``, with the state layout of :mod:`fp8.optim.base`: per param group one
-stage-1 launch over all its tensors (amaxes of the new states, non-finite gradient flag), the new
-power-of-two scales computed on device for the whole group at once, then per group one stage-2 launch
-(payloads, scales and step counts written, masked by the flag). No host sync: the per-group tables of
-addresses are built on the host and uploaded without blocking (cached while the states stay in place),
-and only the gradients' addresses change from step to step. Results equal the torch path up to fp32
-rounding of the update math (fused multiply-adds); scales and skips are identical.
-
-With ``OptimizerPrecision(state_scaling="delayed")`` (opt-in) the parameters with a master take the
-single-pass kernel instead (:func:`_delayed_launch`; see ``docs/gpu.md``).
+The default, current state scaling runs :meth:`fp8.optim.FP8Optimizer._multi_tensor_step` (the custom ops of
+:mod:`fp8.optim.ops`, on every device). Here, with delayed state scaling, the parameters with a master take the
+single-pass kernel (:func:`_delayed_launch`; see ``docs/gpu.md``) and the fp32 parameters (their own master, current
+scaling) the two-stage kernels: per param group a fixed number of launches and device-side torch ops (scales computed
+for the whole group at once), no host sync. The per-group tables of addresses are built on the host and uploaded
+without blocking (cached while the states stay in place). Results equal the torch path up to fp32 rounding of the
+update math (fused multiply-adds); scales and skips are identical.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ gradient into its master's ``.grad``, runs the wrapped optimizer, re-quantizes t
 the updated masters (current power-of-two scale), frees the transient master gradients and closes
 the step for the model's delayed scaling states.
 
-A step whose gradients hold inf or NaN is skipped, decided on device where the wrapped optimizer allows
+The wrapper's own work is a fixed number of multi-tensor ops (:mod:`fp8.optim.ops`) whatever the number of FP8
+weights: one finiteness check over every gradient, one dequantization of the FP8 weights' gradients per master dtype,
+and the refresh (amaxes, then the casts); only block-scaled weights (recipes ``rowwise``/``blockwise``) are refreshed
+one by one. A step whose gradients hold inf or NaN is skipped, decided on device where the wrapped optimizer allows
 it (no host synchronisation): a fused ``torch.optim`` optimizer (``fused=True``: Adam, AdamW, SGD,
 Adagrad) takes the flag as its ``found_inf`` input and skips on device; any other optimizer whose states
 live on the parameters' device is stepped and then masked back (``torch.where`` over a copy of its
-parameters and states taken before the step, one transient copy). A step whose optimizer state is not
+parameters and states taken before the step, one transient copy; two ops for all of them). A step whose optimizer state is not
 created yet (torch creates it lazily on the first step), or whose states live on another device (torch's
 non-capturable Adam keeps ``step`` on the host), is decided on the host (one sync), as before.
 ``skipped_steps`` is a device counter, read (and new skips logged) when the host asks for it.
@@ -30,8 +33,9 @@ from torch import nn
 from ..cast import payload_and_scale
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
+from . import ops
 from .skipped import SkippedStepsCounter
-from .base import grads_finite_flag
+from .base import grads_finite_flag, op_backend
 
 logger = logging.getLogger(__name__)
 
@@ -104,22 +108,57 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
             elif fp8_weight.grad is not None:
                 fp8_weight.grad.zero_()
 
+    def _backend(self) -> str:
+        """The multi-tensor ops' backend: Triton where the FP8 weights are on CUDA (and Triton is installed)."""
+        return op_backend("auto", [w for _, w in self.pairs])
+
     @torch.no_grad()
     def _load_master_grads(self) -> None:
+        """Each master's ``.grad``: its FP8 weight's gradient in the master's dtype (one multi-tensor
+        :func:`fp8.optim.ops.dequantize_grads` per master dtype; a plain gradient already in it is taken as it is)."""
+        by_dtype: dict[torch.dtype, list] = {}
         for master, fp8_weight in self.pairs:
             grad = fp8_weight.grad
+            parts = payload_and_scale(grad) if grad is not None else None
             if grad is None:
                 master.grad = None
-            elif payload_and_scale(grad) is not None:  # a scaled gradient, FP8 or FP16
+            elif getattr(grad, "block", None) is not None:  # a grid of block scales
                 master.grad = grad.dequantize(master.dtype)
+            elif parts is None and grad.dtype == master.dtype:
+                master.grad = grad
             else:
-                master.grad = grad.to(master.dtype)
+                payload, scale = parts if parts is not None else (grad, grad.new_empty(0, dtype=torch.float32))
+                by_dtype.setdefault(master.dtype, []).append((master, payload, scale))
+        for dtype, rows in by_dtype.items():
+            grads = ops.dequantize_grads([r[1] for r in rows], [r[2] for r in rows], dtype, backend=self._backend())
+            for (master, _, _), grad in zip(rows, grads):
+                master.grad = grad
 
     @torch.no_grad()
     def refresh_fp8_weights(self) -> None:
-        """Re-quantize every FP8 weight from its master (current power-of-two scale)."""
+        """Re-quantize every FP8 weight from its master (current power-of-two scale), as ``fp8_weight.copy_(master)``
+        would: a zeroed amax buffer, one multi-tensor amax (:func:`fp8.optim.ops.amaxes_`) and one multi-tensor cast
+        (:func:`fp8.optim.ops.quantize_weights_`) for all tensor-wise weights; block-scaled ones one by one; high-precision
+        weights by one ``torch._foreach_copy_``."""
+        tensorwise, plain = [], []
         for master, fp8_weight in self.pairs:
-            fp8_weight.copy_(master)
+            if not isinstance(fp8_weight, Float8Tensor):  # a high-precision weight (Megatron's BF16 training)
+                plain.append((master.detach(), fp8_weight.detach()))
+            elif fp8_weight.block is None:
+                tensorwise.append((master.detach(), fp8_weight))
+            else:
+                fp8_weight.copy_(master)
+        if plain:
+            torch._foreach_copy_([w for _, w in plain], [m for m, _ in plain])
+        if not tensorwise:
+            return
+        masters = [m for m, _ in tensorwise]
+        weights = [w for _, w in tensorwise]
+        backend = self._backend()
+        amax = torch.zeros(len(masters), dtype=torch.float32, device=masters[0].device)
+        ops.amaxes_(masters, amax, backend=backend)
+        ops.quantize_weights_(masters, amax, [w.payload for w in weights], [w.scale for w in weights], backend=backend)
+        torch.autograd.graph.increment_version(weights)  # the op bumped payloads and scales; the weights, as copy_
 
     # -- the step ---------------------------------------------------------------------------------
     def _fused_found_inf(self) -> bool:
@@ -152,7 +191,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 loss = closure()
         device = self._skipped_counter.device
         params = [w for _, w in self.pairs] + [p for g in self.optimizer.param_groups for p in g["params"]]
-        ok = grads_finite_flag(params).to(device)
+        ok = grads_finite_flag(params).to(device)  # one multi-tensor check
         self._load_master_grads()
         stepped = self._stepped()
         if self._fused_found_inf():
@@ -192,24 +231,34 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 opt.found_inf = previous
 
     def _masked_step(self, stepped: list[torch.Tensor], ok: torch.Tensor) -> None:
-        """Step, then keep the old parameters and states where ``ok`` is not set (on device)."""
-        before = [(p, p.detach().clone(), dict(self.optimizer.state[p])) for p in stepped]
-        saved = {id(v): v.clone() for _, _, state in before for v in state.values() if isinstance(v, torch.Tensor)}
+        """Step, then keep the old parameters and states where ``ok`` is not set (on device): one multi-tensor copy
+        before the step (:func:`fp8.optim.ops.clone_tensors`), one multi-tensor restore after it
+        (:func:`fp8.optim.ops.restore_unless_`)."""
+        backend = self._backend()
+        before = [(p, dict(self.optimizer.state[p])) for p in stepped]
+        originals: dict[int, torch.Tensor] = {}
+        for p, state in before:
+            originals.setdefault(id(p), p.detach())
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    originals.setdefault(id(v), v)
+        copies = dict(zip(originals, ops.clone_tensors(list(originals.values()), backend=backend)))
         self.optimizer.step()
-        for p, old_value, old_state in before:
-            p.detach().copy_(torch.where(ok, p.detach(), old_value))
+        targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for p, old_state in before:
+            targets.setdefault(id(p), (p.detach(), copies[id(p)]))
             state = self.optimizer.state[p]
             for key, old in old_state.items():
                 if not isinstance(old, torch.Tensor):
                     continue
-                new = state.get(key)
+                new, saved = state.get(key), copies[id(old)]
                 if new is None:
                     continue
-                kept = torch.where(ok, new, saved[id(old)])
-                if new is old:  # updated in place: keep the object, restore its values
-                    new.copy_(kept)
+                if new.shape == saved.shape and new.dtype == saved.dtype and new.device == saved.device:
+                    targets.setdefault(id(new), (new, saved))  # restored in place (a replaced state: the new tensor)
                 else:
-                    state[key] = kept
+                    state[key] = torch.where(ok, new, saved)
+        ops.restore_unless_([t for t, _ in targets.values()], [s for _, s in targets.values()], ok, backend=backend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of high-precision parameters to the wrapped optimizer."""

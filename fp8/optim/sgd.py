@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .base import FP8Optimizer
 from .precision import OptimizerPrecision
 
@@ -45,13 +46,21 @@ class SGD(FP8Optimizer):
                          kernel_backend=kernel_backend)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
-        momentum, dampening = group["momentum"], group["dampening"]
-        if group["weight_decay"]:
-            g = g.add(w, alpha=group["weight_decay"])
+        momentum = group["momentum"]
+        previous = self._load(state, "momentum_buffer") if momentum else None
+        # First step: the buffer starts as the gradient itself (torch semantics).
+        buf = ops.sgd_update(w, g, previous, state["step"] == 1, lr=group["lr"], momentum=momentum,
+                             dampening=group["dampening"], weight_decay=group["weight_decay"],
+                             nesterov=group["nesterov"])
         if momentum:
-            previous = self._load(state, "momentum_buffer")
-            # First step: the buffer starts as the gradient itself (torch semantics).
-            buf = torch.where(state["step"] == 1, g, previous.mul_(momentum).add_(g, alpha=1 - dampening))
             self._store(state, "momentum_buffer", "exp_avg", buf, delayed=delayed)
-            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
-        w.add_(g, alpha=-group["lr"])
+
+    def _stage(self, stage, group, lists, ws, rows, backend, tables) -> None:
+        args = self._state_args(lists, rows, ws)
+        hyper = dict(lr=float(group["lr"]), momentum=group["momentum"], dampening=group["dampening"],
+                     weight_decay=group["weight_decay"], nesterov=bool(group["nesterov"]),
+                     maximize=bool(group.get("maximize", False)), tables=tables or [], backend=backend)
+        if stage == 1:
+            ops.sgd_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
+        else:
+            ops.sgd_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper)

@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Collectives, CommBytesCounter, require_process_group
-from ..distributed.gather import start_owner_gather
+from ..formats import byte_view
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_finite_flag
-from .clip import scale_grads_to_norm_, tensor_norm
+from .clip import grad_norms, scale_grads_to_norm_
 from .convert import converted_arguments
 from .partition import ParamPartition, partition_by_size
 from .precision import OptimizerPrecision
 from .sgd import SGD
 
 __all__ = [
-    "ExpertOwners",
+    "ExpertOwners", "start_owner_gather",
     "ShardedFP8Optimizer", "ShardedAdam", "ShardedAdamW", "ShardedSGD", "convert_to_sharded",
 ]
 
@@ -48,6 +48,46 @@ def _normalize_groups(params) -> list[dict[str, Any]]:
         group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         out.append(group)
     return out
+
+
+def start_owner_gather(tensors: list[torch.Tensor], owners: list[int], comm: Collectives, tag: str) -> Callable[[], None]:
+    """Issue the all-gather that copies each tensor (plain, one dtype, contiguous) from its owner ``owners[i]`` into
+    every rank's ``tensors[i]``; returns the function that waits and writes them. The semantics (and bytes on the wire)
+    of :func:`fp8.distributed.gather.start_owner_gather`, in a fixed number of ops whatever the number of tensors: the
+    rank's own tensors packed by one multi-tensor copy into the zeroed send buffer (one flat buffer per rank, padded
+    to the largest rank's share), the others' unpacked by one after the wait (``torch._foreach_copy_``, FP8 as bytes)."""
+    if not tensors:
+        return lambda: None
+    world, rank = comm.world_size, comm.rank
+    loads = [0] * world
+    for t, owner in zip(tensors, owners):
+        loads[owner] += t.numel()
+    shard = max(loads)
+    send = torch.zeros(shard, dtype=tensors[0].dtype, device=tensors[0].device)
+    flat = [byte_view(t.detach()).view(-1) for t in tensors]
+    mine = [f for f, owner in zip(flat, owners) if owner == rank]
+    if mine:
+        sizes = [f.numel() for f in mine]
+        torch._foreach_copy_(list(byte_view(send).split([*sizes, shard - sum(sizes)]))[:len(mine)], mine)
+    output = torch.empty(shard * world, dtype=send.dtype, device=send.device)
+    work = comm.all_gather(output, send, tag=tag)
+
+    @torch.no_grad()
+    def finish() -> None:
+        work.wait()
+        received = byte_view(output)
+        cursor = [r * shard for r in range(world)]
+        destinations, sources = [], []
+        for f, owner in zip(flat, owners):
+            start = cursor[owner]
+            cursor[owner] += f.numel()
+            if owner != rank:
+                destinations.append(f)
+                sources.append(received[start: start + f.numel()])
+        if destinations:
+            torch._foreach_copy_(destinations, sources)
+
+    return finish
 
 
 class ShardedFP8Optimizer(FP8Optimizer):
@@ -232,15 +272,15 @@ class ShardedFP8Optimizer(FP8Optimizer):
             raise ValueError(f"O3 clips with norm_type 2 or inf, got {norm_type}")
         grads = [p.grad for p in self.owned_params if p.grad is not None]
         # Partial norms live on the parameters' device (the process group's: CUDA for NCCL), also on a rank
-        # that owns no gradient this step; the all-reduce then needs no host copy.
+        # that owns no gradient this step; the all-reduce then needs no host copy. A fixed number of ops (grad_norms).
         device = self._skipped_counter.device
-        norms = [tensor_norm(g, float(norm_type)).to(device) for g in grads]
+        norms = grad_norms(grads, float(norm_type)).to(device) if grads else None
         if norm_type == 2.0:
-            local = torch.stack([n.square() for n in norms]).sum() if norms else torch.zeros((), device=device)
+            local = norms.square().sum() if norms is not None else torch.zeros((), device=device)
             self._comm.all_reduce(local, tag="grad norm").wait()
             total = local.sqrt()
         else:
-            local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+            local = norms.max() if norms is not None else torch.zeros((), device=device)
             self._comm.all_reduce(local, op=dist.ReduceOp.MAX, tag="grad norm").wait()
             total = local
         scale_grads_to_norm_(grads, total, max_norm)
