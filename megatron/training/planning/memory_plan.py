@@ -111,7 +111,8 @@ Mixture of experts (``num_experts``: every MLP is megatron-core's ``MoELayer``, 
 the router (E x h, plus E biases with ``add_bias_linear``; high precision, replicated over TP), this rank's E / EP
 routed experts, each an MLP of ``moe_ffn_hidden_size`` split by TP (expert-TP = TP; expert linears have no collective
 of their own, so no reduce-scatter state), the shared expert (an MLP of ``moe_shared_expert_intermediate_size`` split
-by TP). With EP > 1 the routed experts' model state is planned over their own group, the expert-data-parallel group
+by TP; with ``moe_grouped_gemm`` also each tensorwise FP8 projection's two delayed-scaling states, which
+``FP8GroupedMLP`` casts all local experts' rows with). With EP > 1 the routed experts' model state is planned over their own group, the expert-data-parallel group
 of DP / EP ranks (gradient reduction, O3 ownership by ``whole_tensor_partition``, the O3 weight all-gather, the
 accumulation window; one rank in the group: the sum over micro-batches is the step's gradient), the rest over DP;
 data-parallel rank d is expert-data-parallel rank d // EP. Activations per MoE layer (megatron-core 0.16 without
@@ -565,8 +566,14 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
             tensors.append(_Tensor(f"{p}.mlp.router.weight", cfg.num_experts * h, False))
             if bias:
                 tensors.append(_Tensor(f"{p}.mlp.router.bias", cfg.num_experts, False))
+            first = len(tensors)
             for e in range(cfg.num_experts // cfg.expert_model_parallel_size):
                 mlp(f"{p}.mlp.experts.local_experts.{e}", cfg.moe_ffn_hidden_size, expert=True)
+            if cfg.moe_grouped_gemm:  # FP8GroupedMLP's own delayed-scaling states of a tensorwise FP8 projection
+                for fc in ("linear_fc1", "linear_fc2"):
+                    w = next((t for t in tensors[first:] if t.name.endswith(f"{fc}.weight")), None)
+                    if w is not None and w.fp8 and _recipe(cfg, w.rows, w.cols) == "tensorwise":
+                        tensors.append(_Tensor(f"{p}.mlp.experts.{fc}{_GROUPED_STATES}", 0, False, expert=True))
             if cfg.moe_shared_expert_intermediate_size is not None:
                 mlp(f"{p}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
     if stage == pp - 1:
@@ -646,6 +653,10 @@ def whole_tensor_partition(sizes: list[int], world_size: int) -> tuple[list[int]
     return owners, loads
 
 
+_GROUPED_STATES = ".grouped_scaling_states"
+"""Name suffix of the no-element entry standing for a grouped projection's two scaling states (``moe_grouped_gemm``:
+:class:`megatron.training.moe_grouped.FP8GroupedMLP` casts all local experts' rows with one state per projection)."""
+
 _SCATTER_STATE_BYTES = 4 * 16 + 4 + 1
 """A sequence-parallel FP8 reduce-scatter's current-scaling state (fp8.parallel's ``_scatter_scaling``:
 amax history of the default 16 fp32 + scale + flag), one per FP8 linear with SP and TP > 1."""
@@ -666,6 +677,9 @@ def _group_state(cfg: PlannerConfig, tensors: list[_Tensor], dp: int
     owned = [dict.fromkeys(STATE_CATEGORIES, 0) for _ in range(dp if sharded else 1)]  # O2/O3: by the owner
     for t, owner in zip(tensors, owners):
         n, mine = t.numel, owned[owner]
+        if t.name.endswith(_GROUPED_STATES):  # input and output-gradient scaling states, on every rank
+            out["fp8_scaling_metadata"] += 2 * (4 * cfg.fp8_amax_history_len + 4 + 1)
+            continue
         if t.fp8:
             out["weights"] += n
             scales = _weight_scale_bytes(cfg, t)
