@@ -44,13 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scales_constant_along
 from .cast import payload_and_scale
 from .formats import E5M2
 from .kernels.backend import triton_available
 
 __all__ = [
-    "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
+    "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
     "scaled_mm_problem", "scaled_mm_call_problem", "GEMM_BACKENDS",
 ]
 
@@ -191,6 +192,11 @@ def gemm_path(
                 return GemmPath(SCALED_MM_ROWWISE, "scales constant along K")
             return GemmPath(SCALED_MM_ROWWISE_EPILOGUE, f"scales constant along K; {output_problem}: tensor-wise "
                                                         f"GEMM writing fp32, row/column scales applied after")
+    elif target.kind == "cpu" and backend == "scaled_mm":
+        # The block GEMM's own reference (fp8.ops.block_mm): the GPU's kernel sequence, where CPU _scaled_mm has none.
+        problem = _block_operands_problem(a, a_block, b, b_block)
+        if problem is None:
+            return GemmPath(TRITON_BLOCK, f"block scales {a_block} x {b_block} vary along K (fp8.ops.block_mm)")
     elif target.kind == "cuda":
         problem = _block_operands_problem(a, a_block, b, b_block)
         if problem is None and not target.triton:
@@ -252,23 +258,85 @@ def _col_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
-def _emulated_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 out_dtype: torch.dtype, a_block: Block | None = None, b_block: Block | None = None) -> torch.Tensor:
-    return torch.mm(dequantize_blocks(a, a_scale, a_block), dequantize_blocks(b, b_scale, b_block)).to(out_dtype)
+@dataclass(frozen=True)
+class Operand:
+    """One FP8 GEMM operand: the payload as the GEMM reads it (any strides), its ``scale_inv`` (``value = payload *
+    scale_inv``: 0-d, or a grid of ``block``s of ``data``'s orientation, :mod:`fp8.blocks`) and ``block`` (None:
+    tensor-wise)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: Block | None = None
+
+    @property
+    def t(self) -> "Operand":
+        """The transposed operand (views only)."""
+        scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
+        return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]))
 
 
-def _outer_scales(a, a_scale, a_block, b, b_scale, b_block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise dequantization scales ``(M, 1)`` and ``(1, N)`` of operands whose scales are constant along K."""
-    m, n = a.shape[0], b.shape[1]
-    if is_tensorwise(a_block):
-        sa = a_scale.reshape(1, 1).expand(m, 1)
-    else:
-        sa = expand_scales(a_scale, a_block, tuple(a.shape))[:, :1]
-    if is_tensorwise(b_block):
-        sb = b_scale.reshape(1, 1).expand(1, n)
-    else:
-        sb = expand_scales(b_scale, b_block, tuple(b.shape))[:1, :]
-    return sa.reciprocal().contiguous(), sb.reciprocal().contiguous()
+def _dequantized(op: Operand) -> torch.Tensor:
+    if is_tensorwise(op.block):
+        return op.data.to(torch.float32) * op.scale_inv.to(torch.float32)
+    return op.data.to(torch.float32) * expand_scales(op.scale_inv, op.block, tuple(op.data.shape))
+
+
+def _outer(op: Operand, rows: bool) -> torch.Tensor:
+    """A scale-constant-along-K operand's ``scale_inv`` as ``_scaled_mm``'s row-wise ``(M, 1)`` (``rows``) or
+    ``(1, N)`` tensor."""
+    m = op.data.shape[0] if rows else op.data.shape[1]
+    shape = (m, 1) if rows else (1, m)
+    if is_tensorwise(op.block):
+        return op.scale_inv.reshape(1, 1).expand(*shape).contiguous()
+    scale = op.scale_inv.reshape(shape)  # per-row grids are (M, 1), per-column (1, N): their own layout
+    return scale if scale.is_contiguous() else scale.contiguous()
+
+
+_UNIT: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 one on ``device``, made once (a fresh one would be a fill kernel per GEMM)."""
+    if device not in _UNIT:
+        _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _UNIT[device]
+
+
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.float32, backend: str = "auto",
+       target: GemmTarget | None = None, defer_scales: bool = False):
+    """``a @ b`` of FP8 operands (``a`` M x K, ``b`` K x N), fp32 accumulation, in ``out_dtype``: the path
+    :func:`gemm_path` decides, one launch on the hardware paths (``torch._scaled_mm`` with the operands' ``scale_inv``;
+    :func:`fp8.ops.block_mm`). With ``defer_scales`` returns ``(out, row, col)``: on the row-wise epilogue path
+    (CUDA row-wise GEMMs writing fp32) ``out`` is the fp32 product of the payloads and ``row`` ``(M, 1)`` / ``col``
+    ``(1, N)`` the scales still to apply (the caller fuses them into its next kernel); elsewhere ``row = col = None``.
+    ``target``: as :func:`fp8_mm_payload`'s."""
+    target = target or GemmTarget.of(a.data.device)
+    choice = gemm_path(a.data, b.data, out_dtype, target, backend, a.block, b.block)
+    out, row, col = _run(choice, a, b, out_dtype, backend, target, defer_scales)
+    return (out, row, col) if defer_scales else out
+
+
+def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, defer_scales):
+    if choice.path == EMULATED:
+        if backend == "scaled_mm":
+            raise ValueError(f"fp8_mm(backend='scaled_mm'): {choice.reason}; use backend='auto' or 'emulated'")
+        if backend == "auto" and target.kind != "cpu":
+            _log_fallback(choice.reason)
+        return torch.mm(_dequantized(a), _dequantized(b)).to(out_dtype), None, None
+    if choice.path == TRITON_BLOCK:
+        return ops.block_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype), None, None
+    lhs = a.data if _row_major(a.data) else a.data.contiguous()
+    rhs = b.data if _col_major(b.data) else b.data.t().contiguous().t()
+    if choice.path == SCALED_MM_TENSORWISE:
+        return _scaled_mm(lhs, rhs, a.scale_inv, b.scale_inv, out_dtype, target), None, None
+    sa, sb = _outer(a, rows=True), _outer(b, rows=False)
+    if choice.path == SCALED_MM_ROWWISE:
+        return _scaled_mm(lhs, rhs, sa, sb, out_dtype, target), None, None
+    unit = _unit(a.data.device)
+    out = _scaled_mm(lhs, rhs, unit, unit, torch.float32, target)
+    if defer_scales:
+        return out, sa, sb
+    return ops.apply_scales(out, sa, sb, out_dtype), None, None
 
 
 def _scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, target: GemmTarget) -> torch.Tensor:
@@ -279,18 +347,8 @@ def _scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, target: GemmTarget) -> t
     return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-def _hardware_mm(path, a, a_scale, a_block, b, b_scale, b_block, out_dtype, target) -> torch.Tensor:
-    """Run one of the ``scaled_mm_*`` paths (module docstring) with ``a`` row-major and ``b`` column-major."""
-    lhs = a if _row_major(a) else a.contiguous()
-    rhs = b if _col_major(b) else b.t().contiguous().t()
-    if path == SCALED_MM_TENSORWISE:
-        return _scaled_mm(lhs, rhs, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype, target)
-    sa, sb = _outer_scales(a, a_scale, a_block, b, b_scale, b_block)
-    if path == SCALED_MM_ROWWISE:
-        return _scaled_mm(lhs, rhs, sa, sb, out_dtype, target)
-    one = torch.ones((), dtype=torch.float32, device=a.device)
-    out = _scaled_mm(lhs, rhs, one, one, torch.float32, target)
-    return out.mul_(sa).mul_(sb).to(out_dtype)
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    return scale.to(torch.float32).reciprocal()
 
 
 def fp8_mm_payload(
@@ -304,28 +362,17 @@ def fp8_mm_payload(
     b_block: Block | None = None,
     target: GemmTarget | None = None,
 ) -> torch.Tensor:
-    """:func:`fp8_mm` on plain FP8 payloads (``torch.float8_*`` tensors, ``a_payload`` M x K and
-    ``b_payload`` K x N) and their 0-d fp32 scales (value = payload / scale): same rules, same
-    fallback, same errors, same bits. Taking plain tensors (no :class:`Float8Tensor` built or
-    unwrapped) keeps callers free of graph breaks under ``torch.compile``; the FP8 linear calls it
-    inside its autograd function. ``a_block``/``b_block`` give the block of a scale grid (module docstring).
+    """:func:`fp8_mm` on plain FP8 payloads (``torch.float8_*`` tensors, ``a_payload`` M x K and ``b_payload`` K x N)
+    and their fp32 scales (``value = payload / scale``: 0-d, or grids of ``a_block``/``b_block``, module docstring):
+    :func:`mm` on their :class:`Operand` (the reciprocals taken here). Same rules, same fallback, same errors.
 
     The path is :func:`gemm_path`'s for ``target`` (default: the operands' device). Another ``target`` is for
     audits and tests: the chosen path runs on the operands' own device, so it must be able to run there (e.g.
     ``meta`` operands with a CUDA target replay the CUDA ``_scaled_mm`` calls against torch's ``meta`` kernel)."""
-    target = target or GemmTarget.of(a_payload.device)
-    choice = gemm_path(a_payload, b_payload, out_dtype, target, backend, a_block, b_block)
-    if choice.path == EMULATED:
-        if backend == "scaled_mm":
-            raise ValueError(f"fp8_mm(backend='scaled_mm'): {choice.reason}; use backend='auto' or 'emulated'")
-        if backend == "auto" and target.kind != "cpu":
-            _log_fallback(choice.reason)
-        return _emulated_mm(a_payload, a_scale, b_payload, b_scale, out_dtype, a_block, b_block)
-    if choice.path == TRITON_BLOCK:
-        from .kernels.triton_block_gemm import block_mm
-
-        return block_mm(a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype)
-    return _hardware_mm(choice.path, a_payload, a_scale, a_block, b_payload, b_scale, b_block, out_dtype, target)
+    a_block = None if is_tensorwise(a_block) else a_block
+    b_block = None if is_tensorwise(b_block) else b_block
+    return mm(Operand(a_payload, _inverse(a_scale), a_block), Operand(b_payload, _inverse(b_scale), b_block),
+              out_dtype, backend, target)
 
 
 def fp8_mm(

@@ -38,21 +38,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .blocks import dequantize_blocks, quantize_to_blocks, transpose_block
-from .cast import quantize
+from . import ops
 from .formats import get_format
-from .gemm import GEMM_BACKENDS, GemmTarget, fp8_mm_payload, gemm_path
+from .gemm import GEMM_BACKENDS, Operand, mm
 from .kernels.backend import KERNEL_BACKENDS
 from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
-from .scaled_fp16 import to_scaled_fp16
+from .scaled_fp16 import ScaledFloat16Tensor
 from .scaling import ScalingConfig, ScalingState
-from .tensor import Float8Tensor, cached_operand, to_float8
+from .tensor import Float8Tensor, to_float8
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "fp8_dims_problem",
-    "GRAD_ACCUMULATION", "weight_grad",
+    "GRAD_ACCUMULATION", "weight_grad", "group_bounds", "Groups", "linear_forward", "linear_backward",
 ]
 
 GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")
@@ -111,7 +110,7 @@ class Float8LinearConfig:
     def for_dims(self, in_features: int, out_features: int, name: str = "") -> "Float8LinearConfig":
         """This config for a linear of these dimensions: ``blockwise`` on dimensions that are not multiples of
         :data:`fp8.recipes.BLOCKWISE_TILE` falls back to ``tensorwise`` for that layer (logged)."""
-        if self.recipe == "blockwise" and (in_features % BLOCKWISE_TILE or out_features % BLOCKWISE_TILE):
+        if self.recipe_spec.blockwise and (in_features % BLOCKWISE_TILE or out_features % BLOCKWISE_TILE):
             logger.info("fp8: %s (in_features=%d, out_features=%d) cannot tile in %dx%d blocks; it runs the "
                         "tensorwise recipe", name or "a linear", in_features, out_features, BLOCKWISE_TILE,
                         BLOCKWISE_TILE)
@@ -165,31 +164,39 @@ def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
     return None
 
 
-def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype: torch.dtype) -> torch.Tensor:
-    """The gradient an FP8 weight receives from one backward, given the weight-gradient GEMM's fp32 output:
-    a fresh scaled FP16 buffer under ``grad_accumulation="fp16"`` (:func:`fp8.scaled_fp16.to_scaled_fp16`; autograd
-    adds the next micro-batches into it in place), that output itself under ``"fp32"`` (autograd sums
-    micro-batches in fp32), an E4M3 :class:`Float8Tensor` with a current scale under ``"fp8"``."""
+def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype: torch.dtype,
+                row: torch.Tensor | None = None, col: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient an FP8 weight receives from one backward, given the weight-gradient GEMM's fp32 output (times
+    ``row`` ``(M, 1)`` and ``col`` ``(1, N)`` where the GEMM left its row-wise scales to apply, :func:`fp8.gemm.mm`):
+    a fresh scaled FP16 buffer under ``grad_accumulation="fp16"`` (:func:`fp8.ops.amax` then
+    :func:`fp8.ops.scaled_fp16`, the scales applied inside: two kernels; autograd adds the next micro-batches into it
+    in place), that output itself under ``"fp32"`` (autograd sums micro-batches in fp32), an E4M3
+    :class:`Float8Tensor` with a current scale under ``"fp8"``."""
+    if config.grad_accumulation == "fp16":
+        amax2 = ops.amax(grad_w32, row, col)
+        payload, scale = ops.scaled_fp16(grad_w32, amax2, row, col)
+        return ScaledFloat16Tensor(payload, scale, weight_dtype, config.accumulate_backend)
+    if row is not None or col is not None:
+        grad_w32 = ops.apply_scales(grad_w32, row, col, torch.float32)
     if config.grad_accumulation == "fp32":
         return grad_w32
-    if config.grad_accumulation == "fp16":
-        return to_scaled_fp16(grad_w32, dtype=weight_dtype, accumulate_backend=config.accumulate_backend)
     return to_float8(grad_w32, config.weight_grad_fmt, dtype=weight_dtype, accumulate_backend=config.accumulate_backend,
                      block=config.recipe_spec.weight)
 
 
 @dataclass(frozen=True)
 class LinearHooks:
-    """Communication around :class:`Float8LinearFunction`'s GEMMs (the tensor/sequence-parallel linears';
-    :class:`Float8Linear` uses none). Each hook is optional; without one the step is skipped.
+    """Communication around the FP8 linear core's GEMMs (the tensor/sequence-parallel linears'; :class:`Float8Linear`
+    uses none). Each hook is optional; without one the step is skipped. Scales travel as ``scale_inv`` (``value =
+    payload * scale_inv``, what the GEMMs take).
 
-    - ``gather_input(payload, scale)``: the E4M3 input payload (rows) and its scale (0-d, agreed over the group,
-      or a grid of per-row / per-tile scales) -> the gathered ``(payload, scale)`` the forward GEMM reads
+    - ``gather_input(payload, scale_inv)``: the E4M3 input payload (rows) and its ``scale_inv`` (0-d, agreed over the
+      group, or a grid of per-row / per-tile values) -> the gathered ``(payload, scale_inv)`` the forward GEMM reads
       (sequence-parallel all-gather).
     - ``reduce_output(out32, dtype, record)``: the forward GEMM's fp32 output -> the reduced output in
       ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32, without it ``dtype``.
-    - ``gather_grad_output(payload, scale)``: the output-gradient payload and scale -> the gathered
-      ``(payload, scale)`` (the backward counterpart of a reduce-scatter of the output).
+    - ``gather_grad_output(payload, scale_inv)``: the output-gradient payload and ``scale_inv`` -> the gathered
+      ``(payload, scale_inv)`` (the backward counterpart of a reduce-scatter of the output).
     - ``reduce_grad_input(dx32, dtype)``: the input-gradient GEMM's fp32 output -> the reduced input
       gradient in ``dtype`` (all-reduce, or FP8 reduce-scatter). With it the GEMM writes fp32.
     """
@@ -204,13 +211,160 @@ NO_HOOKS = LinearHooks()
 """The hooks of a single-process linear: no communication."""
 
 
+# -- the one autograd core: dense, tensor-parallel (hooks) and grouped (experts) linears --------------------------------
+def _rows(op: Operand, start: int, end: int) -> Operand:
+    """Rows ``start:end`` of a row-wise operand (its per-row / per-tile scales with them)."""
+    scale = op.scale_inv if op.scale_inv.dim() == 0 else op.scale_inv[start:end]
+    return Operand(op.data[start:end], scale, op.block)
+
+
+def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config, record, dtype, hooks, groups):
+    """The FP8 linear's forward for one weight (``groups`` None) or one weight per group of rows (:class:`Groups`):
+    the input quantized once (its column-wise operand too, from the same read, where the weight gradient will need it
+    and the rows are not gathered), one FP8 GEMM per weight."""
+    for w in weights:
+        if not isinstance(w, Float8Tensor):
+            raise TypeError("an FP8 linear's weight must be a Float8Tensor; assign through fp8.to_float8")
+    recipe = config.recipe_spec
+    quantizers = recipe.make_quantizers(input_state, grad_output_state, config.weight_fmt)
+    backend = config.gemm_backend
+    x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+    grouped = groups is not None
+    sizes = groups.sizes if grouped else None
+    gathered = hooks.gather_input is not None
+    wgrad = any(ctx.needs_input_grad[i] for i in ctx.weight_inputs)
+    columnwise = wgrad and not gathered and not grouped
+    key = (recipe.name, input_state.config if recipe.tensorwise else None, x2d.dtype, columnwise)
+    if gathered:
+        rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
+        data, scale_inv = hooks.gather_input(rows.data, rows.scale_inv)
+        rows = Operand(data, scale_inv, rows.block)
+    elif grouped:
+        rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
+    else:
+        rows, cols = _shared_cast(x, key, lambda: quantizers.input.quantize(x2d, record, columnwise),
+                                  input_state.amax_history if recipe.tensorwise else None)
+    gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
+    ctx.fp8_weights = None if torch.compiler.is_compiling() else list(weights)
+    if not grouped:
+        w = weights[0]
+        out = mm(rows, quantizers.weight.forward_b(w.payload, w.scale, w, backend), gemm_dtype, backend)
+    else:
+        out = groups.forward_gemm(rows, weights, sizes, groups.offsets, quantizers.weight, gemm_dtype, backend,
+                                  ctx.fp8_weights)
+    if hooks.reduce_output is not None:
+        out = hooks.reduce_output(out, dtype, record)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    group_cols = []
+    if grouped and wgrad and quantizers.input.per_token:
+        # per-token scales: each group's column-wise operand from its high-precision rows, as a linear of its own
+        # would make it (no second rounding of the FP8 rows)
+        group_cols = [quantizers.input.columnwise(x2d[start:end]) if end > start else None
+                      for start, end in group_bounds(sizes)]
+    saved = cols if cols is not None else rows  # the weight gradient's operand, or the rows it is made from
+    kept = [c for c in group_cols if c is not None]
+    if kept:
+        saved = Operand(saved.data.new_empty((0, 0)), saved.scale_inv.new_empty((0,)), saved.block)
+    ctx.save_for_backward(saved.data, saved.scale_inv, *(w.payload for w in weights), *(w.scale for w in weights),
+                          *(c.data for c in kept), *(c.scale_inv for c in kept))
+    ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, len(weights)
+    ctx.group_cols = [c is not None for c in group_cols]
+    ctx.group_cols_block = kept[0].block if kept else None
+    ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes = quantizers, config, hooks, sizes
+    ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+    ctx.weight_dtypes = [w.dtype for w in weights]
+    return out
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Rows of a grouped linear (MoE experts, rows sorted by group): ``sizes`` the groups' row counts on the host,
+    ``offsets`` their cumulative ends on the device (int32), ``forward_gemm`` the forward GEMM of all groups
+    ``(rows, weights, sizes, offsets, weight_quantizer, out_dtype, backend, held) -> out`` (:mod:`fp8.grouped_gemm`
+    passes its own: ``torch._scaled_grouped_mm`` where it runs, one GEMM per group elsewhere)."""
+
+    sizes: list[int]
+    offsets: torch.Tensor | None
+    forward_gemm: Callable
+
+
+def group_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """``[(start, end)]`` row ranges of groups of these sizes, in order."""
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def linear_backward(ctx, grad_out):
+    """The FP8 linear's backward: the output gradient quantized once (its column-wise operand from the same read
+    where the rows are not gathered), ``dX = dY @ W`` and ``dW = dY^T @ X`` in FP8 per weight; the weight gradients
+    held per ``grad_accumulation`` (:func:`weight_grad`)."""
+    saved_data, saved_scale, *wt = ctx.saved_tensors
+    n = ctx.n_weights
+    payloads, scales, kept = wt[:n], wt[n:2 * n], wt[2 * n:]
+    group_cols, it = [], iter(zip(kept[:len(kept) // 2], kept[len(kept) // 2:]))
+    for has in ctx.group_cols:
+        group_cols.append(Operand(*next(it), ctx.group_cols_block) if has else None)
+    quantizers, config, hooks, sizes = ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes
+    backend = config.gemm_backend
+    weights = ctx.fp8_weights or [None] * n
+    grouped = sizes is not None
+    g2d = grad_out.reshape(-1, grad_out.shape[-1])
+    needs_dx = ctx.needs_input_grad[0]
+    needs_dw = [ctx.needs_input_grad[i] for i in ctx.weight_inputs]
+    gathered = hooks.gather_grad_output is not None
+    g_rows, g_cols = quantizers.grad_output.quantize(g2d.contiguous() if grouped else g2d, True,
+                                                     columnwise=any(needs_dw) and not gathered and not grouped)
+    if gathered:
+        data, scale_inv = hooks.gather_grad_output(g_rows.data, g_rows.scale_inv)
+        g_rows = Operand(data, scale_inv, g_rows.block)
+    saved = Operand(saved_data, saved_scale, ctx.saved_block)
+    grad_x = grad_b = None
+    grad_ws = [None] * n
+    bounds = group_bounds(sizes) if grouped else [(0, g_rows.data.shape[0])]
+    if needs_dx:
+        reduce = hooks.reduce_grad_input
+        dx_dtype = torch.float32 if reduce is not None else grad_out.dtype
+        dxs = []
+        for (start, end), payload, scale, w in zip(bounds, payloads, scales, weights):
+            a = _rows(g_rows, start, end) if grouped else g_rows
+            dxs.append(mm(a, quantizers.weight.dgrad_b(payload, scale, w, a, dx_dtype, backend), dx_dtype, backend))
+        dx = dxs[0] if not grouped else (torch.cat(dxs) if dxs else g2d.new_zeros((0, payloads[0].shape[1])))
+        grad_x = (reduce(dx, grad_out.dtype) if reduce is not None else dx).reshape(ctx.x_shape)
+    if any(needs_dw):
+        for g, ((start, end), payload) in enumerate(zip(bounds, payloads)):
+            if not needs_dw[g]:
+                continue
+            if grouped and start == end:  # no token: a zero gradient, no empty GEMM
+                zero = saved_data.new_zeros((payload.shape[0], payload.shape[1]), dtype=torch.float32)
+                grad_ws[g] = weight_grad(zero, config, ctx.weight_dtypes[g])
+                continue
+            if grouped and quantizers.grad_output.per_token:  # from the high-precision rows (see the forward)
+                a = quantizers.grad_output.columnwise(g2d[start:end])
+                b = group_cols[g] if group_cols else quantizers.input.columnwise_from(_rows(saved, start, end))
+            elif grouped:
+                a = quantizers.grad_output.columnwise_from(_rows(g_rows, start, end))
+                b = group_cols[g] if group_cols else quantizers.input.columnwise_from(_rows(saved, start, end))
+            else:
+                a = g_cols if g_cols is not None else quantizers.grad_output.columnwise_from(g_rows)
+                b = saved if ctx.saved_columnwise else quantizers.input.columnwise_from(saved)
+            out, row, col = mm(a, b.t, torch.float32, backend, defer_scales=True)
+            grad_ws[g] = weight_grad(out, config, ctx.weight_dtypes[g], row, col)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2d.sum(0)
+    return grad_x, grad_ws, grad_b
+
+
 class Float8LinearFunction(torch.autograd.Function):
-    """The FP8 linear recipe, once: ``y = x @ W^T (+ b)`` with the input cast to ``input_state``'s format
-    (E4M3), ``W`` an FP8 :class:`Float8Tensor`, FP8 GEMMs with fp32 accumulation in all three passes, the
-    output gradient cast once with its transpose (``grad_output_state``, E5M2), and the weight gradient
-    held per ``config.grad_accumulation`` (:func:`weight_grad`). ``dtype`` is the compute dtype (the
-    output's and the saved activations'); ``hooks`` (:class:`LinearHooks`) add the parallel linears'
-    collectives around the GEMMs.
+    """The FP8 linear recipe, once: ``y = x @ W^T (+ b)`` with the input quantized by the recipe's input quantizer
+    (E4M3; :mod:`fp8.quantizers`), ``W`` an FP8 :class:`Float8Tensor`, FP8 GEMMs with fp32 accumulation in all three
+    passes, the output gradient quantized once with the operand its weight gradient needs, and the weight gradient
+    held per ``config.grad_accumulation`` (:func:`weight_grad`). ``dtype`` is the compute dtype (the output's);
+    ``hooks`` (:class:`LinearHooks`) add the parallel linears' collectives around the GEMMs. The grouped linear of
+    MoE experts (:class:`fp8.grouped_gemm.GroupedLinearFunction`) runs the same core.
 
     ``apply(x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks)``: ``record``
     says whether the input's amax enters its scaling history (training passes only).
@@ -218,38 +372,10 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks):
-        if not isinstance(weight, Float8Tensor):
-            raise TypeError("Float8Linear.weight must be a Float8Tensor; assign through fp8.to_float8")
-        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        recipe = config.recipe_spec
-        if recipe.tensorwise:
-            x_scale = input_state.scale_for(x2d, record=record)  # records this linear's amax either way
-            if hooks.gather_input is None:
-                x_data, x_scale = _shared_cast(x, ("tensorwise", input_state.config, x2d.dtype),
-                                               lambda: (quantize(x2d, x_scale, input_state.format), x_scale))
-            else:
-                x_data = quantize(x2d, x_scale, input_state.format)
-        elif hooks.gather_input is None:
-            x_data, x_scale = _shared_cast(x, ("blocks", recipe.input, x2d.dtype),
-                                           lambda: quantize_to_blocks(x2d, recipe.input, "e4m3"))
-        else:
-            x_data, x_scale = quantize_to_blocks(x2d, recipe.input, "e4m3")
-        if hooks.gather_input is not None:
-            x_data, x_scale = hooks.gather_input(x_data, x_scale)
-        w_data, w_scale, w_block = weight.payload, weight.scale, weight.block
-        gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
-        out = fp8_mm_payload(x_data, x_scale, w_data.t(), _t(w_scale), gemm_dtype, config.gemm_backend,
-                             a_block=None if recipe.tensorwise else recipe.input, b_block=transpose_block(w_block))
-        if hooks.reduce_output is not None:
-            out = hooks.reduce_output(out, dtype, record)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
-        ctx.grad_output_state, ctx.config, ctx.hooks, ctx.w_block = grad_output_state, config, hooks, w_block
-        # The weight itself, for the input-gradient operand cached with it (_dgrad_weight); none in traced graphs.
-        ctx.fp8_weight = None if torch.compiler.is_compiling() else weight
-        ctx.has_bias, ctx.x_shape, ctx.weight_dtype = bias is not None, x.shape, weight.dtype
-        if out.shape[0] == x2d.shape[0]:
+        ctx.weight_inputs = (1,)
+        out = linear_forward(ctx, x, [weight], bias, input_state, grad_output_state, config, record, dtype, hooks,
+                             None)
+        if out.shape[0] == math.prod(x.shape[:-1]):
             lead = tuple(x.shape[:-1])
         else:  # gathered or scattered along the first (sequence) dimension
             inner = math.prod(x.shape[1:-1])
@@ -260,129 +386,35 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        if not ctx.config.recipe_spec.tensorwise:
-            return _block_backward(ctx, grad_out, x_data, x_scale, w_data, w_scale)
-        config, state, hooks = ctx.config, ctx.grad_output_state, ctx.hooks
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if hooks.gather_grad_output is not None:
-            g_scale = state.scale_for(g2d)
-            g_data, g_scale = hooks.gather_grad_output(quantize(g2d, g_scale, state.format), g_scale)
-            g_data_t = g_data.t().contiguous()
-        else:
-            # Cast, transpose and amax in one read of dY (fused kernel on CUDA, the torch reference elsewhere).
-            g_data, g_data_t, g_scale = state.quantize_transpose(g2d)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            reduce = hooks.reduce_grad_input
-            dx_dtype = torch.float32 if reduce is not None else grad_out.dtype
-            w_op = _dgrad_weight(ctx, g_data, w_data, w_scale, dx_dtype)
-            dx = fp8_mm_payload(g_data, g_scale, w_op, w_scale, dx_dtype, config.gemm_backend)
-            grad_x = (reduce(dx, grad_out.dtype) if reduce is not None else dx).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w32 = fp8_mm_payload(g_data_t, g_scale, x_data, x_scale, torch.float32, config.gemm_backend)
-            grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        grad_x, grad_ws, grad_b = linear_backward(ctx, grad_out)
+        return grad_x, grad_ws[0], grad_b, None, None, None, None, None, None
 
 
-def _shared_cast(x: torch.Tensor, key: tuple, cast) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 cast of input ``x`` (payload, scale), ``cast()``, shared by every FP8 linear that reads the same tensor
+def _shared_cast(x: torch.Tensor, key: tuple, cast, step_guard: torch.Tensor | None = None
+                 ) -> tuple[Operand, Operand | None]:
+    """The FP8 cast of input ``x`` (its operands), ``cast()``, shared by every FP8 linear that reads the same tensor
     unchanged with the same ``key`` (the q/k/v or gate/up projections of one hidden state), so it is computed and
     saved for backward once. Memoized on ``x`` itself (its version counter guards in-place changes); freed with it.
 
-    Per-block current scales (``key`` ``("blocks", block, dtype)``) are a function of the values, so the memo is the
-    cast every reader would make. Tensor-wise (``("tensorwise", scaling config, dtype)``): each linear still records
-    ``x``'s amax in its own history; the readers use the first one's delayed scale, which equals theirs (histories
-    fed the same tensors since construction hold the same amaxes) and is a valid scale for ``x`` in any case."""
+    Per-block current scales are a function of the values, so the memo is the cast every reader would make.
+    Tensor-wise (``key`` holding the scaling config): the first reader's delayed scale is used by all, and only its
+    history records ``x``'s amax (the cast records it in the same kernel); the readers' histories, fed the same tensors
+    since construction, would hold the same amaxes, and its scale is a valid scale for ``x`` in any case. The memo
+    lasts one scaling step: ``step_guard`` (the first reader's amax history) changes when the step closes
+    (:func:`fp8.scaling.update_scales`), so the same tensor read again in a later step is cast again, with the new
+    scale, its amax recorded."""
     if torch.compiler.is_compiling() or x.is_inference():  # traced graphs take no attributes; inference tensors
         return cast()                                          # have no version counter to guard a memo: cast
     key = (*key, x._version)
     memo = getattr(x, "_fp8_input_cast", None)
-    if memo is not None and memo[0] == key:
-        return memo[1], memo[2]
-    x_data, x_scale = cast()
+    if memo is not None and memo[0] == key and (memo[1] is None or memo[1]._version == memo[2]):
+        return memo[3]
+    value = cast()
     try:
-        x._fp8_input_cast = (key, x_data, x_scale)
+        x._fp8_input_cast = (key, step_guard, step_guard._version if step_guard is not None else None, value)
     except (AttributeError, RuntimeError):  # a tensor that takes no attributes
         pass
-    return x_data, x_scale
-
-
-def _column_major(t: torch.Tensor) -> bool:
-    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
-
-
-def _runs_scaled_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, backend: str, a_block=None,
-                    b_block=None) -> bool:
-    """Whether :func:`fp8.gemm.fp8_mm_payload` multiplies these operands on one of its ``scaled_mm_*`` paths
-    (:func:`fp8.gemm.gemm_path`, the decision it runs), which take ``b`` column-major and copy a row-major one."""
-    return gemm_path(a, b, out_dtype, GemmTarget.of(a.device), backend, a_block, b_block).scaled_mm
-
-
-def _dgrad_weight(ctx, g_data: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """The weight payload as the second operand of ``dX = dY @ W`` (tensor-wise recipe). Where that GEMM runs
-    ``torch._scaled_mm`` it takes ``W`` (out x in, row-major) column-major: the transposed copy is made once per
-    optimizer step and kept with the weight (:func:`fp8.tensor.cached_operand`, :attr:`Float8Tensor.transpose_cache`),
-    the same bits ``_scaled_mm`` would otherwise copy on every backward. Elsewhere (the emulated GEMM) ``W`` as is."""
-    if _column_major(w_data) or not _runs_scaled_mm(g_data, w_data, out_dtype, ctx.config.gemm_backend):
-        return w_data
-    return cached_operand(ctx.fp8_weight, w_data, w_scale, ("transpose",), lambda: (w_data.t().contiguous().t(),))[0]
-
-
-def _t(scale: torch.Tensor) -> torch.Tensor:
-    """The scale of a transposed operand: a grid is transposed, a 0-d scale is itself."""
-    return scale.t() if scale.dim() == 2 else scale
-
-
-def _block_backward(ctx, grad_out, x_data, x_scale, w_data, w_scale):
-    """Backward of the rowwise/blockwise recipes (:mod:`fp8.recipes`): dY cast in the recipe's blocks along the
-    output features for ``dY @ W`` and along the tokens for ``dY^T @ x``; operands held in another layout are
-    re-quantized from their exact dequantized values."""
-    config, hooks, recipe = ctx.config, ctx.hooks, ctx.config.recipe_spec
-    backend = config.gemm_backend
-    g2d = grad_out.reshape(-1, grad_out.shape[-1])
-    g_data, g_scale = quantize_to_blocks(g2d, recipe.grad_output, recipe.grad_fmt)
-    if hooks.gather_grad_output is not None:
-        g_data, g_scale = hooks.gather_grad_output(g_data, g_scale)
-    grad_x = grad_w = grad_b = None
-    if ctx.needs_input_grad[0]:
-        reduce = hooks.reduce_grad_input
-        dx_dtype = torch.float32 if reduce else grad_out.dtype
-
-        def dgrad_weight():
-            if recipe.dgrad_weight == ctx.w_block:
-                return w_data, w_scale
-            return quantize_to_blocks(dequantize_blocks(w_data, w_scale, ctx.w_block), recipe.dgrad_weight,
-                                      config.weight_fmt)
-
-        if _runs_scaled_mm(g_data, w_data, dx_dtype, backend, recipe.grad_output, recipe.dgrad_weight):
-            # Row-wise _scaled_mm: the weight in its dgrad blocks, column-major, made once per optimizer step and
-            # kept with the weight (as _dgrad_weight's transpose).
-            def build():
-                wd, ws = dgrad_weight()
-                return (wd if _column_major(wd) else wd.t().contiguous().t()), ws
-
-            wd, ws = cached_operand(ctx.fp8_weight, w_data, w_scale, ("blocks", recipe.dgrad_weight, config.weight_fmt),
-                                    build)
-        else:
-            wd, ws = dgrad_weight()
-        dx = fp8_mm_payload(g_data, g_scale, wd, ws, dx_dtype, backend,
-                            a_block=recipe.grad_output, b_block=recipe.dgrad_weight)
-        grad_x = (reduce(dx, grad_out.dtype) if reduce else dx).reshape(ctx.x_shape)
-    if ctx.needs_input_grad[1]:
-        g_full = dequantize_blocks(g_data, g_scale, recipe.grad_output)
-        gt_data, gt_scale = quantize_to_blocks(g_full, recipe.wgrad_grad_output, recipe.grad_fmt)
-        xw_data, xw_scale = quantize_to_blocks(dequantize_blocks(x_data, x_scale, recipe.input), recipe.wgrad_input,
-                                               "e4m3")
-        grad_w32 = fp8_mm_payload(gt_data.t(), gt_scale.t(), xw_data, xw_scale, torch.float32, backend,
-                                  a_block=transpose_block(recipe.wgrad_grad_output), b_block=recipe.wgrad_input)
-        grad_w = weight_grad(grad_w32, config, ctx.weight_dtype)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_b = g2d.sum(0)
-    return grad_x, grad_w, grad_b, None, None, None, None, None, None
+    return value
 
 
 class Float8Linear(nn.Module):

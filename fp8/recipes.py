@@ -30,8 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .blocks import BLOCK, COLWISE, ROWWISE, TENSORWISE, TILE, TILE_T, Block
+from .quantizers import (
+    BLOCK_PAD, GEMM_PAD, ActivationQuantizer, BlockWeightQuantizer, RowwiseQuantizer, RowwiseWeightQuantizer,
+    TensorwiseQuantizer, TensorwiseWeightQuantizer, TileQuantizer, WeightQuantizer,
+)
+from .scaling import ScalingState
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE", "LinearQuantizers"]
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 """Names of the scaling recipes (``fp8.initialize(recipe=...)``, ``Float8LinearConfig(recipe=...)``)."""
@@ -57,7 +62,45 @@ class Recipe:
 
     @property
     def tensorwise(self) -> bool:
+        """Whether one scale covers each tensor (delayed or current scaling from the linear's scaling states)."""
         return self.name == "tensorwise"
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether scales vary along K in 128-element blocks (the block GEMM, dimensions in multiples of 128)."""
+        return self.name == "blockwise"
+
+    @property
+    def token_multiple(self) -> int:
+        """The multiple a weight-gradient GEMM's K (the tokens) is padded to: 16 for ``torch._scaled_mm``, 128 for the
+        block GEMM."""
+        return BLOCK_PAD if self.blockwise else GEMM_PAD
+
+    def grad_format(self, configured: str) -> str:
+        """The output gradient's format: ``configured`` (the linear's ``grad_output.fmt``) under ``tensorwise``, the
+        recipe's own (E4M3: fine scales leave E5M2's range unneeded) otherwise."""
+        return configured if self.tensorwise else self.grad_fmt
+
+    def make_quantizers(self, input_state: ScalingState, grad_output_state: ScalingState,
+                        weight_fmt: str) -> "LinearQuantizers":
+        """One quantizer per tensor role of a linear (:mod:`fp8.quantizers`): the input and output gradient (with the
+        linear's scaling states under ``tensorwise``), and the weight held at rest in :attr:`weight` blocks."""
+        if self.tensorwise:
+            return LinearQuantizers(TensorwiseQuantizer(input_state), TensorwiseQuantizer(grad_output_state),
+                                    TensorwiseWeightQuantizer())
+        if self.blockwise:
+            return LinearQuantizers(TileQuantizer("e4m3"), TileQuantizer(self.grad_fmt), BlockWeightQuantizer())
+        return LinearQuantizers(RowwiseQuantizer("e4m3"), RowwiseQuantizer(self.grad_fmt),
+                                RowwiseWeightQuantizer(weight_fmt))
+
+
+@dataclass(frozen=True)
+class LinearQuantizers:
+    """The quantizers of one FP8 linear, by tensor role."""
+
+    input: ActivationQuantizer
+    grad_output: ActivationQuantizer
+    weight: WeightQuantizer
 
 
 _RECIPES = {

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import ops
 from .comm import Collectives
 from .formats import FP8Format, get_format
 from .host_read import HostCopy
+from .ops import power_of_two_scale
 
 __all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
            "set_amax_reduction_group", "discard_step_amaxes", "finite_amax", "fp16_accumulation_scale", "FP16_MAX",
@@ -43,25 +45,10 @@ def compute_scale(
     return power_of_two_scale(amax, get_format(fmt).max, margin, previous)
 
 
-def power_of_two_scale(
-    amax: torch.Tensor, fmax: float, margin: int = 0, previous: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Power-of-two scale mapping ``amax`` into ``(fmax / 2, fmax]`` (lowered by ``2**margin``) for any
-    storage format with largest finite value ``fmax``; 0-d fp32; keeps ``previous`` on a bad amax."""
-    amax = amax.to(torch.float32)
-    exponent = torch.floor(torch.log2(fmax / amax)) - margin
-    exponent = exponent.clamp(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
-    scale = torch.exp2(exponent)
-    if previous is None:
-        previous = torch.ones((), dtype=torch.float32, device=amax.device)
-    usable = torch.isfinite(amax) & (amax > 0)
-    return torch.where(usable, scale, previous.to(torch.float32))
-
-
-FP16_MAX = 65504.0
+FP16_MAX = ops.FP16_MAX
 """Largest finite FP16 magnitude."""
 
-FP16_HEADROOM_BITS = 11
+FP16_HEADROOM_BITS = ops.FP16_HEADROOM_BITS
 """Headroom of a fresh FP16 gradient buffer: its scale puts the first micro-batch's amax ``2**11`` (2,048 times)
 below the FP16 maximum, so 2,048 micro-batches of that size summed with one sign fit without a rescale. FP16
 keeps full (11-bit) precision over the 19 binades below that amax."""
@@ -201,6 +188,40 @@ class ScalingState(nn.Module):
             self.stats.observe(x, scale, self.format)
         return scale
 
+    def quantize(self, x: torch.Tensor, record: bool = True, transpose: bool = False, pad: int = 1,
+                 dst_cols: torch.Tensor | None = None, out_t: torch.Tensor | None = None):
+        """``(data, data_t, scale_inv)``: 2-D ``x`` cast to this role's format with :meth:`scale_for`'s scale, and its
+        transpose (padded, :mod:`fp8.ops`; empty without ``transpose``), in the fewest kernels: a delayed-scaling role
+        whose history has started (known on the host since the last :func:`update_scales`) and that agrees nothing per
+        cast is one :func:`fp8.ops.cast_transpose` (the scale read on the device, the amax max-ed into the history in
+        the same pass); current scaling is :func:`fp8.ops.amax` (all-reduced over the group where one agrees) and
+        :func:`fp8.ops.cast_transpose_from_amax`; a delayed role before its history has started falls back to its
+        own (agreed) amax for this cast. Non-finite values are written as NaN; a current or fallback scale of a
+        tensor holding any is NaN (the whole cast is NaN). ``record``: as :meth:`scale_for`."""
+        cfg, fmt = self.config, self.config.fmt
+        slot = self.amax_history[:1]
+        if cfg.kind == "delayed" and self.history_confirmed and not self._agrees_per_cast():
+            data, data_t, scale_inv = ops.cast_transpose(x, self.scale, slot, fmt, transpose, pad, record, dst_cols,
+                                                         out_t)
+            scale = self.scale
+        else:
+            amax2 = ops.amax(x)
+            if self._agrees_per_cast():
+                self.amax_comm.all_reduce(amax2, op=dist.ReduceOp.MAX, tag="fp8 amax").wait()
+            if cfg.kind == "current":
+                data, data_t, scale_inv = ops.cast_transpose_from_amax(x, amax2, self.scale, slot, fmt, cfg.margin,
+                                                                       transpose, pad, record, dst_cols, out_t)
+                scale = scale_inv.reciprocal() if self.stats is not None and record else None
+            else:
+                fallback = power_of_two_scale(amax2[0], self.format.max, cfg.margin, self.scale)
+                scale = torch.where(self.has_history, self.scale, fallback)
+                scale = torch.where(amax2[1] > 0, torch.full_like(scale, float("nan")), scale)
+                data, data_t, scale_inv = ops.cast_transpose(x, scale, slot, fmt, transpose, pad, record, dst_cols,
+                                                             out_t)
+        if self.stats is not None and record:  # training casts only
+            self.stats.observe(x, scale, self.format)
+        return data, data_t, scale_inv
+
     def quantize_transpose(self, x: torch.Tensor, record: bool = True, backend: str = "auto"):
         """``(data, data_t, scale)``: ``x`` (2-D) cast with :meth:`scale_for`'s scale, and its transpose.
 
@@ -233,23 +254,13 @@ class ScalingState(nn.Module):
     @torch.no_grad()
     def update(self, reduce: bool = True, enabled: torch.Tensor | None = None) -> None:
         """Close a step: agree on the step's amax across the group, recompute the scale from the
-        window's max, and start a new history slot. Runs on device without a host sync. With a 0-d
-        bool ``enabled`` tensor the step is closed only where it is set (decided on device)."""
+        window's max, and start a new history slot (:func:`fp8.ops.update_scales_`). Runs on device without a host
+        sync. With a 0-d bool ``enabled`` tensor the step is closed only where it is set (decided on device; where
+        it is not, the step's amax is dropped)."""
         if reduce and self.amax_comm is not None:
             self.amax_history[0] = self._reduce_amax(self.amax_history[0])
-        cfg = self.config
-        window_amax = self.amax_history.amax()
-        scale = compute_scale(window_amax, cfg.fmt, cfg.margin, self.scale)
-        has_history = self.has_history | (window_amax > 0)
-        history = torch.roll(self.amax_history, 1)
-        history[0] = 0.0
-        if enabled is not None:
-            scale = torch.where(enabled, scale, self.scale)
-            has_history = torch.where(enabled, has_history, self.has_history)
-            history = torch.where(enabled, history, self.amax_history)
-        self.scale.copy_(scale)
-        self.has_history.copy_(has_history)
-        self.amax_history.copy_(history)
+        ops.update_scales_([self.amax_history], [self.scale], [self.has_history], [self.format.max],
+                           [self.config.margin], enabled)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -273,9 +284,13 @@ class _HistoryProbe:
 def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> None:
     """Close the step for every :class:`ScalingState` in ``module``: agree on the step's amaxes across
     each state's process group (one MAX all-reduce per group, the only amax collective of a step once
-    the delayed histories have started), compute the next delayed scales and roll the histories. No host
-    sync. A 0-d bool ``enabled`` closes it only where set (on device)."""
+    the delayed histories have started), then compute the next delayed scales and roll the histories of all states
+    in one multi-tensor kernel (:func:`fp8.ops.update_scales_`): a fixed number of launches whatever the number of
+    layers. No host sync. A 0-d bool ``enabled`` closes it only where set (on device; elsewhere the step's amaxes
+    are dropped)."""
     states = [m for m in module.modules() if isinstance(m, ScalingState)]
+    if not states:
+        return
     by_group: dict[int, list[ScalingState]] = {}
     for state in states:
         if state.amax_comm is not None:
@@ -283,12 +298,16 @@ def update_scales(module: nn.Module, enabled: torch.Tensor | None = None) -> Non
     for members in by_group.values():
         amaxes = torch.stack([state.amax_history[0] for state in members])
         members[0].amax_comm.all_reduce(amaxes, op=dist.ReduceOp.MAX, tag="fp8 amax").wait()
-        for state, amax in zip(members, amaxes):
-            state.amax_history[0] = amax
-    for state in states:
-        state.update(reduce=False, enabled=enabled)
+        torch._foreach_copy_([state.amax_history[:1] for state in members], list(amaxes.split(1)))
+    ops.update_scales_([s.amax_history for s in states], [s.scale for s in states], [s.has_history for s in states],
+                       [s.format.max for s in states], [s.config.margin for s in states], enabled)
     for members in by_group.values():
         _confirm_histories(members)
+    # States agreeing on nothing learn the same way when their history has started, for their casts' fast path
+    # (ScalingState.quantize); a traced step (torch.compile) takes no host read, so they keep the general path.
+    local = [s for s in states if s.amax_comm is None]
+    if local and not torch.compiler.is_compiling():
+        _confirm_histories(local)
 
 
 def _confirm_histories(members: list[ScalingState]) -> None:
@@ -324,10 +343,11 @@ def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None,
 def discard_step_amaxes(module: nn.Module, keep: torch.Tensor | None = None) -> None:
     """Forget the amaxes recorded in the step in progress (e.g. a step skipped for non-finite
     gradients), so they never enter a scaling history. With a 0-d bool ``keep`` tensor they are
-    forgotten only where it is not set (decided on device, no host sync)."""
-    for state in module.modules():
-        if isinstance(state, ScalingState):
-            if keep is None:
-                state.amax_history[0] = 0.0
-            else:
-                state.amax_history[0] = torch.where(keep, state.amax_history[0], torch.zeros_like(state.amax_history[0]))
+    forgotten only where it is not set (decided on device, no host sync). One multi-tensor op for all states."""
+    slots = [state.amax_history[:1] for state in module.modules() if isinstance(state, ScalingState)]
+    if not slots:
+        return
+    if keep is None:
+        torch._foreach_zero_(slots)
+    else:
+        torch._foreach_mul_(slots, keep.to(torch.float32))

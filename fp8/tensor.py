@@ -35,7 +35,7 @@ from .kernels.backend import KERNEL_BACKENDS
 from .scaling import amax_of, compute_scale
 from .subclass_dispatch import ScaledTensor, as_list as _as_list, dispatch, metadata_hash, on_values, to_copy
 
-__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand"]
+__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand", "refresh_cached_operands"]
 
 aten = torch.ops.aten
 
@@ -116,8 +116,8 @@ class Float8Tensor(ScaledTensor):
         and reused by every backward until the next write (the optimizer step). Empty where none is held: GEMMs that
         do not run ``torch._scaled_mm`` (the emulated CPU default) never make one. :func:`fp8.memory_report` counts
         these bytes as ``"weight transposes"``."""
-        memo = self.__dict__.get(_OPERAND_MEMO)
-        return () if memo is None else tuple(t for t in memo[1] if t is not None)
+        memos = self.__dict__.get(_OPERAND_MEMO) or {}
+        return tuple(t for _, value in memos.values() for t in value if t is not None)
 
     def __getstate__(self):
         # Pickling (torch.save, multiprocessing) leaves the operand cache behind: it is rebuilt from the payload.
@@ -181,23 +181,43 @@ def cached_operand(weight: Float8Tensor | None, payload: torch.Tensor, scale: to
     operand derived from the weight is made once per optimizer step instead of once per backward.
 
     ``payload`` and ``scale`` are the ones the caller read (saved for backward); the memo is used only when they are
-    ``weight``'s own. It holds for one ``key`` (the layout) and is guarded by the version counters of the weight, its
-    payload and its scale: every write of a :class:`Float8Tensor` bumps them (in-place ops, ``copy_``,
-    ``load_state_dict``, the optimizers' refresh, the O3 all-gather; :func:`_written` where the write itself does not),
-    so a stale memo is never returned; it is dropped before its replacement is built (one held at a time). Not
-    memoized (``build()`` each call) without a ``weight``, while ``torch.compile`` traces, or for inference tensors."""
+    ``weight``'s own. One memo is held per ``key`` (the layout: a transpose, a re-quantized copy, a stack of
+    experts), each guarded by the version counters of the weight, its payload and its scale: every write of a
+    :class:`Float8Tensor` bumps them (in-place ops, ``copy_``, ``load_state_dict``, the optimizers' refresh, the O3
+    all-gather; :func:`_written` where the write itself does not), so a stale memo is never returned; it is dropped
+    before its replacement is built. Not memoized (``build()`` each call) without a ``weight``, while
+    ``torch.compile`` traces, or for inference tensors."""
     if (weight is None or payload is not weight.__dict__.get("_data") or scale is not weight.__dict__.get("_scale")
             or torch.compiler.is_compiling() or not _plain(payload) or payload.is_inference()):
         return build()
-    key = (key, weight._version, payload._version, scale._version)
-    memo = weight.__dict__.get(_OPERAND_MEMO)
+    versions = (weight._version, payload._version, scale._version)
+    memos = weight.__dict__.setdefault(_OPERAND_MEMO, {})
+    memo = memos.get(key)
     if memo is not None:
-        if memo[0] == key:
+        if memo[0] == versions:
             return memo[1]
-        del weight.__dict__[_OPERAND_MEMO]  # free the stale operand before its replacement is made
+        del memos[key]  # free the stale operand before its replacement is made
     value = build()
-    weight.__dict__[_OPERAND_MEMO] = (key, value)
+    memos[key] = (versions, value)
     return value
+
+
+def refresh_cached_operands(weights: list, key: tuple, refresh: Callable[[list[tuple[Float8Tensor, tuple]]], None]
+                            ) -> None:
+    """Bring the operands kept under ``key`` (:func:`cached_operand`) up to date for every weight of ``weights`` that
+    holds one made before its last write: ``refresh([(weight, operands), ...])`` rewrites them in place (one
+    multi-tensor kernel for all), then they count as made from the weights as they are now."""
+    stale = []
+    for weight in weights:
+        memo = (weight.__dict__.get(_OPERAND_MEMO) or {}).get(key)
+        if memo is not None and memo[0] != (weight._version, weight._data._version, weight._scale._version):
+            stale.append((weight, memo[1]))
+    if not stale:
+        return
+    with torch.no_grad():
+        refresh(stale)
+    for weight, value in stale:
+        weight.__dict__[_OPERAND_MEMO][key] = ((weight._version, weight._data._version, weight._scale._version), value)
 
 
 def _written(t: Float8Tensor) -> None:

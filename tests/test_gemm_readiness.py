@@ -5,10 +5,10 @@
    ``gemm_backend="scaled_mm"``; every ``aten._scaled_mm`` call is recorded (a ``TorchDispatchMode``) and replayed
    on ``meta`` tensors of the same shapes, strides and dtypes: torch's ``meta`` kernel enforces CUDA's layout, size
    and scale rules (the CPU kernel is lenient).
-2. Dispatch audit: a training step records the arguments of every GEMM (``fp8.linear``'s ``fp8_mm_payload``, with
+2. Dispatch audit: a training step records the operands of every GEMM (``fp8.linear``'s :func:`fp8.gemm.mm`, with
    a count of the emulation's ``aten.mm`` calls proving none was missed) and asks :func:`fp8.gemm.gemm_path`, the
    function the GEMM itself runs, for a simulated compute capability 9.0 GPU (H100/H200); each GEMM is then run
-   by ``fp8_mm_payload`` itself on ``meta`` copies for that GPU (its CUDA ``_scaled_mm`` calls meet the ``meta``
+   by ``mm`` itself on ``meta`` copies for that GPU (its CUDA ``_scaled_mm`` calls meet the ``meta``
    kernel and :func:`fp8.gemm.scaled_mm_call_problem`, the Triton block GEMM's scale grids meet its torch
    reference's checks). No GEMM of any recipe is emulated there. ``pytest -s`` prints the table.
 3. The checks fail where the rules are broken (row-major ``mat2``, K not a multiple of 16, row-wise fp32 output,
@@ -31,7 +31,7 @@ import fp8
 import fp8.linear
 import fp8.tensor
 from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, dequantize_blocks, quantize_to_blocks
-from fp8.gemm import GEMM_PATHS, GemmTarget, fp8_mm_payload, gemm_path, scaled_mm_call_problem
+from fp8.gemm import GEMM_PATHS, GemmTarget, Operand, fp8_mm_payload, gemm_path, mm, scaled_mm_call_problem
 from fp8.kernels.triton_block_gemm import block_mm_reference
 from fp8.linear import Float8LinearConfig
 from fp8.recipes import RECIPES
@@ -56,7 +56,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GemmCall:
-    """One ``fp8_mm_payload`` call of a step, its tensors as ``meta`` copies."""
+    """One :func:`fp8.gemm.mm` call of a step, its tensors as ``meta`` copies (``*_scale``: the operands' ``scale_inv``)."""
 
     phase: str
     a: torch.Tensor
@@ -101,13 +101,12 @@ def _train_step(recipe, dtype, backend, monkeypatch, seq=None):
     calls: list[GemmCall] = []
     phase = ["fwd"]
 
-    def record(real, a, a_scale, b, b_scale, out_dtype=torch.float32, backend="auto", a_block=None, b_block=None):
-        calls.append(GemmCall(phase[0], _meta(a), _meta(a_scale), _meta(b), _meta(b_scale), out_dtype, backend,
-                              a_block, b_block))
-        return real(a, a_scale, b, b_scale, out_dtype, backend, a_block, b_block)
+    def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
+        calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
+                              out_dtype, backend, a.block, b.block))
+        return mm(a, b, out_dtype, backend, *args, **kwargs)
 
-    for module in (fp8.linear, fp8.tensor):  # every caller of the FP8 GEMM in a step
-        monkeypatch.setattr(module, "fp8_mm_payload", functools.partial(record, module.fp8_mm_payload))
+    monkeypatch.setattr(fp8.linear, "mm", record)  # the FP8 linear's one GEMM call (forward, both backward GEMMs)
     x = torch.randn(batch, seq, widths[0], dtype=dtype, requires_grad=True)
     with _AtenRecorder() as aten:
         loss = model(x).float().pow(2).mean()
@@ -126,7 +125,7 @@ def _pass_and_layer(call: GemmCall, widths, tokens) -> tuple[str, int]:
     if call.phase == "fwd":
         return "fwd", layers.index((k, n))
     assert call.phase == "bwd", f"a GEMM outside forward and backward: {call}"
-    if k == tokens:
+    if k in (tokens, -(-tokens // 16) * 16, -(-tokens // 128) * 128):  # the token count, padded to the GEMM's multiple
         return "wgrad", layers.index((n, m))
     return "dgrad", layers.index((n, k))
 
@@ -138,11 +137,11 @@ def _audit(recipe, dtype, calls, widths, tokens, target=HOPPER) -> list[dict]:
     for call in calls:
         gemm_pass, layer = _pass_and_layer(call, widths, tokens)
         choice = gemm_path(call.a, call.b, call.out_dtype, target, call.backend, call.a_block, call.b_block)
-        args = (call.a, call.a_scale, call.b, call.b_scale, call.out_dtype, call.backend, call.a_block, call.b_block)
         scaled_mm_calls = []
         if choice.path.startswith("scaled_mm"):
             with _AtenRecorder() as aten:
-                out = fp8_mm_payload(*args, target=target)
+                out = mm(Operand(call.a, call.a_scale, call.a_block), Operand(call.b, call.b_scale, call.b_block),
+                         call.out_dtype, call.backend, target=target)
             scaled_mm_calls = aten.scaled_mm
             assert out.shape == (call.a.shape[0], call.b.shape[1]) and out.dtype == call.out_dtype
         elif choice.path == "triton_block":  # the kernel's operand and scale-grid checks, on meta tensors
@@ -214,18 +213,15 @@ def test_dispatch_audit_on_a_compute_capability_9_gpu_emulates_no_gemm(monkeypat
     assert len(passes) == len(rows) == 3 * 2 * 3 * 2  # recipes x dtypes x passes x layers, each GEMM once
 
 
-def test_audit_reports_gemms_that_cannot_run_on_hardware(monkeypatch):
-    """The audit fails a step whose GEMMs break the rules: 12 tokens per sequence (24 in all) make the weight
-    gradient's K = 24, not a multiple of 16 (tensorwise), or not a multiple of 128 (blockwise, 2 x 96 tokens)."""
-    calls, _, widths, tokens = _train_step("tensorwise", torch.float32, "auto", monkeypatch, seq=12)
-    rows = _audit("tensorwise", torch.float32, calls, widths, tokens)
-    emulated = {r["gemm_pass"] for r in rows if r["path"] == "emulated"}
-    assert emulated == {"wgrad"}, _table(rows)
-    assert all("multiples of 16" in r["reason"] for r in rows if r["path"] == "emulated")
-    calls, _, widths, tokens = _train_step("blockwise", torch.float32, "auto", monkeypatch, seq=96)
-    rows = _audit("blockwise", torch.float32, calls, widths, tokens)
-    assert {r["gemm_pass"] for r in rows if r["path"] == "emulated"} == {"wgrad"}, _table(rows)
-    assert all("multiple of 128" in r["reason"] for r in rows if r["path"] == "emulated")
+def test_token_counts_off_the_gemm_multiple_are_padded_not_emulated(monkeypatch):
+    """A step whose token count is not a multiple of the GEMM's (12 tokens per sequence, 24 in all: the weight
+    gradient's K; 2 x 96 tokens for blockwise's 128) runs every GEMM on hardware: the weight-gradient GEMM's operands
+    are quantized into zero-padded columns (K = 32, K = 256), which add nothing to the sum."""
+    for recipe, seq, padded in (("tensorwise", 12, 32), ("blockwise", 96, 256)):
+        calls, _, widths, tokens = _train_step(recipe, torch.float32, "auto", monkeypatch, seq=seq)
+        rows = _audit(recipe, torch.float32, calls, widths, tokens)
+        assert not [r for r in rows if r["path"] == "emulated"], _table(rows)
+        assert {r["shape"][1] for r in rows if r["gemm_pass"] == "wgrad"} == {padded}, _table(rows)
 
 
 def _call_operands(m=32, k=64, n=48, b_layout="col"):
@@ -323,7 +319,7 @@ def test_training_step_with_the_gpu_paths_matches_the_emulation_bit_for_bit(reci
         model, optimizer = fp8.initialize(model, optimizer, "O2",
                                           config=Float8LinearConfig(recipe=recipe, gemm_backend=backend))
         if simulate:
-            monkeypatch.setattr(fp8.linear, "fp8_mm_payload", functools.partial(fp8_mm_payload, target=HOPPER))
+            monkeypatch.setattr(fp8.linear, "mm", functools.partial(mm, target=HOPPER))
         x = torch.randn(2, 16, 64, requires_grad=True)
         loss = model(x).pow(2).mean()
         loss.backward()

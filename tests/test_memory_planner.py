@@ -94,8 +94,8 @@ def test_model_state_bytes_match_memory_report(tiny_case, level):
     for row in state:
         assert row["planned"] == pytest.approx(row["measured"], rel=0.01, abs=64), row
     transposes = next(r for r in state if r["what"] == "weight_transposes")
-    if level == pv.SCALED_MM:  # the hardware GEMM (CPU torch._scaled_mm): 1 B per FP8 weight element, exactly
-        assert transposes["measured"] == transposes["planned"] == plan_memory(
+    if level == pv.SCALED_MM:  # the hardware GEMM (CPU torch._scaled_mm): 1 B per FP8 weight element + its scale_inv
+        assert transposes["measured"] == transposes["planned"] > plan_memory(
             replace(tiny_case.planner, fp8_opt_level="O2"))["fp8_params_per_gpu"] > 0
     else:  # the emulated GEMM (the CPU default) keeps none
         assert transposes["measured"] == transposes["planned"] == 0
@@ -264,10 +264,12 @@ def test_megatron_gpt_tp2_sp_matches_planner_on_every_rank():
     transposes = {(r["case"], r["rank"]): r for r in rows if r["what"] == "weight_transposes"}
     for (case, _), row in transposes.items():
         assert (row["measured"] > 0) == ("scaled_mm" in case), row
-    # per rank and layer: qkv 64 x 96, proj 32 x 64, fc1 64 x 128, fc2 128 x 64 (in x out); rowwise adds 4 B per input
+    # per rank and layer: qkv 64 x 96, proj 32 x 64, fc1 64 x 128, fc2 128 x 64 (in x out), each with a 4 B
+    # scale_inv; rowwise: 4 B per input channel (the per-column scales) and per output channel (the forward's scale_inv)
     per_layer = 64 * 96 + 32 * 64 + 64 * 128 + 128 * 64
-    assert transposes[("tp2sp scaled_mm tensorwise", 0)]["measured"] == 4 * per_layer
-    assert transposes[("tp2sp scaled_mm rowwise", 0)]["measured"] == 4 * (per_layer + 4 * (64 + 32 + 64 + 128))
+    assert transposes[("tp2sp scaled_mm tensorwise", 0)]["measured"] == 4 * (per_layer + 4 * 4)
+    assert transposes[("tp2sp scaled_mm rowwise", 0)]["measured"] == 4 * (
+        per_layer + 4 * (64 + 32 + 64 + 128) + 4 * (96 + 64 + 128 + 64))
     assert {r["rank"] for r in rows} == {0, 1}
     assert {r["what"] for r in rows} >= {*pv.STATE_KEYS, "model state", "activations (recompute none)",
                                          "activations (recompute full)"}
@@ -327,32 +329,41 @@ def test_planner_flags_mean_what_pretrain_gpts_mean():
 
 
 def test_weight_transposes_are_planned_where_the_hardware_gemm_keeps_them():
-    """The input-gradient GEMM's transposed FP8 weight (fp8.Float8Tensor.transpose_cache): 1 B per FP8 weight
-    element on a GPU (the default plan: 6 GiB at 7B) and with --fp8-gemm-backend scaled_mm anywhere; none on the CPU's
-    emulated GEMM, with the emulated backend, under blockwise (the block GEMM reads the weight as it is) or for the
-    experts of the grouped GEMM; rowwise adds 4 B per input channel; every O3 rank keeps all of its FP8 weights'."""
+    """The weights' GEMM operands kept between steps (fp8.quantizers, fp8.Float8Tensor.transpose_cache): the transposed
+    FP8 weight, 1 B per element, and its 4 B scale_inv on a GPU (the default plan: 6 GiB at 7B) and with
+    --fp8-gemm-backend scaled_mm anywhere; none on the CPU's emulated GEMM or with the emulated backend; under
+    blockwise only the scale_inv grid (4 B per 128 x 128 block, the block GEMM reads the weight as it is); rowwise adds
+    4 B per input and per output channel; every O3 rank keeps all of its FP8 weights'."""
     o2 = gpt(fp8_opt_level="O2", data_parallel_size=8)
     plan = plan_memory(o2)
     n_fp8 = plan["fp8_params_per_gpu"]
-    assert plan["bytes"]["weight_transposes"] == n_fp8 == 32 * 12 * 4096 * 4096  # 6.0 GiB
-    assert plan["bytes"]["weight_transposes"] / 2**30 == 6.0
-    assert plan["total_bytes"] == plan_memory(replace(o2, gemm_device="cpu"))["total_bytes"] + n_fp8
+    n_weights = 32 * 4  # qkv, proj, fc1, fc2 per layer
+    assert n_fp8 == 32 * 12 * 4096 * 4096
+    assert plan["bytes"]["weight_transposes"] == n_fp8 + 4 * n_weights  # 6.0 GiB
+    assert round(plan["bytes"]["weight_transposes"] / 2**30, 3) == 6.0
+    assert plan["total_bytes"] == plan_memory(replace(o2, gemm_device="cpu"))["total_bytes"] + n_fp8 + 4 * n_weights
     for other in (replace(o2, gemm_device="cpu"), replace(o2, fp8_gemm_backend="emulated"),
-                  replace(o2, fp8_recipe="blockwise"), replace(o2, fp8_opt_level="none")):
+                  replace(o2, fp8_opt_level="none")):
         assert plan_memory(other)["bytes"]["weight_transposes"] == 0, other
-    assert plan_memory(replace(o2, gemm_device="cpu", fp8_gemm_backend="scaled_mm"))["bytes"]["weight_transposes"] == n_fp8
+    assert plan_memory(replace(o2, fp8_recipe="blockwise"))["bytes"]["weight_transposes"] == 4 * n_fp8 // 128 ** 2
+    assert plan_memory(replace(o2, gemm_device="cpu", fp8_gemm_backend="scaled_mm"))["bytes"][
+        "weight_transposes"] == n_fp8 + 4 * n_weights
     inputs = 32 * (4096 + 4096 + 4096 + 16384)  # qkv, proj, fc1, fc2 input channels
-    assert plan_memory(replace(o2, fp8_recipe="rowwise"))["bytes"]["weight_transposes"] == n_fp8 + 4 * inputs
+    outputs = 32 * (12288 + 4096 + 16384 + 4096)
+    assert plan_memory(replace(o2, fp8_recipe="rowwise"))["bytes"]["weight_transposes"] == \
+        n_fp8 + 4 * inputs + 4 * outputs
     o3 = plan_memory(replace(o2, fp8_opt_level="O3"))
-    assert all(rank["weight_transposes"] == n_fp8 for rank in o3["stages"][0]["dp_rank_bytes"])
+    assert all(rank["weight_transposes"] == n_fp8 + 4 * n_weights for rank in o3["stages"][0]["dp_rank_bytes"])
     assert o3["model_state_bytes_per_param"] > plan_memory(replace(o2, fp8_opt_level="O3", gemm_device="cpu"))[
         "model_state_bytes_per_param"]
     moe = gpt(num_layers=4, fp8_opt_level="O2", data_parallel_size=8, num_experts=8, expert_model_parallel_size=8,
               add_bias_linear=False)
-    dense = 4 * (4096 * 12288 + 4096 * 4096)  # attention keeps its transposes either way
-    expert = 4 * 2 * 4096 * 16384
+    dense = 4 * (4096 * 12288 + 4096 * 4096 + 2 * 4)  # attention keeps its transposes either way
+    expert = 4 * 2 * (4096 * 16384 + 4)  # one expert per rank (EP 8): fc1, fc2
     assert plan_memory(moe)["bytes"]["weight_transposes"] == dense + expert
-    assert plan_memory(replace(moe, moe_grouped_gemm=True))["bytes"]["weight_transposes"] == dense
+    # grouped experts keep theirs too, and on a GPU the grouped forward GEMM's stack (1 B/element + 4 B per output)
+    stacked = 4 * (4096 * 16384 + 4 * 16384 + 16384 * 4096 + 4 * 4096)
+    assert plan_memory(replace(moe, moe_grouped_gemm=True))["bytes"]["weight_transposes"] == dense + expert + stacked
     with pytest.raises(ValueError, match="--moe-grouped-gemm runs each expert unsplit"):
         replace(moe, moe_grouped_gemm=True, tensor_model_parallel_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=re.escape("--fp8-gemm-backend must be one of auto|scaled_mm|emulated")):

@@ -19,7 +19,7 @@ import torch
 from ..formats import E5M2
 from .backend import interpreter_enabled, triton_available
 
-__all__ = ["block_mm_problem", "block_operands_problem", "block_mm", "block_mm_reference"]
+__all__ = ["block_mm_problem", "block_operands_problem", "block_mm", "block_mm_inverse", "block_mm_reference"]
 
 _K_BLOCK = 128
 _A_BLOCKS = ((1, 128),)
@@ -109,7 +109,7 @@ def _kernel():
     def block_mm_kernel(
         a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
         stride_sam, stride_sak, stride_sbk, stride_sbn, B_COLS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INVERSE: tl.constexpr,
     ):
         # 64-bit rows, cols and k: rows * stride_am, k * stride_ak (a column-major), k * stride_bk,
         # cols * stride_bn and rows * N pass 2**31 once M*K, K*N or M*N does. The scale grids' kb * stride
@@ -126,7 +126,10 @@ def _kernel():
             sa = tl.load(sa_ptr + rows * stride_sam + kb * stride_sak, mask=row_ok, other=1.0)
             sb = tl.load(sb_ptr + kb * stride_sbk + (cols // B_COLS) * stride_sbn, mask=col_ok, other=1.0)
             dot = tl.dot(a, b, out_dtype=tl.float32)
-            acc = acc + dot * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
+            if INVERSE:  # the grids hold scale_inv (fp8.ops.block_mm)
+                acc = acc + dot * (sa[:, None] * sb[None, :])
+            else:
+                acc = acc + dot * ((1.0 / sa)[:, None] * (1.0 / sb)[None, :])
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -137,6 +140,16 @@ def block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype=torch.float32) 
     """``a @ b`` of block-scaled FP8 payloads (module docstring) with the Triton kernel, in ``out_dtype``
     (fp32, bf16 or fp16; row-major). Any strides of ``a`` and ``b``; a ``ValueError`` naming the fix when
     :func:`block_mm_problem` (or the scale grids' shapes) rules the input out."""
+    return _launch(a, a_scale, a_block, b, b_scale, b_block, out_dtype, inverse=False)
+
+
+def block_mm_inverse(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype=torch.float32) -> torch.Tensor:
+    """:func:`block_mm` with the grids holding ``scale_inv`` (``value = payload * scale_inv``): the CUDA kernel of
+    :func:`fp8.ops.block_mm`."""
+    return _launch(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, inverse=True)
+
+
+def _launch(a, a_scale, a_block, b, b_scale, b_block, out_dtype, inverse: bool) -> torch.Tensor:
     _check(block_mm_problem, a, a_scale, a_block, b, b_scale, b_block, out_dtype)
     (m, k), n = a.shape, b.shape[1]
     # The interpreter's fp32 -> bf16 cast does not round to nearest even: there the kernel writes fp32
@@ -151,6 +164,6 @@ def block_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype=torch.float32) 
     _kernel()[grid](
         a, b, sa, sb, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), B_COLS=b_block[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_K_BLOCK,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_K_BLOCK, INVERSE=inverse,
     )
     return out.to(out_dtype)

@@ -26,6 +26,7 @@ from ..kernels.backend import KERNEL_BACKENDS, interpreter_enabled, resolve_back
 from ..blocks import quantize_to_blocks
 from ..cast import payload_and_scale, quantize
 from ..scaling import amax_of, discard_step_amaxes, update_scales
+from ..quantizers import refresh_weight_operands
 from ..tensor import Float8Tensor
 from . import ops
 from .levels import level_name
@@ -246,6 +247,8 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step_masked()
+        # the weights' input-gradient operands (transposes) for the next step: one multi-tensor kernel for all
+        refresh_weight_operands(p for group in self.param_groups for p in group["params"])
         return loss
 
     @torch.no_grad()

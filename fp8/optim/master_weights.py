@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..cast import payload_and_scale
+from ..quantizers import refresh_weight_operands
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from . import ops
@@ -159,6 +160,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         ops.amaxes_(masters, amax, backend=backend)
         ops.quantize_weights_(masters, amax, [w.payload for w in weights], [w.scale for w in weights], backend=backend)
         torch.autograd.graph.increment_version(weights)  # the op bumped payloads and scales; the weights, as copy_
+        refresh_weight_operands(weights)  # their input-gradient operands for the next step: one multi-tensor kernel
 
     # -- the step ---------------------------------------------------------------------------------
     def _fused_found_inf(self) -> bool:

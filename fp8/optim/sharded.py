@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..comm import Collectives, CommBytesCounter, require_process_group
 from ..formats import byte_view
+from ..quantizers import refresh_weight_operands
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_finite_flag
@@ -232,6 +233,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
         self._check_grads_reduced()
         self._step_masked(self._agreed_finite())
         self.gather_params()
+        refresh_weight_operands(p for group in self.param_groups for p in group["params"])  # after the gather
         return loss
 
     @torch.no_grad()

@@ -285,7 +285,7 @@ class ColumnParallelLinear(ParallelLinearBase):
             self.bias.partition_dim = 0
             self.bias.partition_stride = stride
         if fp8 is not None and self.sequence_parallel:
-            self.grad_input_scatter_scaling = self._scatter_scaling(fp8.grad_output.fmt if fp8.recipe == "tensorwise" else fp8.recipe_spec.grad_fmt)
+            self.grad_input_scatter_scaling = self._scatter_scaling(fp8.recipe_spec.grad_format(fp8.grad_output.fmt))
 
     def _fp8_hooks(self) -> LinearHooks:
         """The FP8 recipe's collectives: all-gather of the E4M3 input and FP8 reduce-scatter of dX with

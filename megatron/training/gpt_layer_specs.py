@@ -281,7 +281,7 @@ def get_gpt_layer_fp8_spec(
         dispatch = recipe is not None and moe_fp8_dispatch
         grad_fmt = None
         if dispatch:  # the recipe's gradient format (tensorwise: the configured output-gradient format)
-            grad_fmt = recipe.grad_output.fmt if recipe.recipe == "tensorwise" else recipe.recipe_spec.grad_fmt
+            grad_fmt = recipe.recipe_spec.grad_format(recipe.grad_output.fmt)
         spec.params = {**spec.params, "moe_dispatch": {"counter": counter, "fmt": "e4m3" if dispatch else None,
                                                        "grad_fmt": grad_fmt}}
         if moe_grouped_gemm:  # the same experts, each projection of all of them one grouped GEMM

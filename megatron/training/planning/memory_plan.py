@@ -64,19 +64,21 @@ re-implemented in :func:`whole_tensor_partition` so planning imports no torch) o
 the worst DP rank (by bytes) is reported (every rank's in ``stages[i]["dp_rank_bytes"]``). Gradients are
 counted at the peak of the accumulation window (G above).
 
-Weight transposes (``weight_transposes``, model state: ``fp8.memory_report``'s ``"weight transposes"``): where the
-input-gradient GEMM ``dX = dY @ W`` of an FP8 linear runs ``torch._scaled_mm``, which takes ``W`` column-major, each
-FP8 weight keeps that operand (:attr:`fp8.Float8Tensor.transpose_cache`) from its first backward on, rebuilt at the
-first backward after each optimizer step (the stale one is dropped then, so one is held at any time, through the
-step and the next forward too): 1 byte per FP8 weight element under the tensorwise recipe, the weight re-quantized
-per input channel plus its fp32 scales (1 byte per element + 4 per input channel) under rowwise, none under
-blockwise (the Triton block GEMM reads the weight as it is). Every rank holds those of all its FP8 weights (O3
-included: the weights are all-gathered). Whether that GEMM runs ``torch._scaled_mm`` follows ``fp8_gemm_backend``
-(pretrain_gpt.py's ``--fp8-gemm-backend``) on ``gemm_device``: ``"scaled_mm"`` always, ``"emulated"`` never,
-``"auto"`` on a GPU (``gemm_device="cuda"``, the default: the planner plans GPUs, whatever machine it runs on) and
-not on the CPU (``gemm_device="cpu"``: the CPU runs this planner is validated against). The experts of
-``moe_grouped_gemm`` keep none (the grouped GEMM copies each expert's weight into its layout at every call). At 7B
-(TP1) the tensorwise transposes are 6.0 GiB per GPU (6,442,450,944 FP8 weight elements).
+Weight transposes (``weight_transposes``, model state: ``fp8.memory_report``'s ``"weight transposes"``): the GEMM
+operands an FP8 weight keeps between optimizer steps (:mod:`fp8.quantizers`, :attr:`fp8.Float8Tensor.transpose_cache`;
+made at the first use, refreshed in place at the end of each optimizer step, so one set is held for the whole run).
+Where the input-gradient GEMM ``dX = dY @ W`` runs ``torch._scaled_mm``, which takes ``W`` column-major: the
+transpose, 1 byte per FP8 weight element, and its fp32 ``scale_inv`` (4 bytes) under the tensorwise recipe; the weight
+re-quantized per input channel plus its fp32 scales (1 byte per element + 4 per input channel) and the forward's
+per-output-channel ``scale_inv`` (4 per output channel) under rowwise. Under blockwise only the ``scale_inv`` grid
+(4 bytes per 128 x 128 block, on every device: the Triton block GEMM reads the weight as it is). Every rank holds
+those of all its FP8 weights (O3 included: the weights are all-gathered). Whether that GEMM runs ``torch._scaled_mm``
+follows ``fp8_gemm_backend`` (pretrain_gpt.py's ``--fp8-gemm-backend``) on ``gemm_device``: ``"scaled_mm"`` always,
+``"emulated"`` never, ``"auto"`` on a GPU (``gemm_device="cuda"``, the default: the planner plans GPUs, whatever
+machine it runs on) and not on the CPU (``gemm_device="cpu"``: the CPU runs this planner is validated against). The
+experts of ``moe_grouped_gemm`` keep theirs as per-expert linears do, and on a GPU under tensorwise the grouped
+forward GEMM keeps the experts' payloads stacked too (1 byte per element + 4 per output channel). At 7B (TP1) the
+tensorwise transposes are 6.0 GiB per GPU (6,442,450,944 FP8 weight elements, plus 4 bytes per weight).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 adapted). Per layer and token, with hp-byte activations: norm inputs (hp x h each, plus fp32 mean/rstd),
@@ -623,16 +625,24 @@ def holds_weight_transposes(cfg: PlannerConfig, recipe: str) -> bool:
 
 
 def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
-    """Bytes an FP8 weight keeps for its input-gradient GEMM from its first backward on (replaced, not added to, at
-    the first backward after each optimizer step): its payload transposed, 1 byte per element; rowwise, the weight
-    re-quantized per input channel (1 byte per element) with its fp32 scales (4 bytes per input channel). None for
-    the experts of ``moe_grouped_gemm`` (the grouped GEMM transposes the weights at each call, keeping nothing)."""
-    if t.expert and cfg.moe_grouped_gemm:
-        return 0
+    """Bytes an FP8 weight keeps for its GEMMs between optimizer steps (:mod:`fp8.quantizers`' weight quantizers; made
+    at the first use after a step and refreshed in place at the end of each step, so one set is held for the whole
+    run): tensorwise, where its GEMMs run ``torch._scaled_mm``: the payload transposed (1 byte per element) and its
+    fp32 ``scale_inv`` (4 bytes); rowwise, there: the weight re-quantized per input channel (1 byte per element), its
+    fp32 scales (4 bytes per input channel) and the forward GEMM's per-output-channel ``scale_inv`` (4 bytes each);
+    blockwise, always: the ``scale_inv`` grid (4 bytes per 128 x 128 block; the block GEMM reads the weight as it
+    is). Experts of ``moe_grouped_gemm`` keep theirs as the per-expert linears do; on a CUDA GPU under tensorwise the
+    grouped forward GEMM (``torch._scaled_grouped_mm``) also keeps the experts' payloads stacked with per-column
+    ``scale_inv`` (1 byte per element + 4 per output channel)."""
     recipe = _recipe(cfg, t.rows, t.cols)
+    if recipe == "blockwise":
+        return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
     if not holds_weight_transposes(cfg, recipe):
         return 0
-    return t.numel + (4 * t.cols if recipe == "rowwise" else 0)
+    if recipe == "rowwise":
+        return t.numel + 4 * t.cols + 4 * t.rows
+    stacked = t.numel + 4 * t.rows if (t.expert and cfg.moe_grouped_gemm and cfg.gemm_device == "cuda") else 0
+    return t.numel + 4 + stacked
 
 
 def whole_tensor_partition(sizes: list[int], world_size: int) -> tuple[list[int], list[int]]:

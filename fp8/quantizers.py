@@ -1,0 +1,281 @@
+"""Quantizers: one per tensor role of an FP8 linear, each one fused kernel per use (:mod:`fp8.ops`).
+
+A recipe (:mod:`fp8.recipes`) makes the quantizers of a linear (:meth:`fp8.recipes.Recipe.make_quantizers`), as
+Transformer Engine's ``RecipeState.make_quantizers`` and torchao's per-operand cast configs do; the one autograd core
+(:mod:`fp8.linear`) only asks them for GEMM operands (:class:`fp8.gemm.Operand`):
+
+- an **activation quantizer** (the input ``x`` and the output gradient ``dY``, 2-D ``(tokens, features)``) returns
+  the row-wise operand (the forward / input-gradient GEMM's ``a``, ``(tokens, features)``) and, when asked, the
+  column-wise operand for the weight-gradient GEMM in transposed orientation ``(features, tokens padded)``, both from
+  one read of the tensor where the recipe's blocks allow (tensor-wise: one cast-transpose; blockwise: 1x128 and 128x1
+  tiles of one 128x128 read; rowwise: two kernels, one per reduction direction). :meth:`ActivationQuantizer.columnwise_from`
+  makes the column-wise operand from a row-wise one (rows gathered over a sequence-parallel group);
+- a **weight quantizer** turns an FP8 weight (a :class:`fp8.Float8Tensor`, held at rest in the recipe's weight blocks)
+  into the forward GEMM's ``b`` (``W^T``) and the input-gradient GEMM's ``b`` (``W``), each in the layout its GEMM
+  takes; operands derived from the weight (its transpose, its per-input-channel copy, ``scale_inv``) are made once per
+  optimizer step and kept with the weight (:func:`fp8.tensor.cached_operand`).
+
+The weight-gradient GEMM sums over the tokens, so the column-wise operands are padded along the tokens to ``pad``
+(:attr:`ActivationQuantizer.pad`: 16 for ``torch._scaled_mm``, 128 for the block GEMM) with zeros: any token count runs
+on the hardware GEMM, and the padding adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .blocks import BLOCK, COLWISE, ROWWISE, TILE, Block
+from .gemm import GemmTarget, Operand, gemm_path
+from .scaling import ScalingState
+from .tensor import Float8Tensor, cached_operand, refresh_cached_operands
+
+__all__ = [
+    "ActivationQuantizer", "TensorwiseQuantizer", "RowwiseQuantizer", "TileQuantizer", "WeightQuantizer",
+    "TensorwiseWeightQuantizer", "RowwiseWeightQuantizer", "BlockWeightQuantizer", "GEMM_PAD", "BLOCK_PAD",
+    "refresh_weight_operands",
+]
+
+GEMM_PAD = 16
+"""``torch._scaled_mm`` takes K in multiples of 16: the tokens of a weight-gradient GEMM are padded to it."""
+
+BLOCK_PAD = ops.TILE
+"""The block GEMM takes K in 128-element blocks."""
+
+
+class ActivationQuantizer:
+    """Quantizer of one activation role (module docstring). ``fmt``: the FP8 format; ``pad``: the token padding of the
+    column-wise operand."""
+
+    fmt: str
+    pad: int = GEMM_PAD
+
+    def quantize(self, x: torch.Tensor, record: bool, columnwise: bool,
+                 dst_cols: torch.Tensor | None = None, t_width: int = 0) -> tuple[Operand, Operand | None]:
+        """``(row-wise operand, column-wise operand or None)`` of 2-D ``x``; ``record``: training cast (its amax
+        enters the role's history). ``dst_cols``/``t_width``: the column-wise operand's tokens placed at these
+        columns of a ``(features, t_width)`` zeroed layout (groups of rows padded each on its own)."""
+        raise NotImplementedError
+
+    def columnwise_from(self, rows: Operand, dst_cols: torch.Tensor | None = None, t_width: int = 0) -> Operand:
+        """The column-wise operand of the tensor whose row-wise operand is ``rows`` (exact for one tensor-wise scale;
+        a per-row or per-tile operand is re-quantized from its FP8 values)."""
+        raise NotImplementedError
+
+    per_token = False
+    """Whether the row-wise scales are per token (row, 1x128 tile): then a group of rows quantized alone gets the
+    same row-wise operand, and its column-wise operand is made from the high-precision rows (:meth:`columnwise`)."""
+
+    def columnwise(self, x: torch.Tensor) -> Operand:
+        """The column-wise operand of 2-D ``x`` alone (a group of rows of a per-token quantizer), from its values."""
+        raise NotImplementedError
+
+
+def _zeros_t(features: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.zeros((features, width), dtype=torch.uint8, device=device).view(dtype)
+
+
+class TensorwiseQuantizer(ActivationQuantizer):
+    """One scale for the tensor, from a :class:`fp8.scaling.ScalingState` (delayed or current, agreed over its group
+    where it has one): :meth:`fp8.scaling.ScalingState.quantize`."""
+
+    def __init__(self, state: ScalingState) -> None:
+        self.state = state
+        self.fmt = state.config.fmt
+
+    def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
+        out_t = _zeros_t(x.shape[1], t_width, self.state.format.dtype, x.device) if dst_cols is not None and \
+            columnwise else None
+        data, data_t, scale_inv = self.state.quantize(x, record=record, transpose=columnwise, pad=self.pad,
+                                                      dst_cols=dst_cols if columnwise else None, out_t=out_t)
+        rows = Operand(data, scale_inv)
+        if not columnwise:
+            return rows, None
+        return rows, Operand(out_t if out_t is not None else data_t, scale_inv)
+
+    def columnwise_from(self, rows, dst_cols=None, t_width=0):
+        if dst_cols is not None:
+            out = _zeros_t(rows.data.shape[1], t_width, rows.data.dtype, rows.data.device)
+            out.view(torch.uint8).index_copy_(1, dst_cols.to(torch.int64), rows.data.view(torch.uint8).t())
+            return Operand(out, rows.scale_inv)
+        data_t, _ = ops.transpose_fp8(rows.data, rows.scale_inv, self.pad)
+        return Operand(data_t, rows.scale_inv)
+
+
+class RowwiseQuantizer(ActivationQuantizer):
+    """One scale per token (row) for the GEMMs summing over features, one per feature (column, over all tokens) for
+    the weight-gradient GEMM (the ``rowwise`` recipe)."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
+        data, scale_inv = ops.quantize_rows(x, self.fmt)
+        rows = Operand(data, scale_inv, ROWWISE)
+        if not columnwise:
+            return rows, None
+        _refuse_groups(dst_cols, "rowwise")
+        data_t, col_inv = ops.quantize_cols_t(x, self.fmt, self.pad)
+        return rows, Operand(data_t, col_inv.reshape(-1, 1), ROWWISE)
+
+    per_token = True
+
+    def columnwise(self, x):
+        data_t, col_inv = ops.quantize_cols_t(x, self.fmt, self.pad)
+        return Operand(data_t, col_inv.reshape(-1, 1), ROWWISE)
+
+    def columnwise_from(self, rows, dst_cols=None, t_width=0):
+        _refuse_groups(dst_cols, "rowwise")
+        data_t, col_inv = ops.quantize_cols_t(rows.data, self.fmt, self.pad, rows.scale_inv)
+        return Operand(data_t, col_inv.reshape(-1, 1), ROWWISE)
+
+
+class TileQuantizer(ActivationQuantizer):
+    """1x128 tiles for the GEMMs summing over features, 128x1 tiles (along the tokens) for the weight-gradient GEMM,
+    both from one read of each 128x128 tile (the ``blockwise`` recipe, DeepSeek-V3's)."""
+
+    pad = BLOCK_PAD
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
+        _refuse_groups(dst_cols, "blockwise")
+        data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad)
+        rows = Operand(data, inv, TILE)
+        return rows, (Operand(data_c.t(), inv_c.t(), TILE) if columnwise else None)
+
+    per_token = True
+
+    def columnwise(self, x):
+        _, _, data_c, inv_c = ops.quantize_tiles(x, self.fmt, True, self.pad)
+        return Operand(data_c.t(), inv_c.t(), TILE)
+
+    def columnwise_from(self, rows, dst_cols=None, t_width=0):
+        _refuse_groups(dst_cols, "blockwise")
+        _, _, data_c, inv_c = ops.quantize_tiles(rows.data, self.fmt, True, self.pad, rows.scale_inv)
+        return Operand(data_c.t(), inv_c.t(), TILE)
+
+
+def _refuse_groups(dst_cols, recipe: str) -> None:
+    if dst_cols is not None:
+        raise ValueError(f"the {recipe} recipe quantizes grouped tokens group by group: pass each group's rows "
+                         f"(fp8.linear's grouped core does)")
+
+
+# -- weights ----------------------------------------------------------------------------------------------------------
+class WeightQuantizer:
+    """The GEMM operands of an FP8 weight (module docstring), from its ``payload`` and ``scale`` (those the linear saved
+    for backward) and the weight itself (``weight``: where operands derived from it are kept; None while
+    ``torch.compile`` traces: made per use). ``block``: the weight's blocks at rest."""
+
+    block: Block | None = None
+
+    def forward_b(self, payload: torch.Tensor, scale: torch.Tensor, weight: Float8Tensor | None, backend: str,
+                  target: GemmTarget | None = None) -> Operand:
+        """``W^T`` (in x out) as the forward GEMM's second operand."""
+        raise NotImplementedError
+
+    def dgrad_b(self, payload: torch.Tensor, scale: torch.Tensor, weight: Float8Tensor | None, a: Operand,
+                out_dtype: torch.dtype, backend: str) -> Operand:
+        """``W`` (out x in) as the input-gradient GEMM's second operand (``a``: that GEMM's first, ``dY``)."""
+        raise NotImplementedError
+
+
+def _hardware(a_data, b_data, out_dtype, backend, a_block, b_block, target=None) -> bool:
+    target = target or GemmTarget.of(b_data.device)
+    return gemm_path(a_data, b_data, out_dtype, target, backend, a_block, b_block).scaled_mm
+
+
+def _scaled_mm_runs(backend: str, target: GemmTarget) -> bool:
+    """Whether a weight's forward GEMM (its dimensions are multiples of 16) runs ``torch._scaled_mm`` on ``target``."""
+    if backend == "emulated" or (backend == "auto" and target.kind == "cpu"):
+        return False
+    return target.fp8_problem() is None
+
+
+class TensorwiseWeightQuantizer(WeightQuantizer):
+    """A tensor-wise FP8 weight: where its GEMMs run ``torch._scaled_mm``, the transpose (the input-gradient GEMM's
+    column-major ``W``) and ``scale_inv`` made in one kernel (:func:`fp8.ops.transpose_fp8`) once per optimizer
+    step; elsewhere (the emulation) nothing is kept."""
+
+    @staticmethod
+    def _operands(payload, scale, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W column-major, scale_inv)``: the transpose made row-major, kept as its column-major view."""
+        def build():
+            payload_t, scale_inv = ops.transpose_fp8(payload, scale, 1)
+            return payload_t.t(), scale_inv
+
+        return cached_operand(weight, payload, scale, ("transpose",), build)
+
+    def forward_b(self, payload, scale, weight, backend, target=None):
+        if not _scaled_mm_runs(backend, target or GemmTarget.of(payload.device)):
+            return Operand(payload.t(), scale.reciprocal())
+        return Operand(payload.t(), self._operands(payload, scale, weight)[1])
+
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
+        if not _hardware(a.data, payload, out_dtype, backend, a.block, None):
+            return Operand(payload, scale.reciprocal())
+        column_major, scale_inv = self._operands(payload, scale, weight)
+        return Operand(column_major, scale_inv)
+
+
+class RowwiseWeightQuantizer(WeightQuantizer):
+    """A weight with one scale per output channel (the ``rowwise`` recipe): the forward GEMM's per-column
+    ``scale_inv`` ``(1, out)``; for the input-gradient GEMM the weight re-quantized per input channel (from its exact
+    values) and transposed into the column-major layout; both made in two kernels and kept once per optimizer step
+    where the GEMMs run ``torch._scaled_mm`` (made per use, and not kept, by the emulation)."""
+
+    block = ROWWISE
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def _operands(self, payload, scale, weight, keep: bool) -> tuple:
+        def build():
+            row_inv = scale.reciprocal()
+            data_t, col_inv = ops.quantize_cols_t(payload, self.fmt, 1, row_inv)
+            return row_inv.t().contiguous(), data_t.t(), col_inv
+
+        return cached_operand(weight, payload, scale, ("rowwise",), build) if keep else build()
+
+    def forward_b(self, payload, scale, weight, backend, target=None):
+        keep = _scaled_mm_runs(backend, target or GemmTarget.of(payload.device))
+        return Operand(payload.t(), self._operands(payload, scale, weight, keep)[0], COLWISE)
+
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
+        keep = _hardware(a.data, payload, out_dtype, backend, a.block, COLWISE)
+        _, column_major, col_inv = self._operands(payload, scale, weight, keep)
+        return Operand(column_major, col_inv, COLWISE)
+
+
+class BlockWeightQuantizer(WeightQuantizer):
+    """A weight in 128x128 blocks (the ``blockwise`` recipe): ``W`` and ``W^T`` share the blocks, and the block GEMM
+    reads any strides, so only the ``scale_inv`` grid is kept (once per optimizer step)."""
+
+    block = BLOCK
+
+    @staticmethod
+    def _inv(payload, scale, weight) -> torch.Tensor:
+        return cached_operand(weight, payload, scale, ("blocks",), lambda: (scale.reciprocal(),))[0]
+
+    def forward_b(self, payload, scale, weight, backend, target=None):
+        return Operand(payload.t(), self._inv(payload, scale, weight).t(), BLOCK)
+
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
+        return Operand(payload, self._inv(payload, scale, weight), BLOCK)
+
+
+def refresh_weight_operands(params) -> None:
+    """After an optimizer step wrote FP8 weights: the input-gradient operands the tensor-wise weights among ``params``
+    keep (their transposes and ``scale_inv``, :class:`TensorwiseWeightQuantizer`) rewritten in place by one
+    multi-tensor kernel (:func:`fp8.ops.transpose_fp8_into_`), instead of one kernel per weight at its next forward.
+    Weights that keep none (the emulated GEMM, other recipes, never run) are left alone. The optimizers call it at the
+    end of their step."""
+    weights = [p for p in params if isinstance(p, Float8Tensor) and p.block is None]
+
+    def refresh(stale):
+        ops.transpose_fp8_into_([w.payload for w, _ in stale], [w.scale for w, _ in stale],
+                                [value[0].t() for _, value in stale], [value[1] for _, value in stale])
+
+    refresh_cached_operands(weights, ("transpose",), refresh)

@@ -1,0 +1,281 @@
+"""The FP8 core's fused kernels (:mod:`fp8.ops`): the scale formula against float64, each op's Triton launcher (run
+under ``TRITON_INTERPRET=1`` on CPU tensors, as CUDA runs it through ``register_kernel("cuda")``) against the op's
+torch reference bit for bit, on fresh random inputs with odd shapes, padding, inf and NaN; and each op one launch.
+
+The references are the oracles: every cast, transpose and scale of the FP8 linear, the grouped experts and the
+delayed-scaling step goes through these ops, so their agreement with the Triton kernels is what makes the CPU
+launch counts (``benchmarks/kernels.py``) the GPU's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (lazily, by the kernels)
+
+import pytest
+import torch
+
+from fp8 import ops
+from fp8.launches import LaunchCounter
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMT = {"e4m3": E4M3, "e5m2": E5M2}
+SHAPES = [(100, 272), (37, 128), (256, 200), (1, 16), (130, 384)]
+
+
+def _needs_triton():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernel tests run under TRITON_INTERPRET=1")
+    from fp8.kernels import triton_quantize
+
+    return triton_quantize
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    if a.is_floating_point() and a.element_size() > 1:  # NaN's sign and payload bits are free in fp32/bf16/fp16
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b)), what
+        a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
+    assert torch.equal(_bits(a), _bits(b)), (what, (_bits(a) != _bits(b)).sum().item())
+
+
+def _input(shape, dtype, seed, special=True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # magnitudes over many binades, so every scale and rounding path is met
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 8, shape, generator=g).float())
+    if special:
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (3,), generator=g)
+        flat[idx[0]] = float("inf")
+        flat[idx[1]] = float("nan")
+        flat[idx[2]] = -float("inf")
+    return x.to(dtype)
+
+
+# -- the scale formula ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmax,margin", [(448.0, 0), (57344.0, 0), (448.0, 2), (65504.0, 11)])
+def test_power_of_two_scale_is_exact_against_float64(fmax, margin):
+    g = torch.Generator().manual_seed(7)
+    amax = torch.cat([
+        torch.exp2(torch.randint(-120, 120, (4000,), generator=g).float()) * (1 + torch.rand(4000, generator=g)),
+        torch.exp2(torch.arange(-120, 121).float()),  # exact powers of two: the floor's edge
+        torch.tensor([0.0, float("inf"), float("nan"), fmax, fmax / 2, 1e-40]),
+    ])
+    got = ops.power_of_two_scale(amax, fmax, margin, previous=torch.full_like(amax, 3.0))
+    for a, s in zip(amax.tolist(), got.tolist()):
+        if not (math.isfinite(a) and a > 0):
+            assert s == 3.0  # the previous scale
+            continue
+        e = math.floor(math.log2(fmax / float(torch.tensor(a, dtype=torch.float32))))
+        # float64's floor(log2) can round up at an exact power of two's neighbour: correct as the op does
+        while 2.0 ** e > fmax / a:
+            e -= 1
+        e = min(e, 128)  # the ratio is an fp32 number: past its range it is inf, whose exponent is 128
+        assert s == 2.0 ** max(-126, min(126, e - margin)), (a, s, e)
+        if -126 < e - margin < 126:
+            assert fmax / 2 < a * s * 2 ** margin <= fmax or a * s * 2 ** margin <= fmax
+
+
+# -- each Triton launcher against its reference -------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_amax_kernel_matches_reference(shape, dtype):
+    tq = _needs_triton()
+    for seed, special in ((0, True), (1, False)):
+        x = _input(shape, dtype, seed, special)
+        row = torch.rand(shape[0], 1) + 0.5
+        col = torch.rand(1, shape[1]) + 0.5
+        for r, c in ((None, None), (row, None), (None, col), (row, col)):
+            _same(tq.launch_amax(x, r, c), ops.amax(x, r, c), f"amax {shape} {r is None} {c is None}")
+    _same(tq.launch_amax(x.t(), None, None), ops.amax(x.t()), "amax of a transposed view")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pad", [1, 16])
+def test_cast_transpose_kernels_match_reference(shape, fmt, pad):
+    tq = _needs_triton()
+    x = _input(shape, torch.bfloat16, 3)
+    scale = torch.tensor(2.0 ** 5)
+    for transpose in (False, True):
+        slot_ref, slot_tri = torch.tensor([0.25]), torch.tensor([0.25])
+        want = ops.cast_transpose(x, scale, slot_ref, fmt, transpose, pad, True)
+        got = tq.launch_cast_transpose(x, scale, None, None, slot_tri, FMT[fmt], 0, transpose, pad, True, None, None)
+        for w, g, name in zip(want, got, ("data", "data_t", "scale_inv")):
+            _same(g, w, f"delayed {name}")
+        _same(slot_tri, slot_ref, "recorded amax")
+        # current scaling: the scale from the amax op's result, in the kernel
+        for special in (True, False):
+            x2 = _input(shape, torch.bfloat16, 4, special)
+            amax2 = ops.amax(x2)
+            previous = torch.tensor(8.0)
+            slot_ref, slot_tri = torch.zeros(1), torch.zeros(1)
+            want = ops.cast_transpose_from_amax(x2, amax2, previous, slot_ref, fmt, 1, transpose, pad, True)
+            got = tq.launch_cast_transpose(x2, None, amax2, previous, slot_tri, FMT[fmt], 1, transpose, pad, True,
+                                           None, None)
+            for w, g, name in zip(want, got, ("data", "data_t", "scale_inv")):
+                _same(g, w, f"current {name} special={special}")
+            _same(slot_tri, slot_ref, "recorded amax (current)")
+
+
+def test_cast_transpose_into_grouped_columns_matches_reference():
+    """Grouped experts: each group's rows written at its padded columns of one shared transpose."""
+    tq = _needs_triton()
+    x = _input((40, 128), torch.bfloat16, 5, special=False)
+    dst = torch.cat([torch.arange(0, 5), torch.arange(16, 51)])  # groups of 5 and 35 rows, each padded to 16
+    scale = torch.tensor(4.0)
+    out_ref = torch.zeros((128, 64), dtype=E4M3)
+    out_tri = torch.zeros((128, 64), dtype=E4M3)
+    want = ops.cast_transpose(x, scale, torch.zeros(1), "e4m3", True, 16, False, dst, out_ref)
+    got = tq.launch_cast_transpose(x, scale, None, None, torch.zeros(1), E4M3, 0, True, 16, False, dst, out_tri)
+    _same(got[0], want[0], "data")
+    _same(out_tri, out_ref, "grouped transpose")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rowwise_and_columnwise_kernels_match_reference(shape, fmt):
+    tq = _needs_triton()
+    x = _input(shape, torch.bfloat16, 6)
+    for w, g in zip(ops.quantize_rows(x, fmt), tq.launch_quantize_rows(x, FMT[fmt], None)):
+        _same(g, w, "rows")
+    for pad in (1, 16):
+        for w, g in zip(ops.quantize_cols_t(x, fmt, pad), tq.launch_quantize_cols_t(x, FMT[fmt], pad, None)):
+            _same(g, w, f"cols_t pad {pad}")
+    # an FP8 payload with per-row scale_inv re-quantized per column (the rowwise weight's input-gradient operand)
+    data, row_inv = ops.quantize_rows(_input(shape, torch.bfloat16, 7, special=False), fmt)
+    for w, g in zip(ops.quantize_cols_t(data, fmt, 1, row_inv), tq.launch_quantize_cols_t(data, FMT[fmt], 1, row_inv)):
+        _same(g, w, "cols_t of an FP8 payload")
+
+
+@pytest.mark.parametrize("shape", [(100, 256), (37, 128), (300, 384)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tile_kernel_matches_reference(shape, fmt):
+    tq = _needs_triton()
+    x = _input(shape, torch.float32, 8)
+    for columnwise in (False, True):
+        for pad in (1, 128):
+            want = ops.quantize_tiles(x, fmt, columnwise, pad)
+            got = tq.launch_quantize_tiles(x, FMT[fmt], columnwise, pad)
+            for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
+                _same(g, w, f"tiles {name} columnwise={columnwise} pad={pad}")
+    data, inv, _, _ = ops.quantize_tiles(_input(shape, torch.float32, 9, special=False), fmt, False, 1)
+    want = ops.quantize_tiles(data, fmt, True, 128, inv)
+    got = tq.launch_quantize_tiles(data, FMT[fmt], True, 128, inv)
+    for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
+        _same(g, w, f"tiles of an FP8 payload {name}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_transpose_kernels_match_reference(shape):
+    tq = _needs_triton()
+    payload = _input(shape, torch.float32, 10, special=False).clamp(-400, 400).to(E4M3)
+    scale = torch.tensor(2.0 ** -3)
+    for pad in (1, 16):
+        for w, g in zip(ops.transpose_fp8(payload, scale, pad), tq.launch_transpose_fp8(payload, scale, pad)):
+            _same(g, w, f"transpose pad {pad}")
+    # the multi-tensor refresh: several weights of different shapes in one launch, in place
+    payloads = [_input(s, torch.float32, 11 + i, special=False).clamp(-400, 400).to(E4M3)
+                for i, s in enumerate(SHAPES)]
+    scales = [torch.tensor(2.0 ** i) for i in range(len(SHAPES))]
+    outs_ref = [torch.zeros(p.shape[::-1], dtype=E4M3) for p in payloads]
+    outs_tri = [torch.zeros(p.shape[::-1], dtype=E4M3) for p in payloads]
+    invs_ref = [torch.zeros(()) for _ in payloads]
+    invs_tri = [torch.zeros(()) for _ in payloads]
+    ops.transpose_fp8_into_(payloads, scales, outs_ref, invs_ref)
+    tq.launch_transpose_fp8_into(payloads, scales, outs_tri, invs_tri)
+    for a, b in zip(outs_tri + invs_tri, outs_ref + invs_ref):
+        _same(a, b, "multi-tensor transpose")
+    with pytest.raises(ValueError, match="contiguous"):
+        tq.launch_transpose_fp8_into(payloads[:1], scales[:1], [outs_tri[0].t()], invs_tri[:1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_elementwise_scale_kernels_match_reference(shape):
+    tq = _needs_triton()
+    x = _input(shape, torch.float32, 12)
+    row, col = torch.rand(shape[0], 1) + 0.5, torch.rand(1, shape[1]) + 0.5
+    for r, c in ((None, None), (row, col)):
+        amax2 = ops.amax(x, r, c)
+        for w, g in zip(ops.scaled_fp16(x, amax2, r, c), tq.launch_scaled_fp16(x, amax2, r, c)):
+            _same(g, w, "scaled_fp16")
+        for dtype in (torch.bfloat16, torch.float32):
+            _same(tq.launch_apply_scales(x, r, c, dtype), ops.apply_scales(x, r, c, dtype), "apply_scales")
+
+
+@pytest.mark.parametrize("enabled", [None, True, False])
+def test_update_scales_kernel_matches_reference(enabled):
+    tq = _needs_triton()
+    g = torch.Generator().manual_seed(13)
+    lengths = [1, 16, 1024, 5]
+    fmaxes, margins = [448.0, 57344.0, 448.0, 448.0], [0, 0, 1, 0]
+
+    def states():
+        hist = [torch.rand(n, generator=g) * 2 ** 10 for n in lengths]
+        hist[3].zero_()  # a state that saw nothing: keeps its scale
+        hist[0][0] = float("inf")  # a non-finite amax never enters a history, but the kernel must still match
+        scales = [torch.tensor(2.0 ** i) for i in range(len(lengths))]
+        flags = [torch.tensor(i % 2 == 0) for i in range(len(lengths))]
+        return hist, scales, flags
+
+    ref, tri = states(), None
+    tri = tuple([t.clone() for t in group] for group in ref)
+    flag = None if enabled is None else torch.tensor(enabled)
+    ops.update_scales_(*ref, fmaxes, margins, flag)
+    tq.launch_update_scales(*tri, fmaxes, margins, flag)
+    for a, b in zip(sum(tri, []), sum(ref, [])):
+        _same(a, b, f"update_scales enabled={enabled}")
+
+
+def test_block_gemm_inverse_matches_reference():
+    _needs_triton()
+    from fp8.kernels.triton_block_gemm import block_mm_inverse
+
+    g = torch.Generator().manual_seed(14)
+    a = (torch.randn(64, 256, generator=g) * 8).to(E4M3)
+    b = (torch.randn(256, 128, generator=g) * 8).to(E4M3)
+    a_inv = torch.exp2(torch.randint(-4, 4, (64, 2), generator=g).float())
+    b_inv = torch.exp2(torch.randint(-4, 4, (2, 1), generator=g).float())
+    want = ops.block_mm(a, a_inv, [1, 128], b, b_inv, [128, 128], torch.float32)
+    got = block_mm_inverse(a, a_inv, (1, 128), b, b_inv, (128, 128), torch.float32)
+    exact = (a.double() * a_inv.repeat_interleave(128, 1).double()) @ (b.double() * b_inv.repeat_interleave(128, 0)
+                                                                          .repeat_interleave(128, 1)[:, :128].double())
+    # different summation orders (fp32 accumulations): both within fp32 rounding of the float64 product
+    scale = exact.abs().max().item()
+    assert (want.double() - exact).abs().max().item() <= 1e-5 * scale
+    assert (got.double() - exact).abs().max().item() <= 1e-5 * scale
+
+
+# -- one launch per op ------------------------------------------------------------------------------------------------
+def test_each_op_is_one_launch():
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    slot, one, amax2 = torch.zeros(1), torch.tensor(1.0), torch.tensor([1.0, 0.0])
+    hist, scales, flags = [torch.zeros(4) for _ in range(3)], [torch.ones(()) for _ in range(3)], \
+        [torch.zeros((), dtype=torch.bool) for _ in range(3)]
+    payload = x.to(E4M3)
+    out, inv = torch.empty(128, 64, dtype=E4M3), torch.empty(())
+    calls = {
+        "amax": lambda: ops.amax(x),
+        "cast_transpose": lambda: ops.cast_transpose(x, one, slot, "e4m3", True, 16, True),
+        "cast_transpose_from_amax": lambda: ops.cast_transpose_from_amax(x, amax2, one, slot, "e4m3", 0, True, 16,
+                                                                         True),
+        "quantize_rows": lambda: ops.quantize_rows(x, "e4m3"),
+        "quantize_cols_t": lambda: ops.quantize_cols_t(x, "e4m3", 16),
+        "quantize_tiles": lambda: ops.quantize_tiles(x, "e4m3", True, 128),
+        "transpose_fp8": lambda: ops.transpose_fp8(payload, one, 16),
+        "transpose_fp8_into_": lambda: ops.transpose_fp8_into_([payload] * 3, [one] * 3, [out] * 3, [inv] * 3),
+        "update_scales_": lambda: ops.update_scales_(hist, scales, flags, [448.0] * 3, [0] * 3),
+    }
+    for name, call in calls.items():
+        with LaunchCounter() as counter:
+            call()
+        assert counter.launches == 1, (name, counter.by_op)
