@@ -272,6 +272,8 @@ def refresh_weight_operands(params) -> None:
     multi-tensor kernel (:func:`fp8.ops.transpose_fp8_into_`), instead of one kernel per weight at its next forward.
     Weights that keep none (the emulated GEMM, other recipes, never run) are left alone. The optimizers call it at the
     end of their step."""
+    if torch.compiler.is_compiling():  # traced code keeps no operands (made per use), so none to refresh
+        return
     weights = [p for p in params if isinstance(p, Float8Tensor) and p.block is None]
 
     def refresh(stale):

@@ -112,9 +112,6 @@ _SCALAR_ASSIGNMENT = ("a Python scalar assigned to one element of a device tenso
                       "device (on CUDA a pageable copy and a stream sync); `[:1].fill_(value)` (a fill kernel, the "
                       "value its argument) would not sync")
 KNOWN_SYNCS = {
-    # the FP8 core, being reworked by its owner
-    ("fp8/scaling.py:update", "host-to-device copy from pageable memory"):
-        f"ScalingState.update, `history[0] = 0.0`, once per scaling state and optimizer step: {_SCALAR_ASSIGNMENT}",
     # a GPU-only path: on CUDA the table is pinned and copied without blocking; pinning needs CUDA, so on the CPU the
     # same function copies from pageable memory (the branch a GPU never takes)
     ("fp8/optim/fused_adam.py:_device_table", "host-to-device copy from pageable memory"):
