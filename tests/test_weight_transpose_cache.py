@@ -2,8 +2,10 @@
 
 ``torch._scaled_mm`` takes its second operand column-major; the weight payload is ``(out, in)`` row-major, so
 without a cache every backward (every micro-batch) copied it transposed. The copy is now kept with the weight
-(:attr:`fp8.Float8Tensor.transpose_cache`) from its first backward after a write to the next write (the optimizer
-step, ``load_state_dict``, any in-place op), and counted by ``fp8.memory_report`` as ``"weight transposes"``.
+(:attr:`fp8.Float8Tensor.transpose_cache`), made at its first use, rewritten in place for all weights at the end of
+every FP8 optimizer step by one multi-tensor kernel (:func:`fp8.quantizers.refresh_weight_operands`), rebuilt at the
+next use after any other write (``load_state_dict``, any in-place op), and counted by ``fp8.memory_report`` as
+``"weight transposes"``.
 
 These run the hardware path on the CPU (``gemm_backend="scaled_mm"``; CPU ``_scaled_mm`` is a slow reference loop,
 hence the small layers), count the transposed copies of the weight made under a dispatch mode, and compare every
@@ -24,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8
 import fp8.quantizers
+from fp8.launches import LaunchCounter
 from fp8.linear import Float8Linear, Float8LinearConfig
 from fp8.optim.fused_adam import _mark_fp8_weights_written
 
@@ -65,6 +68,7 @@ def _train(model, optimizer, batches, micro):
     tensor's address being reused)."""
     shapes = [tuple(w.shape[::-1]) for w in _fp8_weights(model)]
     counter = _CountTransposes(shapes)
+    refreshes = LaunchCounter()
     grads, ids = [], []
     for step in range(len(batches) // micro):
         for x in batches[step * micro:(step + 1) * micro]:
@@ -73,9 +77,10 @@ def _train(model, optimizer, batches, micro):
                 model(x).square().mean().backward()
             grads.append(x.grad)
             ids.append(tuple(t for w in _fp8_weights(model) for t in _held(w)))
-        optimizer.step()
+        with refreshes:
+            optimizer.step()
         optimizer.zero_grad()
-    return grads, counter.count, ids
+    return grads, counter.count, ids, refreshes.by_op["fp8lm.transpose_fp8_into_.default"]
 
 
 def _held(weight):
@@ -96,21 +101,22 @@ def test_transpose_made_once_per_optimizer_step_and_bit_identical(level, seed, m
                for i in range(steps * micro)]
     model, optimizer = _setup(seed, level)
     assert len(_fp8_weights(model)) == 2
-    grads, copies, ids = _train(model, optimizer, batches, micro)
-    # One transposed copy per FP8 weight per optimizer step, not per micro-batch.
-    assert copies == 2 * steps
+    grads, copies, ids, refreshes = _train(model, optimizer, batches, micro)
+    # One transposed copy per FP8 weight at its first use, then one multi-tensor refresh of both per optimizer step,
+    # in place: never per micro-batch.
+    assert copies == 2 and refreshes == steps
     for step in range(steps):
         seen = ids[step * micro:(step + 1) * micro]
         # the same tensors reused in a step
         assert len(seen[0]) == 2 and all(len(s) == 2 and all(a is b for a, b in zip(s, seen[0])) for s in seen)
-    assert not any(a is b for a in ids[0] for b in ids[micro])  # rebuilt after the optimizer step
+    assert all(a is b for a, b in zip(ids[0], ids[micro]))  # the same buffers after the step, rewritten in place
 
     _uncached(monkeypatch)
     ref_model, ref_optimizer = _setup(seed, level)
-    ref_grads, ref_copies, ref_ids = _train(ref_model, ref_optimizer, batches, micro)
+    ref_grads, ref_copies, ref_ids, ref_refreshes = _train(ref_model, ref_optimizer, batches, micro)
     # Uncached, each micro-batch makes the operand twice per weight: the forward's scale_inv and the backward's
     # transpose come from the same kernel (fp8.ops.transpose_fp8), which the cache runs once per step.
-    assert ref_copies == 2 * 2 * steps * micro and all(not i for i in ref_ids)
+    assert ref_copies == 2 * 2 * steps * micro and all(not i for i in ref_ids) and ref_refreshes == 0
     for got, want in zip(grads, ref_grads):
         assert torch.equal(got, want)
     for got, want in zip(model.state_dict().values(), ref_model.state_dict().values()):
