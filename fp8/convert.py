@@ -22,7 +22,8 @@ from types import SimpleNamespace
 from torch import nn
 
 from .embedding import Float8Embedding, embedding_problem
-from .linear import Float8Linear, Float8LinearConfig, fp8_dims_problem
+from .eligibility import fp8_linear_problem
+from .linear import Float8Linear, Float8LinearConfig
 from .moe import Float8Experts, experts_problem, is_fused_experts
 from .precision_rules import PrecisionPlan, parse_precision_rules
 
@@ -164,16 +165,14 @@ def _skip_reason(fqn: str, linear, filter_fn: ModuleFilter | None, use_count: Co
                  min_fp8_dim: int = 0, module: nn.Module | None = None) -> str | None:
     if filter_fn is not None and not filter_fn(module if module is not None else linear, fqn):
         return "excluded by module_filter_fn"
-    if min(linear.in_features, linear.out_features) < min_fp8_dim:
-        return (
-            f"in_features={linear.in_features}, out_features={linear.out_features} below min_fp8_dim={min_fp8_dim} "
-            f"(too small to gain from FP8 at the measured crossover; pass min_fp8_dim=0 to convert it)"
-        )
+    problem = fp8_linear_problem(linear.in_features, linear.out_features, min_fp8_dim)
+    if problem is not None and problem.too_small:
+        return problem.reason
     if not linear.weight.is_floating_point():
         return f"weight dtype {linear.weight.dtype} is not floating point"
     if use_count[id(linear.weight)] > 1:
         return "weight is shared with another module (tied); FP8 would untie it"
-    return fp8_dims_problem(linear.in_features, linear.out_features)
+    return problem.reason if problem is not None else None
 
 
 def convert_to_float8_linear(

@@ -108,6 +108,7 @@ def grouped_forward(rows: Operand, weights: list[Float8Tensor], sizes: list[int]
     outs = [mm(Operand(rows.data[start:end], rows.scale_inv if rows.scale_inv.dim() == 0 else rows.scale_inv[start:end],
                        rows.block),
                weight_quantizer.forward_b(w.payload, w.scale, w, backend), out_dtype, backend)
+            if end > start else rows.data.new_empty((0, w.shape[0]), dtype=out_dtype)  # no token: no GEMM
             for (start, end), w in zip(group_bounds(sizes), weights)]
     if not outs:
         return rows.data.new_empty((0, weights[0].shape[0] if weights else 0), dtype=out_dtype)

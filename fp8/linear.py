@@ -40,6 +40,7 @@ from torch import nn
 
 from . import ops
 from .formats import get_format
+from .eligibility import fp8_dims_problem
 from .gemm import GEMM_BACKENDS, Operand, mm
 from .kernels.backend import KERNEL_BACKENDS
 from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
@@ -152,16 +153,6 @@ class Float8LinearConfig:
             raise ValueError(
                 "grad_output and input cannot both be E5M2: the weight-gradient GEMM needs one E4M3 operand"
             )
-
-
-def fp8_dims_problem(in_features: int, out_features: int) -> str | None:
-    """Why a linear of these dimensions cannot run its GEMMs in FP8, or None if it can."""
-    if in_features % 16 or out_features % 16:
-        return (
-            f"in_features={in_features} and out_features={out_features} must both be multiples of 16 "
-            f"for FP8 GEMMs (pad the layer)"
-        )
-    return None
 
 
 def weight_grad(grad_w32: torch.Tensor, config: Float8LinearConfig, weight_dtype: torch.dtype,
@@ -330,6 +321,9 @@ def linear_backward(ctx, grad_out):
         dx_dtype = torch.float32 if reduce is not None else grad_out.dtype
         dxs = []
         for (start, end), payload, scale, w in zip(bounds, payloads, scales, weights):
+            if grouped and start == end:  # no token: no GEMM
+                dxs.append(g2d.new_empty((0, payload.shape[1]), dtype=dx_dtype))
+                continue
             a = _rows(g_rows, start, end) if grouped else g_rows
             dxs.append(mm(a, quantizers.weight.dgrad_b(payload, scale, w, a, dx_dtype, backend), dx_dtype, backend))
         dx = dxs[0] if not grouped else (torch.cat(dxs) if dxs else g2d.new_zeros((0, payloads[0].shape[1])))

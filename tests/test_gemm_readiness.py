@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8
+import fp8.grouped_gemm
 import fp8.linear
 import fp8.tensor
 from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, dequantize_blocks, quantize_to_blocks
@@ -331,3 +332,70 @@ def test_training_step_with_the_gpu_paths_matches_the_emulation_bit_for_bit(reci
     for got, want in zip(results[1], results[0]):
         got, want = (got, want) if isinstance(got, list) else ([got], [want])
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+MOE_SIZES = [5, 37, 0, 22]  # tokens routed to each expert: none a multiple of 16 (one expert gets none)
+
+
+def _moe_step(recipe, grouped, monkeypatch):
+    """One forward and backward of four FP8 experts on tokens routed unevenly (:data:`MOE_SIZES`): one
+    :class:`fp8.Float8Linear` per expert on its own tokens (the per-expert path, megatron-core's SequentialMLP), or all
+    of them in one grouped linear (``fp8.grouped_gemm``: Megatron's ``--moe-grouped-gemm``, transformers' experts).
+    Returns the recorded :class:`GemmCall` list (CPU ``auto``: emulated here, audited for the GPU)."""
+    from fp8.grouped_gemm import GroupedBlockLinearFunction, GroupedLinearFunction
+    from fp8.linear import group_bounds
+
+    k, n = (256, 384) if recipe == "blockwise" else (64, 96)
+    torch.manual_seed(0)
+    config = Float8LinearConfig(recipe=recipe)
+    experts = [fp8.Float8Linear.from_linear(nn.Linear(k, n, bias=False), config) for _ in MOE_SIZES]
+    calls: list[GemmCall] = []
+    phase = ["fwd"]
+
+    def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
+        calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
+                              out_dtype, backend, a.block, b.block))
+        return mm(a, b, out_dtype, backend, *args, **kwargs)
+
+    monkeypatch.setattr(fp8.linear, "mm", record)
+    monkeypatch.setattr(fp8.grouped_gemm, "mm", record)  # the grouped forward GEMM where no grouped kernel runs
+    x = torch.randn(sum(MOE_SIZES), k, requires_grad=True)
+    if grouped and recipe == "tensorwise":
+        offsets = torch.tensor([e for _, e in group_bounds(MOE_SIZES)], dtype=torch.int32)
+        y = GroupedLinearFunction.apply(x, offsets, MOE_SIZES, experts[0].input_scaling,
+                                        experts[0].grad_output_scaling, config, True, torch.float32,
+                                        *(e.weight for e in experts))
+    elif grouped:
+        y = GroupedBlockLinearFunction.apply(x, MOE_SIZES, config, torch.float32, *(e.weight for e in experts))
+    else:
+        y = torch.cat([expert(x[s:e]) for expert, (s, e) in zip(experts, group_bounds(MOE_SIZES)) if e > s])
+    assert y.shape == (sum(MOE_SIZES), n)  # no padding row in the output
+    phase[0] = "bwd"
+    y.square().mean().backward()
+    monkeypatch.undo()
+    assert all(e.weight.grad is not None for e, size in zip(experts, MOE_SIZES) if size or grouped)
+    return calls, k, n
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-expert", "grouped"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_moe_expert_gemms_run_on_hardware_with_routed_tokens_padded(recipe, grouped, monkeypatch):
+    """The MoE dispatch audit: every expert GEMM (forward, input gradient, weight gradient) of both expert paths takes
+    a hardware path on a compute capability 9.0 GPU, whatever the tokens routed to each expert: the weight-gradient
+    GEMM's K (the expert's tokens) is padded to the GEMM's multiple (16; 128 for blockwise) with zero columns, which
+    add nothing, instead of falling back to the emulation. Each ``_scaled_mm`` call replays on ``meta`` tensors."""
+    calls, k, n = _moe_step(recipe, grouped, monkeypatch)
+    routed = [s for s in MOE_SIZES if s]
+    multiple = 128 if recipe == "blockwise" else 16
+    assert len(calls) == 3 * len(routed)  # forward, input gradient, weight gradient per expert that got tokens
+    wgrad_k = sorted(c.a.shape[1] for c in calls if c.phase == "bwd" and c.a.shape[0] == n)
+    assert wgrad_k == sorted(-(-s // multiple) * multiple for s in routed), wgrad_k
+    for call in calls:
+        choice = gemm_path(call.a, call.b, call.out_dtype, HOPPER, call.backend, call.a_block, call.b_block)
+        assert choice.path != "emulated", (recipe, grouped, call.phase, tuple(call.a.shape), tuple(call.b.shape),
+                                           choice.reason)
+        if choice.path.startswith("scaled_mm"):
+            with _AtenRecorder() as aten:
+                mm(Operand(call.a, call.a_scale, call.a_block), Operand(call.b, call.b_scale, call.b_block),
+                   call.out_dtype, call.backend, target=HOPPER)
+            assert len(aten.scaled_mm) == 1

@@ -21,7 +21,7 @@ PACKAGES = ("fp8", "megatron/training")
 # prefix of its name (a package entry covers its submodules); an import may reach its own layer or a lower
 # one. Kernels and the GEMM work on payloads and scales (plain tensors); Float8Tensor sits above them.
 LAYERS = (
-    ("fp8.formats",),
+    ("fp8.formats", "fp8.eligibility"),  # eligibility: whether a linear runs in FP8 (plain Python)
     ("fp8.launches",),  # device launches counted at the dispatcher (torch only)
     # comm_trace: recorded calls and NCCL's rules (plain data); host_read: device values read at a fixed step
     ("fp8.comm_trace", "fp8.host_read"),

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8.comm import CommBytesCounter
+from fp8.eligibility import fp8_linear_problem
 from fp8.linear import Float8LinearConfig
 from fp8.parallel import ColumnParallelLinear, RowParallelLinear
 from fp8.parallel.linear import compute_dtype
@@ -167,10 +168,11 @@ def _select_fp8(partition_dim: int, input_size: int, output_size: int, fp8: Floa
         return None, "baseline (--fp8-opt-level none)"
     tp = tp_group.size() if tp_group is not None else int(getattr(config, "tensor_model_parallel_size", 1) or 1)
     local_in, local_out = (input_size, output_size // tp) if partition_dim == 0 else (input_size // tp, output_size)
-    if min(local_in, local_out) < min_fp8_dim:
-        return None, (f"in_features={local_in}, out_features={local_out} (per tensor-parallel rank) below "
-                      f"min_fp8_dim={min_fp8_dim} (too small to gain from FP8; --fp8-min-dim 0 converts it)")
-    return fp8, None
+    problem = fp8_linear_problem(local_in, local_out, min_fp8_dim, " (per tensor-parallel rank)",
+                                 "--fp8-min-dim 0 converts it")
+    if problem is not None and problem.too_small:
+        return None, problem.reason
+    return fp8, None  # a shape FP8 GEMMs cannot take: the parallel linear refuses it, naming the sizes
 
 
 class SelectiveColumnParallelLinear(ColumnParallelLinear):

@@ -44,14 +44,14 @@ import torch
 from fp8.grouped_gemm import GroupedBlockLinearFunction, GroupedLinearFunction, group_bounds
 from fp8.linear import Float8LinearConfig
 from fp8.parallel.linear import compute_dtype
-from fp8.recipes import BLOCKWISE_TILE
+from fp8.recipes import RECIPES, get_recipe
 from fp8.scaling import ScalingState
 
 from .moe import SeededSequentialMLP
 
 __all__ = ["FP8GroupedMLP", "PAD_MULTIPLE", "padded_sizes", "ExpertPadding"]
 
-PAD_MULTIPLE = {"tensorwise": 16, "rowwise": 16, "blockwise": BLOCKWISE_TILE}
+PAD_MULTIPLE = {name: get_recipe(name).token_multiple for name in RECIPES}  # the GEMMs' K multiple per recipe
 """Rows each expert's token count is padded to a multiple of, per FP8 recipe: the K of its weight-gradient GEMM
 (``torch._scaled_mm``: multiples of 16; the block GEMM: of 128)."""
 

@@ -521,6 +521,14 @@ class _Tensor:
     expert: bool = False  # a routed expert's parameter (megatron-core's MoE layer)
 
 
+def fp8_linear_planned(n_in: int, n_out: int, min_fp8_dim: int) -> bool:
+    """Whether a linear whose per-rank weight is ``n_out x n_in`` runs in FP8: :func:`fp8.eligibility.fp8_linear_problem`
+    (the engine's one rule) as Megatron's layer specs apply it: kept in high precision only when too small (a shape
+    FP8 GEMMs cannot take is refused at start-up, not planned). Mirrored here because planning imports no torch;
+    ``tests/test_eligibility.py`` holds the two equal."""
+    return min(n_in, n_out) >= min_fp8_dim
+
+
 def default_min_fp8_dim() -> int:
     """pretrain_gpt.py's default ``--fp8-min-dim``: 2048 on CUDA (``fp8.convert.CUDA_MIN_FP8_DIM``), else 0."""
     import torch
@@ -540,7 +548,8 @@ def _stage_tensors(cfg: PlannerConfig, stage: int) -> list[_Tensor]:
             tensors.append(_Tensor(f"{prefix}.bias", h, False))
 
     def linear(prefix: str, n_out: int, n_in: int, bias_numel: int, expert: bool = False) -> None:
-        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and min(n_out, n_in) >= cfg.min_fp8_dim,
+        tensors.append(_Tensor(f"{prefix}.weight", n_out * n_in, cfg.fp8 and fp8_linear_planned(n_in, n_out,
+                                                                                                cfg.min_fp8_dim),
                                n_out, n_in, expert))
         if bias:
             tensors.append(_Tensor(f"{prefix}.bias", bias_numel, False, expert=expert))
