@@ -198,7 +198,8 @@ _TRAIN = textwrap.dedent("""
 def test_a_scaled_mm_run_trains_on_cpu_bit_identical_to_the_emulated_one():
     """A tiny GPT at O2 for three iterations of two micro-batches with the hardware GEMM (CPU torch._scaled_mm) and
     with the emulation: the same losses bit for bit (the measured bound on CPU: the two GEMMs are bit-identical), and
-    the hardware GEMM's weights keep their transposes (1 byte per FP8 weight element, in the run's memory report)."""
+    the hardware GEMM's weights keep their transposes (1 byte per FP8 weight element and a 4-byte scale_inv, in the
+    run's memory report)."""
     flags = [*SMALL, "--global-batch-size", "4", "--fp8-opt-level", "O2", "--eval-interval", "0", "--train-iters", "3",
              "--seed", "5"]
     proc = _run(["-c", _TRAIN, json.dumps(flags)])
@@ -206,5 +207,5 @@ def test_a_scaled_mm_run_trains_on_cpu_bit_identical_to_the_emulated_one():
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert len(out["scaled_mm"]["loss"]) == 3
     assert out["scaled_mm"]["loss"] == out["emulated"]["loss"]
-    per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64  # qkv, proj, fc1, fc2
+    per_layer = 64 * 192 + 64 * 64 + 64 * 256 + 256 * 64 + 4 * 4  # qkv, proj, fc1, fc2, each with its 4 B scale_inv
     assert out["scaled_mm"]["transposes"] == 2 * per_layer and out["emulated"]["transposes"] == 0

@@ -108,7 +108,8 @@ def test_moe_plan_matches_memory_held_on_two_ranks():
                             "--moe-shared-expert-intermediate-size", "128"]},
         {"name": "moe dp2 ep2", "layout": "DP=2 EP=2", "levels": ["O3"], "recompute": [False],
          "flags": common + ["--expert-model-parallel-size", "2", "--moe-fp8-dispatch"]},
-        # the hardware GEMM (CPU torch._scaled_mm): attention's FP8 weights keep their transposes, the grouped experts none
+        # the hardware GEMM (CPU torch._scaled_mm): attention's FP8 weights and the grouped experts keep their
+        # transposes (each with its 4 B scale_inv)
         {"name": "moe dp2 ep2 grouped scaled_mm", "layout": "DP=2 EP=2", "levels": ["O2"], "recompute": [False],
          "flags": common + ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--fp8-gemm-backend",
                             "scaled_mm"]},
@@ -117,7 +118,9 @@ def test_moe_plan_matches_memory_held_on_two_ranks():
     assert {(r["case"], r["level"]) for r in rows} == {("moe tp2sp", "none"), ("moe tp2sp", "O2"),
                                                         ("moe dp2 ep2", "O3"), ("moe dp2 ep2 grouped scaled_mm", "O2")}
     transposes = {(r["case"], r["rank"]): r["measured"] for r in rows if r["what"] == "weight_transposes"}
-    assert transposes[("moe dp2 ep2 grouped scaled_mm", 0)] == 4 * (64 * 192 + 64 * 64)  # qkv and proj of 4 layers
+    # qkv and proj of 4 layers, and each layer's 2 local experts (SwiGLU fc1 512 x 64, fc2 64 x 256)
+    assert transposes[("moe dp2 ep2 grouped scaled_mm", 0)] == 4 * (64 * 192 + 64 * 64 + 2 * 4) + \
+        4 * 2 * (2 * 256 * 64 + 64 * 256 + 2 * 4)
     assert all(held == 0 for (case, _), held in transposes.items() if "scaled_mm" not in case)
     by_rank = {}
     for row in rows:
@@ -260,8 +263,12 @@ def test_plan_only_uses_the_mixtral_layout(level):
     assert cfg["moe_fp8_dispatch"] == (level != "none") and cfg["moe_token_dispatcher_type"] == "alltoall"
     assert cfg["moe_grouped_gemm"] and not cfg["sequence_parallel"]  # the grouped experts: TP1, no SP
     assert plan["moe"]["experts_per_gpu"] == 1 and plan["total_gib"] < 80, plan["bytes"]
-    # the grouped experts keep no weight transposes: attention's (4 layers x (4096 x 6144 + 4096 x 4096)) on a GPU
-    assert plan["bytes"]["weight_transposes"] == (0 if level == "none" else 4 * (4096 * 6144 + 4096 * 4096))
+    # on a GPU: attention's transposes (4 layers x (4096 x 6144 + 4096 x 4096), 4 B scale_inv each), the local
+    # expert's (SwiGLU fc1 28672 x 4096, fc2 4096 x 14336: each expert's input-gradient operand, cached once per step)
+    # and the grouped forward GEMM's stack of the expert payloads (1 B per element, 4 B per output channel)
+    expert = 2 * 14336 * 4096 + 4096 * 14336
+    held = 4 * (4096 * 6144 + 4096 * 4096 + 2 * 4) + 4 * (expert + 2 * 4) + 4 * (expert + 4 * (2 * 14336 + 4096))
+    assert plan["bytes"]["weight_transposes"] == (0 if level == "none" else held)
 
 
 def test_dry_run_of_the_mixtral_script_reports_the_planned_parameters():

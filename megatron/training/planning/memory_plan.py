@@ -192,6 +192,7 @@ GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (pla
 SUM_BYTES = {"fp16": 2, "fp32": 4}  # bytes per element of an FP8 weight's gradient sum before the DP reduction
 _RECIPES = ("tensorwise", "rowwise", "blockwise")  # fp8.recipes.RECIPES
 _TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
+_GEMM_MULTIPLE = 16  # fp8.eligibility.GEMM_MULTIPLE: the FP8 GEMM's K multiple (tokens padded to it)
 _MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
 _MiB = 2**20
 GiB = 2**30
@@ -811,15 +812,30 @@ def _norm_saved(cfg: PlannerConfig, tokens: float) -> float:
     return _stored(cfg, h, hp, tokens)
 
 
-def _fp8_input(cfg: PlannerConfig, width: int, n_out: int) -> float:
-    """Bytes per token of an FP8 linear's saved input of ``width`` features: E4M3 plus the recipe's scales (a
-    per-token scale rowwise, one per 1 x 128 tile blockwise; tensorwise: one per tensor, not per token)."""
+def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None = None,
+               expected_pad: bool = False) -> float:
+    """Bytes per token of an FP8 linear's saved input of ``width`` features (``fp8.linear``'s core). An all-gathered
+    input (``tokens`` None: the column-parallel linears under sequence parallelism) is saved as its row-wise operand:
+    E4M3 plus the recipe's scales (one per token rowwise, one per 1 x 128 tile blockwise, one per tensor tensorwise).
+    Otherwise the weight-gradient GEMM's column-wise operand is made from the same read and saved instead: E4M3 with
+    the ``tokens`` padded to the GEMM's multiple (16; 128 blockwise) and the column scales (one per feature rowwise,
+    one per 128 x 1 tile blockwise). ``expected_pad``: ``tokens`` is a routed expert's mean count, its padding the
+    mean over counts (half the multiple less one)."""
     recipe = _recipe(cfg, n_out, width)
+    if tokens is None:
+        if recipe == "rowwise":
+            return width + 4
+        if recipe == "blockwise":
+            return width + 4 * math.ceil(width / _TILE)
+        return width
+    multiple = _TILE if recipe == "blockwise" else _GEMM_MULTIPLE
+    pad = (multiple - 1) / 2 if expected_pad else math.ceil(tokens / multiple) * multiple - tokens
+    payload = width * (tokens + pad) / tokens
     if recipe == "rowwise":
-        return width + 4
+        return payload + 4 * width / tokens
     if recipe == "blockwise":
-        return width + 4 * math.ceil(width / _TILE)
-    return width
+        return payload + 4 * width * math.ceil((tokens + pad) / _TILE) / tokens
+    return payload
 
 
 def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
@@ -840,7 +856,8 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
     # QKV and fc1 inputs: fp8lm's column-parallel linears save the all-gathered input (E4M3 + the recipe's scales;
     # the high-precision baseline's, inside its autograd function, as is: fp8.activations leaves such leaves alone)
     if cfg.fp8:
-        gathered = _fp8_input(cfg, h, cfg.qkv_size // tp) + _fp8_input(cfg, h, fc1_out // tp)
+        whole = None if sp > 1 else tokens  # gathered under SP; else each rank's linears read all the tokens
+        gathered = _fp8_input(cfg, h, cfg.qkv_size // tp, whole) + _fp8_input(cfg, h, fc1_out // tp, whole)
     elif hf:  # F.linear saves its input like any op: fp8_activations compresses it
         gathered = 2 * _stored(cfg, h, hp, tokens)
     else:
@@ -853,18 +870,18 @@ def _layer_activation_bytes_per_token(cfg: PlannerConfig) -> float:
         (h // tp) / head_dim * _stored(cfg, head_dim, hp, tokens * head_dim)
     # (high precision: the attention output's own storage, unless fp8_activations stores a compressed copy of it)
     if cfg.fp8:
-        proj_in = _fp8_input(cfg, h // tp, h)
+        proj_in = _fp8_input(cfg, h // tp, h, tokens)
     elif hf:  # a view of the attention output of another shape: compressed apart from it
         proj_in = _stored(cfg, h, hp, tokens) if cfg.fp8_activations else 0
     else:
         proj_in = hp * h // tp if cfg.fp8_activations else 0
     if cfg.num_experts is not None:  # the MLP is megatron-core's MoE layer
-        qkv_in = _fp8_input(cfg, h, cfg.qkv_size // tp) if cfg.fp8 else hp * h
+        qkv_in = _fp8_input(cfg, h, cfg.qkv_size // tp, None if sp > 1 else tokens) if cfg.fp8 else hp * h
         return seq_shard / sp + qkv_in + qkv + attn_out + 4 * a / tp + proj_in + _moe_bytes_per_token(cfg)
     act = _stored(cfg, act_in // tp, hp, tokens)
     if hf:  # act(gate) * up keeps act(gate) as well as gate and up
         act = 3 * _stored(cfg, f, hp, tokens)
-    fc2_in = _fp8_input(cfg, f // tp, h) if cfg.fp8 else (_stored(cfg, f, hp, tokens) if hf else hp * f // tp)
+    fc2_in = _fp8_input(cfg, f // tp, h, tokens) if cfg.fp8 else (_stored(cfg, f, hp, tokens) if hf else hp * f // tp)
     sharded = qkv + attn_out + 4 * a / tp + proj_in + act + fc2_in
     return seq_shard / sp + gathered + sharded
 
@@ -908,8 +925,12 @@ def _moe_bytes_per_token(cfg: PlannerConfig) -> float:
     f = cfg.moe_ffn_hidden_size // tp
     fc1_out = 2 * f if cfg.swiglu else f
     rows = tokens * routed_rows_per_token(cfg)
-    fc1_in = _fp8_input(cfg, h, fc1_out) if cfg.fp8 else hp * h
-    fc2_in = _fp8_input(cfg, f, h) if cfg.fp8 else hp * f
+    # each expert's tokens padded to the GEMM's multiple in its weight-gradient operand (the mean padding: routing
+    # decides the counts); tensorwise grouped experts save their rows (one cast of all tokens)
+    per_expert = rows / (e // cfg.expert_model_parallel_size)
+    routed = None if cfg.moe_grouped_gemm and cfg.fp8_recipe == "tensorwise" else per_expert
+    fc1_in = _fp8_input(cfg, h, fc1_out, routed, expected_pad=True) if cfg.fp8 else hp * h
+    fc2_in = _fp8_input(cfg, f, h, routed, expected_pad=True) if cfg.fp8 else hp * f
     per_row = fc1_in + _mlp_saved(cfg, f, rows) + _stored(cfg, f, hp, rows) + 4 + fc2_in
     experts = routed_rows_per_token(cfg) * per_row
     shared = 0.0  # the shared expert: a dense MLP (sequence-parallel linears) on every token
@@ -917,10 +938,10 @@ def _moe_bytes_per_token(cfg: PlannerConfig) -> float:
         fs = cfg.moe_shared_expert_intermediate_size // tp
         fs1 = 2 * fs if cfg.swiglu else fs
         if cfg.fp8:
-            fc1_in = _fp8_input(cfg, h, fs1)
+            fc1_in = _fp8_input(cfg, h, fs1, None if sp > 1 else tokens)
         else:  # the norm's output (no gather at TP 1), in an FP32 model the router's saved input itself
             fc1_in = 0 if hp == 4 and tp == 1 else hp * h
-        shared = fc1_in + _mlp_saved(cfg, fs, tokens) + (_fp8_input(cfg, fs, h) if cfg.fp8 else hp * fs)
+        shared = fc1_in + _mlp_saved(cfg, fs, tokens) + (_fp8_input(cfg, fs, h, tokens) if cfg.fp8 else hp * fs)
     return routing + experts + shared
 
 
@@ -947,7 +968,7 @@ def _activations(cfg: PlannerConfig, stage: int) -> int:
     head = 0.0  # the last stage's final norm, output layer and loss (one micro-batch: freed first in backward)
     if stage == pp - 1:
         h, local = cfg.hidden_size, tokens / sp
-        out_in = _fp8_input(cfg, h, cfg.padded_vocab_size) if cfg.fp8_output else _stored(cfg, h, hp, local)
+        out_in = _fp8_input(cfg, h, cfg.padded_vocab_size, tokens) if cfg.fp8_output else _stored(cfg, h, hp, local)
         stats = 8 if cfg.normalization == "LayerNorm" else 4
         head += (_norm_saved(cfg, local) + stats + out_in) / sp
         # fp32 logits for the loss (4 V / TP); labels (int64), the vocab-parallel loss's target mask (bool) and
