@@ -10,11 +10,14 @@ bf16, linears 256 x 256 without bias, 256 tokens, steady state (3 training steps
   of 256 x 256 elements or more), per recipe (tensorwise with delayed and with current scaling, rowwise, blockwise)
   and opt level; each figure is the slope between models of 2 and 8 linears, so the loss and the model's ends cancel.
   BF16 ``nn.Linear`` beside.
+- ``megatron`` (``--megatron``): ``pretrain_gpt.py``'s GPT per rank, a transformer layer (slope between 2 and 4
+  layers: forward, backward and the rest, optimizer step) and its tensor-parallel linears alone, at TP1 and at TP2
+  with sequence parallelism, FP8 O2 beside BF16 (:mod:`benchmarks.kernels_megatron`; collectives count as launches).
 - ``optimizer``: ``optimizer.step(); optimizer.zero_grad()`` launches with 2 and 8 linears and their slope per
   linear, per opt level (O1 wraps ``torch.optim.AdamW``, built with ``foreach=True`` as GPUs default to; BF16 beside
   with the same AdamW, and with ``fused=True``). O3 runs in a one-rank gloo group.
 
-Counts are deterministic. ``python benchmarks/kernels.py [--json benchmarks/results/kernels.json]``
+Counts are deterministic. ``python benchmarks/kernels.py [--megatron] [--json benchmarks/results/kernels.json]``
 prints the tables and writes the JSON; ``tests/test_kernel_launches.py`` holds the targets.
 """
 
@@ -120,12 +123,14 @@ def linear_table(levels=("O1", "O2")) -> list[dict]:
 def optimizer_table(levels=LEVELS) -> list[dict]:
     """Optimizer-step launches with 2 and 8 linears and the slope per linear."""
     rows = []
-    variants = [("BF16 AdamW(foreach=True)", "bf16", {"foreach": True}),
-                ("BF16 AdamW(fused=True)", "bf16", {"fused": True})]
-    variants += [(f"{level} (AdamW foreach=True)", level, {"foreach": True}) for level in levels]
-    for name, level, adamw in variants:
-        small, large = measure(level, SMALL, adamw=adamw), measure(level, LARGE, adamw=adamw)
-        rows.append({"variant": name, "level": level, f"launches_{SMALL}": small["step"][0],
+    variants = [("BF16 AdamW(foreach=True)", "bf16", {"foreach": True}, "tensorwise"),
+                ("BF16 AdamW(fused=True)", "bf16", {"fused": True}, "tensorwise")]
+    variants += [(f"{level} (AdamW foreach=True)", level, {"foreach": True}, "tensorwise") for level in levels]
+    variants += [(f"{level} {recipe} (AdamW foreach=True)", level, {"foreach": True}, recipe)
+                 for level in ("O1", "O2") for recipe in ("rowwise", "blockwise")]
+    for name, level, adamw, recipe in variants:
+        small, large = measure(level, SMALL, recipe, adamw=adamw), measure(level, LARGE, recipe, adamw=adamw)
+        rows.append({"variant": name, "level": level, "recipe": recipe, f"launches_{SMALL}": small["step"][0],
                      f"launches_{LARGE}": large["step"][0], "per_linear": _slope(small, large, "step")})
     return rows
 
@@ -162,6 +167,7 @@ def _print_optimizer(rows: list[dict]) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
+    parser.add_argument("--megatron", action="store_true", help="also the Megatron TP linears and layers (2 processes)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "0")
     _one_rank_group()
@@ -170,6 +176,11 @@ def main(argv=None) -> dict:
               "linear": linear_table(), "optimizer": optimizer_table()}
     _print_linear(result["linear"])
     _print_optimizer(result["optimizer"])
+    if args.megatron:
+        from benchmarks import kernels_megatron
+
+        result["megatron"] = kernels_megatron.run()
+        kernels_megatron.print_table(result["megatron"])
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -329,6 +329,22 @@ def _(x, row, col, out_dtype):
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
+# -- collectives' epilogues ---------------------------------------------------------------------------------------------
+@custom_op("fp8lm::sum_chunks", mutates_args=())
+def sum_chunks(received: Tensor, chunks: int, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(sum_c received[c] * scale_inv)`` in ``out_dtype``: the FP8 reduce-scatter's epilogue (``received``: the
+    ``chunks`` ranks' FP8 contributions to this rank's rows, stacked along dim 0, one shared 0-d ``scale_inv``),
+    summed in fp32 in chunk order."""
+    rows = received.shape[0] // chunks
+    parts = received.view(chunks, rows, *received.shape[1:]).to(torch.float32)
+    return (parts.sum(0) * scale_inv.to(torch.float32)).to(out_dtype)
+
+
+@sum_chunks.register_fake
+def _(received, chunks, scale_inv, out_dtype):
+    return received.new_empty((received.shape[0] // chunks, *received.shape[1:]), dtype=out_dtype)
+
+
 # -- delayed scaling: every state's step closed at once ---------------------------------------------------------------
 @custom_op("fp8lm::update_scales_", mutates_args=("histories", "scales", "has_history"))
 def update_scales_(histories: list[Tensor], scales: list[Tensor], has_history: list[Tensor], fmaxes: list[float],
@@ -447,6 +463,11 @@ def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype):
     from .kernels.triton_block_gemm import block_mm_inverse
 
     return block_mm_inverse(a, a_scale_inv, tuple(a_block), b, b_scale_inv, tuple(b_block), out_dtype)
+
+
+@sum_chunks.register_kernel("cuda")
+def _(received, chunks, scale_inv, out_dtype):
+    return _triton().launch_sum_chunks(received, chunks, scale_inv, out_dtype)
 
 
 @transpose_fp8_into_.register_kernel("cuda")

@@ -267,17 +267,41 @@ class BlockWeightQuantizer(WeightQuantizer):
 
 
 def refresh_weight_operands(params) -> None:
-    """After an optimizer step wrote FP8 weights: the input-gradient operands the tensor-wise weights among ``params``
-    keep (their transposes and ``scale_inv``, :class:`TensorwiseWeightQuantizer`) rewritten in place by one
-    multi-tensor kernel (:func:`fp8.ops.transpose_fp8_into_`), instead of one kernel per weight at its next forward.
-    Weights that keep none (the emulated GEMM, other recipes, never run) are left alone. The optimizers call it at the
-    end of their step."""
+    """After an optimizer step wrote FP8 weights: the GEMM operands the weights among ``params`` keep, brought up to
+    date at the end of the step instead of one weight at a time at its next forward (the optimizers call it):
+
+    - tensor-wise weights: their transposes and ``scale_inv`` (:class:`TensorwiseWeightQuantizer`) rewritten in place
+      by one multi-tensor kernel for all (:func:`fp8.ops.transpose_fp8_into_`);
+    - blockwise weights: their ``scale_inv`` grids, two multi-tensor kernels for all (copy, reciprocal);
+    - rowwise weights: the forward's per-output-channel ``scale_inv`` (two multi-tensor kernels for all) and each
+      weight's per-input-channel copy (:func:`fp8.ops.quantize_cols_t`: one kernel per weight, the one per-linear
+      launch of the step).
+
+    Weights that keep none (the emulated GEMM, never run) are left alone."""
     if torch.compiler.is_compiling():  # traced code keeps no operands (made per use), so none to refresh
         return
-    weights = [p for p in params if isinstance(p, Float8Tensor) and p.block is None]
+    params = [p for p in params if isinstance(p, Float8Tensor)]
 
-    def refresh(stale):
+    def transposes(stale):
         ops.transpose_fp8_into_([w.payload for w, _ in stale], [w.scale for w, _ in stale],
                                 [value[0].t() for _, value in stale], [value[1] for _, value in stale])
 
-    refresh_cached_operands(weights, ("transpose",), refresh)
+    def grids(stale):
+        invs = [value[0] for _, value in stale]
+        torch._foreach_copy_(invs, [w.scale for w, _ in stale])
+        torch._foreach_reciprocal_(invs)
+
+    def rows(stale):
+        row_invs = [value[0] for _, value in stale]  # (1, out), the forward GEMM's
+        torch._foreach_copy_(row_invs, [w.scale.t() for w, _ in stale])
+        torch._foreach_reciprocal_(row_invs)
+        fresh = []
+        for (w, value), row_inv in zip(stale, row_invs):
+            fmt = "e4m3" if w.payload.dtype == torch.float8_e4m3fn else "e5m2"
+            data_t, col_inv = ops.quantize_cols_t(w.payload, fmt, 1, row_inv.t())
+            fresh.append((row_inv, data_t.t(), col_inv))
+        return fresh
+
+    refresh_cached_operands([p for p in params if p.block is None], ("transpose",), transposes)
+    refresh_cached_operands([p for p in params if p.block == BLOCK], ("blocks",), grids)
+    refresh_cached_operands([p for p in params if p.block == ROWWISE], ("rowwise",), rows)

@@ -206,7 +206,8 @@ def refresh_cached_operands(weights: list, key: tuple, refresh: Callable[[list[t
                             ) -> None:
     """Bring the operands kept under ``key`` (:func:`cached_operand`) up to date for every weight of ``weights`` that
     holds one made before its last write: ``refresh([(weight, operands), ...])`` rewrites them in place (one
-    multi-tensor kernel for all), then they count as made from the weights as they are now."""
+    multi-tensor kernel for all) and returns None, or returns the new operands (a list, one tuple per weight); then
+    they count as made from the weights as they are now."""
     stale = []
     for weight in weights:
         memo = (weight.__dict__.get(_OPERAND_MEMO) or {}).get(key)
@@ -215,8 +216,9 @@ def refresh_cached_operands(weights: list, key: tuple, refresh: Callable[[list[t
     if not stale:
         return
     with torch.no_grad():
-        refresh(stale)
-    for weight, value in stale:
+        fresh = refresh(stale)
+    values = fresh if fresh is not None else [value for _, value in stale]
+    for (weight, _), value in zip(stale, values):
         weight.__dict__[_OPERAND_MEMO][key] = ((weight._version, weight._data._version, weight._scale._version), value)
 
 

@@ -10,11 +10,14 @@ linears), against BF16's 3 (one forward GEMM, two backward GEMMs):
 - tensor-wise, current scaling: 9: each of the two current-scaled casts needs the tensor's amax before its first
   element is written (an amax kernel, then the cast: one more launch each, the physical minimum without a grid-wide
   sync);
-- rowwise: 11 (per-row and per-column casts of both activations, the weight's per-input-channel copy, the epilogue);
-- blockwise: 8 (1x128 and 128x1 tiles of the input and the gradient from one read each).
+- rowwise: 9 (per-row and per-column casts of both activations, three GEMMs, the weight gradient's two kernels; the
+  weight's per-input-channel copy is made by the optimizer step, one kernel per weight);
+- blockwise: 7 (1x128 and 128x1 tiles of the input and the gradient from one read each; the weights' scale_inv grids
+  are refreshed by the optimizer step for all weights at once).
 
-The optimizer step is flat in the number of linears at O2 (multi-tensor ops) and grows by torch's own foreach AdamW's
-2 per linear at O1 (its master weights are plain fp32 tensors).
+The optimizer step is flat in the number of linears at O2 (multi-tensor ops; tensor-wise weights: block-scaled weights
+still take the per-parameter update) and grows by torch's own foreach AdamW's 2 per linear at O1 (its master weights
+are plain fp32 tensors).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from benchmarks import kernels
 BUDGET = {
     ("tensorwise", "delayed"): (7, 7),
     ("tensorwise", "current"): (9, 9),
-    ("rowwise", "delayed"): (11, 10),
-    ("blockwise", "delayed"): (8, 7),
+    ("rowwise", "delayed"): (9, 9),
+    ("blockwise", "delayed"): (7, 7),
 }
 
 
@@ -50,8 +53,13 @@ def test_fp8_linear_launches_per_recipe(recipe, kind):
     per_linear_ops = set(slopes["forward"]["by_op"]) | set(slopes["backward"]["by_op"])
     assert not per_linear_ops & {"aten.abs", "aten.amax", "aten.clone", "aten._to_copy", "aten.reciprocal",
                                  "aten.log2", "aten.exp2", "aten.where"}, per_linear_ops
-    # the optimizer step (O2, multi-tensor) costs nothing more per linear, the weights' transposes included
-    assert slopes["step"]["launches"] == 0, slopes["step"]["by_op"]
+    # the optimizer step (O2, multi-tensor) costs nothing more per linear, the weights' transposes included (rowwise:
+    # the weight's per-input-channel copy, one kernel per weight); block-scaled weights still take the per-parameter
+    # O2 update (docs/gpu.md), so the flat step is held for tensor-wise weights
+    if recipe == "tensorwise":
+        assert slopes["step"]["launches"] == 0, slopes["step"]["by_op"]
+    elif recipe == "rowwise":
+        assert slopes["step"]["by_op"].get("fp8lm.quantize_cols_t.default") == 1, slopes["step"]["by_op"]
 
 
 def test_bf16_reference_is_three_launches():
@@ -64,3 +72,19 @@ def test_o1_step_grows_only_by_torch_adamw():
     bf16, _, _ = _slopes("bf16")
     assert slopes["step"]["launches"] <= bf16["step"]["launches"], (slopes["step"]["by_op"], bf16["step"]["by_op"])
     assert slopes["forward"]["launches"] + slopes["backward"]["launches"] <= BUDGET[("tensorwise", "delayed")][0]
+
+
+def test_megatron_layers_and_tensor_parallel_linears():
+    """pretrain_gpt.py's GPT per rank (benchmarks/kernels_megatron.py: TP1 on one process, TP2 with sequence
+    parallelism on two): each FP8 tensor-parallel linear alone within 16 launches forward+backward (the FP8 all-gather
+    and reduce-scatter of sequence parallelism included: the cast agreed over the group, then one fused cast and one
+    fused epilogue), and a whole FP8 O2 transformer layer within 1.7x BF16's launches."""
+    from benchmarks import kernels_megatron
+
+    result = kernels_megatron.run()
+    for layout in ("TP1", "TP2+SP"):
+        for name, counts in result[layout]["linears"]["fp8"].items():
+            assert counts["total"] <= 16, (layout, name, counts)
+        per_layer = {level: result[layout]["layer"][level]["per_layer"]["iteration"] for level in ("none", "O2")}
+        assert per_layer["O2"] <= 1.7 * per_layer["none"], (layout, per_layer)
+        assert result[layout]["layer"]["O2"]["per_layer"]["optimizer step"] == 0  # multi-tensor: flat in the layers

@@ -212,6 +212,21 @@ def test_elementwise_scale_kernels_match_reference(shape):
             _same(tq.launch_apply_scales(x, r, c, dtype), ops.apply_scales(x, r, c, dtype), "apply_scales")
 
 
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_sum_chunks_kernel_matches_reference(chunks):
+    """The FP8 reduce-scatter's epilogue: each rank's FP8 contribution decoded and summed in fp32, times scale_inv."""
+    tq = _needs_triton()
+    for fmt in (E4M3, E5M2):
+        received = _input((chunks * 48, 80), torch.float32, 15, special=False).clamp(-400, 400).to(fmt)
+        inv = torch.tensor(2.0 ** -5)
+        for dtype in (torch.bfloat16, torch.float32):
+            _same(tq.launch_sum_chunks(received, chunks, inv, dtype), ops.sum_chunks(received, chunks, inv, dtype),
+                  f"sum_chunks {fmt} {dtype}")
+    exact = received.double().view(chunks, 48, 80).sum(0) * 2.0 ** -5  # float64: within fp32's rounding of the sum
+    assert (ops.sum_chunks(received, chunks, inv, torch.float32).double() - exact).abs().max() <= \
+        chunks * 2.0 ** -24 * received.double().view(chunks, 48, 80).abs().sum(0).max() * 2.0 ** -5
+
+
 @pytest.mark.parametrize("enabled", [None, True, False])
 def test_update_scales_kernel_matches_reference(enabled):
     tq = _needs_triton()
@@ -274,6 +289,7 @@ def test_each_op_is_one_launch():
         "transpose_fp8": lambda: ops.transpose_fp8(payload, one, 16),
         "transpose_fp8_into_": lambda: ops.transpose_fp8_into_([payload] * 3, [one] * 3, [out] * 3, [inv] * 3),
         "update_scales_": lambda: ops.update_scales_(hist, scales, flags, [448.0] * 3, [0] * 3),
+        "sum_chunks": lambda: ops.sum_chunks(payload, 2, one, torch.bfloat16),
     }
     for name, call in calls.items():
         with LaunchCounter() as counter:

@@ -24,6 +24,7 @@ from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 __all__ = [
     "launch_amax", "launch_cast_transpose", "launch_quantize_rows", "launch_quantize_cols_t", "launch_quantize_tiles",
     "launch_transpose_fp8", "launch_scaled_fp16", "launch_apply_scales", "launch_update_scales", "launch_transpose_fp8_into",
+    "launch_sum_chunks",
 ]
 
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -515,3 +516,27 @@ def launch_transpose_fp8_into(payloads, scales, outs, invs):
     block = 64
     tiles = max(triton.cdiv(p.shape[0], block) * triton.cdiv(p.shape[1], block) for p in payloads)
     _transpose_multi_kernel[(len(payloads), tiles)](table, BLOCK=block)
+
+
+@triton.jit
+def _sum_chunks_kernel(src_ptr, inv_ptr, out_ptr, n, CHUNKS: tl.constexpr, IN_FMT: tl.constexpr,
+                       OUT_FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """Element i of the output: the CHUNKS values at i, n + i, 2n + i, ... decoded and summed in order, times scale_inv."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        acc += decode_to_f32(tl.load(src_ptr + c * n + offs, mask=mask, other=0), IN_FMT)
+    acc = acc * tl.load(inv_ptr)
+    tl.store(out_ptr + offs, encode_f32(acc, OUT_FMT), mask=mask)
+
+
+def launch_sum_chunks(received, chunks, scale_inv, out_dtype):
+    received = received.contiguous()
+    out = torch.empty((received.shape[0] // chunks, *received.shape[1:]), dtype=out_dtype, device=received.device)
+    n = out.numel()
+    block = 1024
+    _sum_chunks_kernel[(max(1, triton.cdiv(n, block)),)](
+        payload_view(received), scale_inv.to(torch.float32).reshape(()), payload_view(out), n, CHUNKS=chunks,
+        IN_FMT=format_code(received.dtype), OUT_FMT=format_code(out_dtype), BLOCK=block)
+    return out

@@ -151,8 +151,13 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 fp8_weight.copy_(master)
         if plain:
             torch._foreach_copy_([w for _, w in plain], [m for m, _ in plain])
-        if not tensorwise:
-            return
+        if tensorwise:
+            self._refresh_tensorwise(tensorwise)
+        # the weights' GEMM operands for the next step (transposes, scale_inv): multi-tensor kernels for all
+        refresh_weight_operands([w for _, w in self.pairs])
+
+    def _refresh_tensorwise(self, tensorwise: list) -> None:
+        """The tensor-wise weights of :meth:`refresh_fp8_weights`: one multi-tensor amax, one multi-tensor cast."""
         masters = [m for m, _ in tensorwise]
         weights = [w for _, w in tensorwise]
         backend = self._backend()
@@ -160,7 +165,6 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         ops.amaxes_(masters, amax, backend=backend)
         ops.quantize_weights_(masters, amax, [w.payload for w in weights], [w.scale for w in weights], backend=backend)
         torch.autograd.graph.increment_version(weights)  # the op bumped payloads and scales; the weights, as copy_
-        refresh_weight_operands(weights)  # their input-gradient operands for the next step: one multi-tensor kernel
 
     # -- the step ---------------------------------------------------------------------------------
     def _fused_found_inf(self) -> bool:

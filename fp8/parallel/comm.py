@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..cast import quantize
+from .. import ops
 from ..comm import Collectives, CommBytesCounter
 from ..scaling import ScalingState
 
@@ -108,9 +108,9 @@ class TensorParallelComm:
         if self.world_size == 1:
             return tensor.to(out_dtype)
         self._check_divisible(tensor)
-        scale = state.scale_for(tensor, record=record)
-        payload = quantize(tensor, scale, state.format).contiguous()
+        # the cast in fused kernels (the amax agreed over the group, then one cast), the epilogue in one
+        payload, _, scale_inv = state.quantize(tensor.reshape(-1, tensor.shape[-1]), record=record)
         received = torch.empty_like(payload)
         self._comm.all_to_all(received, payload, tag).wait()
-        chunks = received.view(self.world_size, -1, *tensor.shape[1:]).to(torch.float32)
-        return (chunks.sum(0) / scale).to(out_dtype)
+        out = ops.sum_chunks(received, self.world_size, scale_inv, out_dtype)
+        return out.view(tensor.shape[0] // self.world_size, *tensor.shape[1:])
