@@ -84,7 +84,6 @@ def _run_counts(tp: int, level: str, layers: int) -> dict:
 def _linear_counts(tp: int, fp8: bool) -> dict:
     """The column- and row-parallel linears alone, forward and backward per rank (module docstring)."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from fp8.linear import Float8LinearConfig
@@ -121,7 +120,6 @@ def _linear_counts(tp: int, fp8: bool) -> dict:
         (y, _), fwd = _count(lambda: layer(x))
         _, bwd = _count(lambda: y.backward(torch.ones_like(y)))
         out[name] = {"forward": fwd.launches, "backward": bwd.launches, "total": fwd.launches + bwd.launches}
-    dist.barrier()
     return out
 
 

@@ -233,8 +233,12 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     elif grouped:
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
     else:
-        rows, cols = _shared_cast(x, key, lambda: quantizers.input.quantize(x2d, record, columnwise),
+        made = []
+        rows, cols = _shared_cast(x, key, lambda: made.append(1) or quantizers.input.quantize(x2d, record, columnwise),
                                   input_state.amax_history if recipe.tensorwise else None)
+        if not made and recipe.tensorwise and input_state.stats is not None and record:
+            # another reader's cast, shared: this reader's statistics still see the input and the scale it used
+            input_state.stats.observe(x2d, rows.scale_inv.reciprocal(), input_state.format)
     gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
     ctx.fp8_weights = None if torch.compiler.is_compiling() else list(weights)
     if not grouped:
