@@ -11,8 +11,8 @@ delayed-scaling histories and their probes settle after 2 optimizer steps), then
   its host copy of the per-expert token counts (``token_dispatcher.py``, ``_maybe_dtoh_and_synchronize``: the
   event's ``synchronize()``; an all-to-all with uneven splits needs the counts on the host).
 
-Syncs inside the FP8 core that its owner is reworking (``KNOWN_SYNCS`` of tests/test_no_host_sync.py) are counted apart and printed with the
-rest (``pytest -s`` or ``-rP``). A planted host read of the loss (PP2, one more iteration) must be caught once per
+The syncs ``KNOWN_SYNCS`` of tests/test_no_host_sync.py lists (a GPU-only branch, other tests' scaffolding) are
+counted apart and printed with the rest (``pytest -s`` or ``-rP``). A planted host read of the loss (PP2, one more iteration) must be caught once per
 micro-batch on the last stage: the detector sees inside megatron-core's schedules.
 """
 

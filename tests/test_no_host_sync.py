@@ -50,8 +50,8 @@ whose wait is free) are the named exemption (:data:`NON_SYNCING_READS`).
 
 Not seen: code a CPU run does not take (a ``device.type == "cuda"`` branch, e.g. pinning), the inside of a
 ``torch.library`` custom op (one op here, one kernel there), and kernels that read a device scalar on the host
-inside ATen (e.g. ``fill_`` with a 0-d device value). Syncs outside the code the tests guard (the FP8 core's, being
-reworked by its owner; a branch only a GPU takes; other tests' own scaffolding) are listed in :data:`KNOWN_SYNCS`
+inside ATen (e.g. ``fill_`` with a 0-d device value). Syncs outside the code the tests guard (a branch only a GPU
+takes; other tests' own scaffolding) are listed in :data:`KNOWN_SYNCS`
 and recorded apart (``known_hits``), each by the function it is in and its kind, so nothing else is let through.
 
 A self-check per case proves the detector catches it, and others that it leaves alone what does not sync.
@@ -122,8 +122,8 @@ KNOWN_SYNCS = {
     ("tests/test_delayed_state_scaling.py:step", "host-to-device copy from pageable memory"):
         f"the test's poisoned gradient, `model[2].bias.grad[0] = float('nan')`: {_SCALAR_ASSIGNMENT}",
 }
-"""Syncs the tests do not count, by (origin, kind) of :class:`Hit` (each with what it is): the FP8 core's (being
-reworked by its owner), a branch a GPU does not take, other tests' scaffolding. Recorded apart
+"""Syncs the tests do not count, by (origin, kind) of :class:`Hit` (each with what it is): a branch a GPU does not
+take, other tests' scaffolding. Recorded apart
 (:attr:`HostSyncDetector.known_hits`) so every test keeps failing on any other sync. Remove an entry once its
 code is changed (the per-layout report of tests/test_host_sync_layouts.py prints the known hits it still sees)."""
 _THIS_FILE = os.path.abspath(__file__)
