@@ -234,8 +234,12 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
     else:
         made = []
-        rows, cols = _shared_cast(x, key, lambda: made.append(1) or quantizers.input.quantize(x2d, record, columnwise),
-                                  input_state.amax_history if recipe.tensorwise else None)
+
+        def cast():
+            made.append(True)
+            return quantizers.input.quantize(x2d, record, columnwise)
+
+        rows, cols = _shared_cast(x, key, cast, input_state.amax_history if recipe.tensorwise else None)
         if not made and recipe.tensorwise and input_state.stats is not None and record:
             # another reader's cast, shared: this reader's statistics still see the input and the scale it used
             input_state.stats.observe(x2d, rows.scale_inv.reciprocal(), input_state.format)
