@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -88,6 +89,16 @@ class _AtenRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _recording_mm(calls: list, phase: list) -> Callable:
+    """:func:`fp8.gemm.mm` recording each call (as a :class:`GemmCall` of ``meta`` copies, in pass ``phase[0]``)."""
+    def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
+        calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
+                              out_dtype, backend, a.block, b.block))
+        return mm(a, b, out_dtype, backend, *args, **kwargs)
+
+    return record
+
+
 def _train_step(recipe, dtype, backend, monkeypatch, seq=None):
     """One O2 training step of a two-layer FP8 MLP (input gradient too, so every layer runs all three GEMMs).
     Returns the recorded :class:`GemmCall` list, the ``_AtenRecorder``, the layer widths and the token count."""
@@ -102,11 +113,7 @@ def _train_step(recipe, dtype, backend, monkeypatch, seq=None):
     calls: list[GemmCall] = []
     phase = ["fwd"]
 
-    def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
-        calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
-                              out_dtype, backend, a.block, b.block))
-        return mm(a, b, out_dtype, backend, *args, **kwargs)
-
+    record = _recording_mm(calls, phase)
     monkeypatch.setattr(fp8.linear, "mm", record)  # the FP8 linear's one GEMM call (forward, both backward GEMMs)
     x = torch.randn(batch, seq, widths[0], dtype=dtype, requires_grad=True)
     with _AtenRecorder() as aten:
@@ -352,11 +359,7 @@ def _moe_step(recipe, grouped, monkeypatch):
     calls: list[GemmCall] = []
     phase = ["fwd"]
 
-    def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
-        calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
-                              out_dtype, backend, a.block, b.block))
-        return mm(a, b, out_dtype, backend, *args, **kwargs)
-
+    record = _recording_mm(calls, phase)
     monkeypatch.setattr(fp8.linear, "mm", record)
     monkeypatch.setattr(fp8.grouped_gemm, "mm", record)  # the grouped forward GEMM where no grouped kernel runs
     x = torch.randn(sum(MOE_SIZES), k, requires_grad=True)
