@@ -14,8 +14,10 @@ bf16, linears 256 x 256 without bias, 256 tokens, steady state (3 training steps
   layers: forward, backward and the rest, optimizer step) and its tensor-parallel linears alone, at TP1 and at TP2
   with sequence parallelism, FP8 O2 beside BF16 (:mod:`benchmarks.kernels_megatron`; collectives count as launches).
 - ``optimizer``: ``optimizer.step(); optimizer.zero_grad()`` launches with 2 and 8 linears and their slope per
-  linear, per opt level (O1 wraps ``torch.optim.AdamW``, built with ``foreach=True`` as GPUs default to; BF16 beside
-  with the same AdamW, and with ``fused=True``). O3 runs in a one-rank gloo group.
+  linear, per opt level and recipe (O1 wraps ``torch.optim.AdamW``, built with ``foreach=True`` as GPUs default to,
+  and with ``fused=True``; BF16 beside with both). ``foreach=True`` reads each parameter's step count on the host
+  (``aten._local_scalar_dense``, 2 per parameter: torch keeps those counts in CPU tensors on a GPU, so there they are
+  no device launch; counted here all the same). O3 runs in a one-rank gloo group.
 
 Counts are deterministic. ``python benchmarks/kernels.py [--megatron] [--json benchmarks/results/kernels.json]``
 prints the tables and writes the JSON; ``tests/test_kernel_launches.py`` holds the targets.
@@ -51,17 +53,19 @@ RECIPES = {  # name -> (recipe, scaling kind)
 LEVELS = ("O1", "O2", "O3")
 
 
-def _config(recipe: str, kind: str) -> fp8.Float8LinearConfig:
+def _config(recipe: str, kind: str, grad_accumulation: str = "fp16") -> fp8.Float8LinearConfig:
     return fp8.Float8LinearConfig(gemm_backend="scaled_mm", recipe=recipe, input=fp8.ScalingConfig("e4m3", kind),
-                                  grad_output=fp8.ScalingConfig("e5m2", kind))
+                                  grad_output=fp8.ScalingConfig("e5m2", kind), grad_accumulation=grad_accumulation)
 
 
-def _model(level: str, n_linears: int, recipe: str = "tensorwise", kind: str = "delayed", adamw: dict | None = None):
+def _model(level: str, n_linears: int, recipe: str = "tensorwise", kind: str = "delayed", adamw: dict | None = None,
+           grad_accumulation: str = "fp16"):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n_linears)]).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **(adamw or {"foreach": True}))
     if level != "bf16":
-        model, optimizer = fp8.initialize(model, optimizer, level, config=_config(recipe, kind))
+        model, optimizer = fp8.initialize(model, optimizer, level,
+                                          config=_config(recipe, kind, grad_accumulation))
     return model, optimizer
 
 
@@ -73,10 +77,10 @@ def _count(fn) -> tuple[int, int, dict]:
 
 
 def measure(level: str, n_linears: int, recipe: str = "tensorwise", kind: str = "delayed",
-            adamw: dict | None = None) -> dict:
+            adamw: dict | None = None, grad_accumulation: str = "fp16") -> dict:
     """Launches and passes of one training step's forward, backward and optimizer step of a chain of
     ``n_linears`` linears (module docstring), after :data:`WARMUP` steps."""
-    model, optimizer = _model(level, n_linears, recipe, kind, adamw)
+    model, optimizer = _model(level, n_linears, recipe, kind, adamw, grad_accumulation)
     x = torch.randn(TOKENS, WIDTH, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(TOKENS, WIDTH, dtype=torch.bfloat16)
     for _ in range(WARMUP):
@@ -115,6 +119,13 @@ def linear_table(levels=("O1", "O2")) -> list[dict]:
             small, large = measure(level, SMALL, recipe, kind), measure(level, LARGE, recipe, kind)
             rows.append({"variant": f"{level} {name}", "level": level, "recipe": name,
                          "forward": _slope(small, large, "forward"), "backward": _slope(small, large, "backward")})
+    for name, (recipe, kind) in RECIPES.items():  # the weight gradient in fp32, as Transformer Engine's main_grad
+        if recipe != "tensorwise":
+            continue
+        small = measure("O1", SMALL, recipe, kind, grad_accumulation="fp32")
+        large = measure("O1", LARGE, recipe, kind, grad_accumulation="fp32")
+        rows.append({"variant": f"O1 {name}, fp32 wgrad", "level": "O1", "recipe": name, "grad_accumulation": "fp32",
+                     "forward": _slope(small, large, "forward"), "backward": _slope(small, large, "backward")})
     for row in rows:
         row["total"] = {k: row["forward"][k] + row["backward"][k] for k in ("launches", "full_size_passes")}
     return rows
@@ -127,7 +138,10 @@ def optimizer_table(levels=LEVELS) -> list[dict]:
                 ("BF16 AdamW(fused=True)", "bf16", {"fused": True}, "tensorwise")]
     variants += [(f"{level} (AdamW foreach=True)", level, {"foreach": True}, "tensorwise") for level in levels]
     variants += [(f"{level} {recipe} (AdamW foreach=True)", level, {"foreach": True}, recipe)
-                 for level in ("O1", "O2") for recipe in ("rowwise", "blockwise")]
+                 for level in levels for recipe in ("rowwise", "blockwise")]
+    if "O1" in levels:  # O1 steps torch's optimizer on its masters: its fused AdamW reads no step count on the host
+        variants += [(f"O1 {recipe} (AdamW fused=True)".replace(" tensorwise", ""), "O1", {"fused": True}, recipe)
+                     for recipe in ("tensorwise", "rowwise", "blockwise")]
     for name, level, adamw, recipe in variants:
         small, large = measure(level, SMALL, recipe, adamw=adamw), measure(level, LARGE, recipe, adamw=adamw)
         rows.append({"variant": name, "level": level, "recipe": recipe, f"launches_{SMALL}": small["step"][0],

@@ -14,17 +14,29 @@ linears), against BF16's 3 (one forward GEMM, two backward GEMMs):
   weight's per-input-channel copy is made by the optimizer step, one kernel per weight);
 - blockwise: 7 (1x128 and 128x1 tiles of the input and the gradient from one read each; the weights' scale_inv grids
   are refreshed by the optimizer step for all weights at once).
+- with ``grad_accumulation="fp32"`` (the weight gradient left as the GEMM's fp32 output, as Transformer Engine's
+  ``main_grad``): 5 at delayed and 7 at current scaling; the 2-byte gradient's amax and cast are the 2 launches
+  between those and the default's 7 and 9.
 
-The optimizer step is flat in the number of linears at O2 (multi-tensor ops; tensor-wise weights: block-scaled weights
-still take the per-parameter update) and grows by torch's own foreach AdamW's 2 per linear at O1 (its master weights
-are plain fp32 tensors).
+The optimizer step is flat in the number of linears at O2 and O3 for every recipe (multi-tensor ops; block-scaled
+weights quantized from their masters by one op for all), except the row-wise recipe's per-input-channel copy of each
+weight (1 per linear); at O1 it grows by nothing more than torch's own AdamW on the masters: 0 with ``fused=True``, the
+2 host reads of each step count with ``foreach=True`` (BF16 pays the same).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from benchmarks import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # (recipe, scaling) -> most launches per linear forward+backward, most full-size passes
 BUDGET = {
@@ -33,11 +45,14 @@ BUDGET = {
     ("rowwise", "delayed"): (9, 9),
     ("blockwise", "delayed"): (7, 7),
 }
+FP32_WGRAD_BUDGET = {"delayed": (5, 5), "current": (7, 7)}
+# optimizer-step launches per extra linear, per recipe (rowwise: the weight's per-input-channel copy)
+STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0}
 
 
-def _slopes(level, recipe="tensorwise", kind="delayed"):
-    small = kernels.measure(level, kernels.SMALL, recipe, kind)
-    large = kernels.measure(level, kernels.LARGE, recipe, kind)
+def _slopes(level, recipe="tensorwise", kind="delayed", **kwargs):
+    small = kernels.measure(level, kernels.SMALL, recipe, kind, **kwargs)
+    large = kernels.measure(level, kernels.LARGE, recipe, kind, **kwargs)
     return {part: kernels._slope(small, large, part) for part in ("forward", "backward", "step")}, small, large
 
 
@@ -53,13 +68,45 @@ def test_fp8_linear_launches_per_recipe(recipe, kind):
     per_linear_ops = set(slopes["forward"]["by_op"]) | set(slopes["backward"]["by_op"])
     assert not per_linear_ops & {"aten.abs", "aten.amax", "aten.clone", "aten._to_copy", "aten.reciprocal",
                                  "aten.log2", "aten.exp2", "aten.where"}, per_linear_ops
-    # the optimizer step (O2, multi-tensor) costs nothing more per linear, the weights' transposes included (rowwise:
-    # the weight's per-input-channel copy, one kernel per weight); block-scaled weights still take the per-parameter
-    # O2 update (docs/gpu.md), so the flat step is held for tensor-wise weights
-    if recipe == "tensorwise":
-        assert slopes["step"]["launches"] == 0, slopes["step"]["by_op"]
-    elif recipe == "rowwise":
-        assert slopes["step"]["by_op"].get("fp8lm.quantize_cols_t.default") == 1, slopes["step"]["by_op"]
+    # the optimizer step (O2, multi-tensor) costs nothing more per linear, the weights' operands included (rowwise:
+    # the weight's per-input-channel copy, one kernel per weight)
+    assert slopes["step"]["launches"] == STEP_SLOPE[recipe], slopes["step"]["by_op"]
+    if recipe == "rowwise":
+        assert slopes["step"]["by_op"] == {"fp8lm.quantize_cols_t.default": 1}, slopes["step"]["by_op"]
+
+
+@pytest.mark.parametrize("kind", list(FP32_WGRAD_BUDGET))
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp32_weight_gradients_reach_transformer_engines_count(level, kind):
+    slopes, _, _ = _slopes(level, "tensorwise", kind, grad_accumulation="fp32")
+    launches = slopes["forward"]["launches"] + slopes["backward"]["launches"]
+    passes = slopes["forward"]["full_size_passes"] + slopes["backward"]["full_size_passes"]
+    assert launches <= FP32_WGRAD_BUDGET[kind][0] and passes <= FP32_WGRAD_BUDGET[kind][1], \
+        (slopes["forward"]["by_op"], slopes["backward"]["by_op"])
+
+
+@pytest.mark.parametrize("recipe", list(STEP_SLOPE))
+def test_o1_step_with_fused_adamw_is_flat(recipe):
+    """O1 steps torch's AdamW on its masters: with ``fused=True`` nothing per linear but the recipe's own (rowwise: the
+    per-input-channel copy); every block-scaled weight refreshed by one op."""
+    slopes, small, _ = _slopes("O1", recipe, adamw={"fused": True})
+    assert slopes["step"]["launches"] == STEP_SLOPE[recipe], slopes["step"]["by_op"]
+    if recipe != "tensorwise":
+        assert small["step"][2].get("fp8lm.quantize_weight_blocks_.default") == 1, small["step"][2]
+
+
+def test_o3_step_is_flat_for_every_recipe():
+    """O3 (the sharded optimizer, here in a one-rank gloo group of its own process) runs the same multi-tensor step."""
+    code = ("import json, sys; sys.path.insert(0, '.'); from benchmarks import kernels; kernels._one_rank_group(); "
+            "print(json.dumps({r: kernels._slope(kernels.measure('O3', kernels.SMALL, r), "
+            "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise')}))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    slopes = json.loads(done.stdout.strip().splitlines()[-1])
+    for recipe, slope in slopes.items():
+        assert slope["launches"] == STEP_SLOPE[recipe], (recipe, slope["by_op"])
 
 
 def test_bf16_reference_is_three_launches():

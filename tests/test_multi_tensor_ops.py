@@ -328,3 +328,104 @@ def test_states_are_updated_in_place_without_touching_what_they_started_from(gen
     assert torch.equal(w0, initial)
     assert {k: v.untyped_storage().data_ptr() for k, v in state.items()} == storages
     assert not torch.equal(state["exp_avg"], state["exp_avg_sq"])
+
+
+# -- block-scaled FP8 weights (the rowwise and blockwise recipes) -------------------------------------------------------
+def _block_case(gen):
+    """Masters of block-scaled weights: fp32, bf16 and a scaled FP16 master, row-wise and 128x128 blocks and a block
+    of whole columns, shapes that leave partial blocks, a zero block and a NaN."""
+    from fp8.blocks import grid_shape
+
+    shapes = [((150, 140), (128, 128)), ((37, 300), (1, 0)), ((9, 130), (128, 128)), ((40, 20), (0, 1))]
+    values, value_scales = [], []
+    for i, (shape, _) in enumerate(shapes):
+        v = torch.randn(*shape, generator=gen) * 10.0 ** (i - 2)
+        if i == 0:
+            v[:128, :128] = 0.0  # a zero block: scale 1
+        if i == 2:
+            v[3, 7] = float("nan")  # a NaN block: scale 1, NaN kept
+        if i == 1:
+            master = to_scaled_fp16(v)
+            values.append(master.payload)
+            value_scales.append(master.scale)
+        else:
+            values.append(v.to(torch.bfloat16) if i == 3 else v)
+            value_scales.append(torch.empty(0))
+    payloads = lambda: [torch.zeros(s, dtype=E4M3 if i % 2 == 0 else E5M2) for i, (s, _) in enumerate(shapes)]  # noqa: E731
+    grids = lambda: [torch.full(grid_shape(b, s), 3.0) for s, b in shapes]  # noqa: E731
+    return values, value_scales, payloads, grids, [x for _, b in shapes for x in b], shapes
+
+
+@pytest.mark.parametrize("bad", [None, 0, 1])
+def test_block_weight_refresh_matches_copy_and_its_triton_kernel(gen, bad):
+    """``quantize_weight_blocks_``: the reference is ``Float8Tensor.copy_``'s (``quantize_to_blocks`` of the decoded
+    master) and the Triton kernel gives the same bits; a set skip flag leaves payloads and grids as they were; one
+    launch for all weights."""
+    from fp8.blocks import quantize_to_blocks
+    from fp8.optim.precision import decode
+
+    values, value_scales, payloads, grids, blocks, shapes = _block_case(gen)
+    flag = None if bad is None else torch.full((1,), bad, dtype=torch.int32)
+    out = {}
+    backends = ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("torch",)
+    for backend in backends:
+        if backend == "triton":
+            pytest.importorskip("triton")
+        ps, gs = payloads(), grids()
+        with _triton_launches() as launched:
+            ops.quantize_weight_blocks_(values, value_scales, ps, gs, blocks, flag, backend=backend)
+        assert len(launched) == (1 if backend == "triton" else 0), launched
+        out[backend] = (ps, gs)
+    for i, (shape, block) in enumerate(shapes):
+        value = decode(values[i], value_scales[i]) if value_scales[i].numel() else values[i].to(torch.float32)
+        want, want_grid = quantize_to_blocks(value, block, "e4m3" if i % 2 == 0 else "e5m2")
+        if bad:
+            want, want_grid = payloads()[i], grids()[i]
+        for ps, gs in out.values():
+            assert _same(ps[i], want) and _same(gs[i], want_grid), (i, shape, block)
+    if not bad:
+        assert out["torch"][1][0][0, 0] == 1.0  # the zero block
+        assert torch.isnan(out["torch"][0][2].to(torch.float32)).sum() == 1
+
+
+@pytest.mark.parametrize("recipe_block", [(1, 0), (128, 128)], ids=["rowwise", "blockwise"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_scaled_weights_take_the_multi_tensor_step(gen, recipe_block, backend):
+    """A block-scaled FP8 weight steps in the multi-tensor path (kind 3): its master and moments evolve exactly as a
+    tensor-wise FP8 weight's given the same master and gradients (the update never reads the weight), the weight is
+    ``quantize_to_blocks`` of the new master after every step, and a skipped step (a NaN gradient) leaves it as it
+    was; the step's ops are the same fixed set whatever the number of weights."""
+    if backend == "triton":
+        _needs_triton()
+    from fp8.blocks import quantize_to_blocks
+
+    shape = (140, 260)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(*shape, generator=g) * 0.02
+    blocked = torch.nn.Parameter(fp8.to_float8(w0, block=recipe_block))
+    plain = torch.nn.Parameter(fp8.to_float8(w0))
+    opts = [fp8.optim.AdamW([p], lr=1e-2, weight_decay=0.1, initial_masters={p: w0}, kernel_backend=backend)
+            for p in (blocked, plain)]
+    for step in range(4):
+        grad = torch.randn(*shape, generator=g) * 1e-3
+        if step == 2:
+            grad[5, 5] = float("nan")
+        before = (blocked.payload.clone(), blocked.scale.clone())
+        for p, opt in zip((blocked, plain), opts):
+            p.grad = to_scaled_fp16(grad)
+            with LaunchCounter() as counter:
+                opt.step()
+            if p is blocked:
+                assert counter.by_op.get("fp8lm.quantize_weight_blocks_.default") == 1, counter.by_op
+                assert "aten.abs" not in counter.by_op and "aten.log2" not in counter.by_op, counter.by_op
+        s_blk, s_pln = opts[0].state[blocked], opts[1].state[plain]
+        for key in ("master", "master_scale", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "step"):
+            assert _same(s_blk[key], s_pln[key]), (step, key)
+        if step == 2:
+            assert _same(blocked.payload, before[0]) and _same(blocked.scale, before[1])
+        else:
+            want, grid = quantize_to_blocks(s_blk["master"].to(torch.float32) / s_blk["master_scale"], recipe_block,
+                                            "e4m3")
+            assert _same(blocked.payload, want) and _same(blocked.scale, grid), step
+    assert opts[0].skipped_steps == opts[1].skipped_steps == 1

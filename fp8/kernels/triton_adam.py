@@ -33,7 +33,8 @@ __all__ = [
 
 TABLE_COLUMNS = 12
 """Columns of the int64 tensor table: w, m, v, p addresses; master, m, v, p scale and step addresses;
-numel; packed format codes (w | m << 4 | v << 8 | p << 12); flags (m, v, master, p scaled; has param)."""
+numel; packed format codes (w | m << 4 | v << 8 | p << 12); flags (m, v, master, p scaled; has a master; has a
+param to refresh: :data:`fp8.kernels.triton_multi_tensor.STATE_TABLE_COLUMNS`)."""
 DELAYED_TABLE_COLUMNS = 19
 """Columns of the delayed-state-scaling tensor table: the 12 of :data:`TABLE_COLUMNS` (w, m, v addresses
 are the inputs), then the output w, m, v payload addresses (the other buffer of each state) and the
@@ -164,15 +165,14 @@ def adam_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_p
                (flags & 2) != 0)
     stored = _store_f32(tl.load(base + 0), offs, mask, w, w_scale, tl.load(fmax_ptr + row * 4 + 2), codes & 15,
                         (flags & 4) != 0) * (1.0 / w_scale)
-    has_param = (flags & 16) != 0
-    if has_param:
+    if (flags & 32) != 0:
         _store_f32(tl.load(base + 3), offs, mask, stored, p_scale, tl.load(fmax_ptr + row * 4 + 3),
                    (codes >> 12) & 15, (flags & 8) != 0)
     if blk == 0:
         if skip == 0:
             tl.store(_ptr(tl.load(base + 5), tl.float32), m_scale)
             tl.store(_ptr(tl.load(base + 6), tl.float32), v_scale)
-            if has_param:
+            if (flags & 16) != 0:
                 tl.store(_ptr(tl.load(base + 4), tl.float32), w_scale)
             if (flags & 8) != 0:
                 tl.store(_ptr(tl.load(base + 7), tl.float32), p_scale)

@@ -38,7 +38,7 @@ __all__ = [
     "prepare_states_kernel", "state_scales_kernel", "sgd_stage1_kernel", "sgd_stage2_kernel", "sq_sum_kernel",
     "launch_mark_nonfinite", "launch_amax", "launch_quantize", "launch_dequantize", "launch_copy",
     "launch_sq_sums", "STATE_TABLE_COLUMNS", "state_table", "fmax_of", "launch_prepare_states", "launch_state_scales",
-    "launch_state_stage",
+    "launch_state_stage", "block_quantize_kernel", "launch_block_quantize", "BLOCK_CHUNK",
 ]
 
 BLOCK = 1024
@@ -50,7 +50,7 @@ STATE_TABLE_COLUMNS = 12
 """Columns of the state table (as :data:`fp8.kernels.triton_adam.TABLE_COLUMNS`): master/weight, first moment, second
 moment and parameter payload addresses; master, first moment, second moment and parameter scale addresses; step
 address; numel; packed format codes (w | m << 4 | v << 8 | p << 12); flags (1: m scaled, 2: v scaled, 4: master
-scaled, 8: FP8 parameter, 16: has a parameter to refresh)."""
+scaled, 8: FP8 parameter, 16: has a master with a scale, 32: has a parameter to refresh)."""
 
 
 # -- device helpers ----------------------------------------------------------------------------------------------------
@@ -228,6 +228,60 @@ def sq_sum_kernel(blocks_ptr, table_ptr, out_ptr, INF_NORM: tl.constexpr, BLOCK_
         tl.atomic_add(ptr(out_ptr, tl.float32) + row, tl.sum(tl.where(mask, x * x, 0.0), axis=0))
 
 
+
+@triton.jit
+def block_quantize_kernel(table_ptr, bad_ptr, ROWS_PER_TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Block-scaled FP8 weights refreshed from their masters, program ``(block, row)``: table rows ``(source, source
+    format, source scale address or 0, payload, payload format, scale grid address, rows, cols, block rows, block
+    cols)`` (block sizes resolved: no 0). The block's largest magnitude of ``source * (1 / source
+    scale)`` (NaN wins, as ``abs().amax()``) gives ``scale = pow2_scale(amax, fmax, 0, 1.0)``; the block's payload
+    becomes ``cast(clamp(value * scale))`` and its grid entry that scale, unless ``bad_ptr`` (int32) is set (the
+    launcher points it at a zero without a skip flag). Programs
+    past a row's number of blocks return at once (the grid's first axis covers the largest grid)."""
+    blk = tl.program_id(0)
+    row = tl.program_id(1)
+    base = table_ptr + row * 10
+    n_rows = tl.load(base + 6)
+    n_cols = tl.load(base + 7)
+    br = tl.load(base + 8)
+    bc = tl.load(base + 9)
+    grid_cols = (n_cols + bc - 1) // bc
+    grid_rows = (n_rows + br - 1) // br
+    if blk < grid_rows * grid_cols:
+        r0 = (blk // grid_cols) * br
+        c0 = (blk % grid_cols) * bc
+        r_end = tl.minimum(r0 + br, n_rows)
+        c_end = tl.minimum(c0 + bc, n_cols)
+        src = tl.load(base + 0)
+        src_fmt = tl.load(base + 1)
+        src_scale_addr = tl.load(base + 2)
+        has_scale = src_scale_addr != 0
+        inv = recip(tl.load(ptr(tl.where(has_scale, src_scale_addr, tl.load(base + 5)), tl.float32),
+                            mask=has_scale, other=1.0))
+        rows = tl.arange(0, ROWS_PER_TILE)[:, None]
+        cols = tl.arange(0, CHUNK)[None, :]
+        bits = tl.zeros([ROWS_PER_TILE, CHUNK], dtype=tl.int32)
+        for r in range(r0, r_end, ROWS_PER_TILE):
+            for c in range(c0, c_end, CHUNK):
+                mask = ((r + rows) < r_end) & ((c + cols) < c_end)
+                offs = (r + rows).to(tl.int64) * n_cols + c + cols
+                x = load_f32(src, offs, mask, src_fmt) * inv
+                bits = tl.maximum(bits, tl.where(mask, tl.abs(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
+        amax = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
+        fmt = tl.load(base + 4)
+        fmax = tl.where(fmt == 3, 448.0, 57344.0)
+        scale = pow2_scale(amax, fmax, 0, 1.0)
+        if tl.load(bad_ptr) == 0:
+            out = tl.load(base + 3)
+            for r in range(r0, r_end, ROWS_PER_TILE):
+                for c in range(c0, c_end, CHUNK):
+                    mask = ((r + rows) < r_end) & ((c + cols) < c_end)
+                    offs = (r + rows).to(tl.int64) * n_cols + c + cols
+                    x = load_f32(src, offs, mask, src_fmt) * inv
+                    store_f32(out, offs, mask, x, scale, fmax, fmt, True)
+            tl.store(ptr(tl.load(base + 5), tl.float32) + blk, scale)
+
+
 # -- optimizer states: the per-row kernels around the update passes ----------------------------------------------------
 @triton.jit
 def prepare_states_kernel(table_ptr, gscale_ptr, hyper_ptr, agreed_ptr, old_ptr, bc_ptr, amax_ptr, bad_ptr, n_rows,
@@ -388,15 +442,14 @@ def sgd_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_pt
                   (flags & 1) != 0)
     stored = store_f32(tl.load(base + 0), offs, mask, w, w_scale, tl.load(fmax_ptr + row * 4 + 2), codes & 15,
                        (flags & 4) != 0) * recip(w_scale)
-    has_param = (flags & 16) != 0
-    if has_param:
+    if (flags & 32) != 0:
         store_f32(tl.load(base + 3), offs, mask, stored, p_scale, tl.load(fmax_ptr + row * 4 + 3),
                   (codes >> 12) & 15, (flags & 8) != 0)
     if blk == 0:
         if skip == 0:
             if MOMENTUM:
                 tl.store(ptr(tl.load(base + 5), tl.float32), m_scale)
-            if has_param:
+            if (flags & 16) != 0:
                 tl.store(ptr(tl.load(base + 4), tl.float32), w_scale)
             if (flags & 8) != 0:
                 tl.store(ptr(tl.load(base + 7), tl.float32), p_scale)
@@ -463,6 +516,31 @@ def launch_quantize(values: Sequence[torch.Tensor], amax: torch.Tensor, payloads
     _elementwise(quantize_kernel, rows, [v.numel() for v in values], amax.device, amax, fmax)
 
 
+BLOCK_CHUNK = 128
+"""Columns per tile of :func:`block_quantize_kernel` (a 128-wide block is one tile wide; a whole row, several); its
+tiles are 16 rows high (1 where every block is one row high: the row-wise recipe)."""
+
+
+def launch_block_quantize(values: Sequence[torch.Tensor], value_scales: Sequence[torch.Tensor | None],
+                          payloads: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                          blocks: Sequence[tuple[int, int]], bad: torch.Tensor | None) -> None:
+    """One launch of :func:`block_quantize_kernel`: each 2-D FP8 ``payloads[i]`` and its scale grid ``scales[i]``
+    become ``values[i]`` (contiguous, as many elements; times ``1 / value_scales[i]`` where given) quantized per
+    ``blocks[i]`` (rows, cols; resolved sizes), unless ``bad`` is set."""
+    if not payloads:
+        return
+    rows, largest = [], 1
+    for v, vs, p, s, (br, bc) in zip(values, value_scales, payloads, scales, blocks):
+        m, n = p.shape
+        rows.append([v.data_ptr(), format_code(v.dtype), 0 if vs is None else vs.data_ptr(), p.data_ptr(),
+                     format_code(p.dtype), s.data_ptr(), m, n, br, bc])
+        largest = max(largest, -(-m // br) * -(-n // bc))
+    table = device_table(rows + [[0] * 10], torch.int64, payloads[0].device)  # a last row of zeros: "not bad"
+    flag = bad if bad is not None else table[-1].view(torch.int32)[:1]
+    tile_rows = 1 if all(br == 1 for br, _ in blocks) else 16  # row-wise scales: one row per block
+    block_quantize_kernel[(largest, len(rows))](table, flag, ROWS_PER_TILE=tile_rows, CHUNK=BLOCK_CHUNK)
+
+
 def launch_dequantize(payloads: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None],
                       outs: Sequence[torch.Tensor]) -> None:
     """One launch: ``outs[i] = payloads[i] * (1 / scales[i])`` in ``outs[i]``'s dtype (no scale: a cast)."""
@@ -495,24 +573,26 @@ def state_table(weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_s
     """``(rows, fmax rows)`` of the state table (:data:`STATE_TABLE_COLUMNS`) of a list of parameters: ``kinds[i]``
     is 0 for a parameter that is its own fp32 master (``weights[i]`` is the parameter), 1 for a 16-bit parameter
     with an fp32 master (``params[i]``, refreshed from it), 2 for an FP8 weight (payload ``params[i]``, scale
-    ``param_scales[i]``); ``moments[i]`` (0, 1 or 2): how many of ``exp_avgs[i]``, ``exp_avg_sqs[i]`` hold states. Missing
+    ``param_scales[i]``), 3 for a block-scaled FP8 weight (its master updated here, the weight refreshed from it
+    afterwards by :func:`block_quantize_kernel`); ``moments[i]`` (0, 1 or 2): how many of ``exp_avgs[i]``, ``exp_avg_sqs[i]`` hold states. Missing
     tensors take ``scratch``'s address (never written)."""
     rows, fmaxes = [], []
     sc = scratch.data_ptr()
     for i, kind in enumerate(kinds):
         w, m, v, p = weights[i], exp_avgs[i], exp_avg_sqs[i], params[i]
-        has_m, has_v, has_p = moments[i] >= 1, moments[i] >= 2, kind != 0
+        has_m, has_v, has_master, has_p = moments[i] >= 1, moments[i] >= 2, kind != 0, kind in (1, 2)
         m_dtype = m.dtype if has_m else torch.float32
         v_dtype = v.dtype if has_v else torch.float32
         p_dtype = p.dtype if has_p else torch.float32
         addrs = (w.data_ptr(), m.data_ptr() if has_m else sc, v.data_ptr() if has_v else sc,
-                 p.data_ptr() if has_p else sc, weight_scales[i].data_ptr() if has_p else sc,
+                 p.data_ptr() if has_p else sc, weight_scales[i].data_ptr() if has_master else sc,
                  exp_avg_scales[i].data_ptr() if has_m else sc, exp_avg_sq_scales[i].data_ptr() if has_v else sc,
                  param_scales[i].data_ptr() if kind == 2 else sc, steps[i].data_ptr())
         codes = (format_code(w.dtype) | format_code(m_dtype) << 4 | format_code(v_dtype) << 8
                  | format_code(p_dtype) << 12)
         flags = (int(has_m and _scaled(m_dtype)) | int(has_v and _scaled(v_dtype)) << 1
-                 | int(kind == 2 and _scaled(w.dtype)) << 2 | int(kind == 2) << 3 | int(has_p) << 4)
+                 | int(kind in (2, 3) and _scaled(w.dtype)) << 2 | int(kind == 2) << 3 | int(has_master) << 4
+                 | int(has_p) << 5)
         rows.append([*addrs, w.numel(), codes, flags])
         fmaxes.append([fmax_of(m_dtype), fmax_of(v_dtype), fmax_of(w.dtype), fmax_of(p_dtype)])
     return rows, fmaxes

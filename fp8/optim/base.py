@@ -256,21 +256,21 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         """The step's work (no closure): every write masked by the device flag "all gradients finite",
         and by ``agreed_ok`` too when given (e.g. O3's cross-rank agreement); returns the flag used.
 
-        A fixed number of ops whatever the number of parameters (:meth:`_multi_tensor_step`), except for
-        block-scaled weights or gradients (recipes ``rowwise``/``blockwise``) and delayed state scaling, which take
-        the per-parameter paths."""
+        A fixed number of ops whatever the number of parameters (:meth:`_multi_tensor_step`; block-scaled weights of
+        the ``rowwise``/``blockwise`` recipes included), except for block-scaled gradients (``grad_accumulation="fp8"``
+        with those recipes) and delayed state scaling, which take the per-parameter paths."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not self.state[p]:
                     self._init_state(p, group)
         device = self._skipped_counter.device
-        block_scaled = any(getattr(p, "block", None) is not None or getattr(p.grad, "block", None) is not None
-                           for p in params)
+        block_grads = any(getattr(p.grad, "block", None) is not None for p in params)
+        block_weights = any(getattr(p, "block", None) is not None for p in params)
         delayed = any("master_amax" in self.state[p] for p in params)
-        if params and not block_scaled and not delayed:
+        if params and not block_grads and not delayed:
             ok = self._multi_tensor_step(params, agreed_ok)
-        elif (params and self._has_fused_step and not block_scaled
+        elif (params and self._has_fused_step and not block_grads and not block_weights
               and resolve_backend(self.kernel_backend, *params) == "triton"):
             ok = self._fused_step(params, agreed_ok)
         else:
@@ -317,7 +317,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         :func:`~fp8.optim.ops.prepare_states_` (old scales, bias corrections, zeroed amaxes, the skip flag from
         ``agreed_ok``), one first pass per param group (amaxes of the new states; non-finite gradients raise the
         skip flag), :func:`~fp8.optim.ops.state_scales_` (every new scale), one second pass per group (states,
-        masters and parameters written unless the step is skipped), and the "step taken" flag it returns. No host
+        masters and parameters written unless the step is skipped), block-scaled FP8 weights quantized from their new
+        masters (:func:`~fp8.optim.ops.quantize_weight_blocks_`, one op for all), and the "step taken" flag it
+        returns. No host
         sync; the moments, masters and parameters are updated in place."""
         backend = op_backend(self.kernel_backend, params)
         device = params[0].device
@@ -345,6 +347,11 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                           tables=[] if tables is None else tables["all"])
         for group, rows in groups:
             self._stage(2, group, lists, ws, rows, backend, None if tables is None else tables[rows.start])
+        blocked = [(p, self.state[p]) for p in params if isinstance(p, Float8Tensor) and p.block is not None]
+        if blocked:  # kind 3: the block-scaled weights from their new masters, one launch for all
+            ops.quantize_weight_blocks_([s["master"] for _, s in blocked], [s["master_scale"] for _, s in blocked],
+                                        [p.payload for p, _ in blocked], [p.scale for p, _ in blocked],
+                                        [b for p, _ in blocked for b in p.block], ws.bad, backend=backend)
         written = [p for p in params if isinstance(p, Float8Tensor)]
         if written:  # the ops bumped the payloads' and scales' versions; the weights themselves, as copy_ would
             torch.autograd.graph.increment_version(written)
@@ -359,7 +366,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         parts = payload_and_scale(p.grad)
         lists["grads"].append(parts[0] if parts is not None else p.grad)
         lists["grad_scales"].append(parts[1] if parts is not None else empty())
-        if isinstance(p, Float8Tensor):
+        if isinstance(p, Float8Tensor) and p.block is not None:  # quantized after the passes (_multi_tensor_step)
+            kind, weight, weight_scale, param, param_scale = 3, state["master"], state["master_scale"], empty(), empty()
+        elif isinstance(p, Float8Tensor):
             kind, weight, weight_scale = 2, state["master"], state["master_scale"]
             param, param_scale = p.payload, p.scale
         elif "master" in state:

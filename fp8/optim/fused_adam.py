@@ -121,7 +121,8 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
                      state["exp_avg_sq_scale"].data_ptr(), (p.scale if is_fp8 else scratch).data_ptr(),
                      state["step"].data_ptr())
             codes = format_code(w.dtype) | format_code(m.dtype) << 4 | format_code(v.dtype) << 8 | format_code(target.dtype) << 12
-            flags = int(m_scaled) | int(v_scaled) << 1 | int(w_scaled) << 2 | int(is_fp8) << 3 | int(has_master) << 4
+            flags = (int(m_scaled) | int(v_scaled) << 1 | int(w_scaled) << 2 | int(is_fp8) << 3 | int(has_master) << 4
+                     | int(has_master) << 5)  # a master, and a parameter refreshed from it
             rows.append((addrs, p.numel(), codes, flags,
                          (_fmax(m.dtype), _fmax(v.dtype), _fmax(w.dtype), _fmax(target.dtype))))
             grads.append((g, [g.data_ptr(), format_code(g.dtype)]))

@@ -139,20 +139,28 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
     def refresh_fp8_weights(self) -> None:
         """Re-quantize every FP8 weight from its master (current power-of-two scale), as ``fp8_weight.copy_(master)``
         would: a zeroed amax buffer, one multi-tensor amax (:func:`fp8.optim.ops.amaxes_`) and one multi-tensor cast
-        (:func:`fp8.optim.ops.quantize_weights_`) for all tensor-wise weights; block-scaled ones one by one; high-precision
-        weights by one ``torch._foreach_copy_``."""
-        tensorwise, plain = [], []
+        (:func:`fp8.optim.ops.quantize_weights_`) for all tensor-wise weights; one
+        :func:`fp8.optim.ops.quantize_weight_blocks_` for all block-scaled ones; high-precision weights by one
+        ``torch._foreach_copy_``."""
+        tensorwise, blocked, plain = [], [], []
         for master, fp8_weight in self.pairs:
             if not isinstance(fp8_weight, Float8Tensor):  # a high-precision weight (Megatron's BF16 training)
                 plain.append((master.detach(), fp8_weight.detach()))
             elif fp8_weight.block is None:
                 tensorwise.append((master.detach(), fp8_weight))
             else:
-                fp8_weight.copy_(master)
+                blocked.append((master.detach(), fp8_weight))
         if plain:
             torch._foreach_copy_([w for _, w in plain], [m for m, _ in plain])
         if tensorwise:
             self._refresh_tensorwise(tensorwise)
+        if blocked:  # per-block current scales, as copy_ makes them: one multi-tensor op for all
+            weights = [w for _, w in blocked]
+            no_scales = [torch.empty(0, dtype=torch.float32, device=w.device) for w in weights]
+            ops.quantize_weight_blocks_([m for m, _ in blocked], no_scales, [w.payload for w in weights],
+                                        [w.scale for w in weights], [b for w in weights for b in w.block], None,
+                                        backend=self._backend())
+            torch.autograd.graph.increment_version(weights)
         # the weights' GEMM operands for the next step (transposes, scale_inv): multi-tensor kernels for all
         refresh_weight_operands([w for _, w in self.pairs])
 

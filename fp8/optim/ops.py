@@ -16,7 +16,7 @@ The ops (lists are per row, one row per tensor or parameter):
 
 - :func:`mark_nonfinite_`: a flag set where any element of any tensor is inf or NaN (the skip decision).
 - :func:`amaxes_`, :func:`quantize_weights_`: an FP8 weight refresh from its master (amaxes, then the cast with the scale
-  from each amax).
+  from each amax); :func:`quantize_weight_blocks_` the same for block-scaled weights (per-block scales, one pass).
 - :func:`dequantize_grads`: scaled gradients as high-precision tensors (O1's master gradients).
 - :func:`clone_tensors`, :func:`restore_unless_`: a copy of tensors, and their values restored from it unless a step was
   taken (O1's masked step of a wrapped optimizer).
@@ -29,7 +29,8 @@ The ops (lists are per row, one row per tensor or parameter):
 The state ops take the same lists (``weights``: each parameter's master, or the fp32 parameter that is its own;
 ``params``: what is refreshed from it: the FP8 payload, the 16-bit parameter, or an empty placeholder; moments, scales
 and step counts, empty placeholders where a tensor has none) and ``kinds`` (0: fp32 parameter, its own master; 1:
-16-bit parameter with an fp32 master; 2: FP8 weight), plus ``tables``: the cached device tables of the Triton
+16-bit parameter with an fp32 master; 2: FP8 weight; 3: block-scaled FP8 weight, whose master the passes update and
+:func:`quantize_weight_blocks_` then quantizes into it), plus ``tables``: the cached device tables of the Triton
 launches (:func:`fp8.kernels.triton_multi_tensor.state_table`), or an empty list (built per call; the reference
 ignores them).
 """
@@ -41,13 +42,14 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..cast import dequantize as dequantize_payload
+from ..blocks import quantize_to_blocks
 from ..cast import quantize
 from ..formats import FP8_DTYPES, get_format
 from ..scaling import amax_of, power_of_two_scale
 from .precision import decode
 
 __all__ = [
-    "mark_nonfinite_", "amaxes_", "quantize_weights_", "dequantize_grads", "clone_tensors", "restore_unless_", "prepare_states_",
+    "mark_nonfinite_", "amaxes_", "quantize_weights_", "quantize_weight_blocks_", "dequantize_grads", "clone_tensors", "restore_unless_", "prepare_states_",
     "adam_stage1_", "adam_stage2_", "sgd_stage1_", "sgd_stage2_", "state_scales_", "select_where", "adam_update_",
     "sgd_update", "OP_BACKENDS",
 ]
@@ -167,6 +169,54 @@ _implementations(quantize_weights_, _quantize_reference,
 
 @quantize_weights_.register_fake
 def _(values, amax, payloads, scales, *, backend="torch"):
+    return None
+
+
+@custom_op("fp8lm::quantize_weight_blocks_", mutates_args=("payloads", "scales"))
+def quantize_weight_blocks_(values: list[Tensor], value_scales: list[Tensor], payloads: list[Tensor],
+                            scales: list[Tensor], blocks: list[int], bad: Tensor | None, *,
+                            backend: str = "torch") -> None:
+    """Block-scaled FP8 weights refreshed from their masters (the ``rowwise`` and ``blockwise`` recipes' weights): each
+    2-D ``payloads[i]`` and its scale grid ``scales[i]`` become ``values[i]`` (as many elements; divided by the 0-d
+    ``value_scales[i]``, a stored master's scale; an empty one: none) quantized with one current power-of-two scale
+    per block of ``blocks[2 * i]`` x ``blocks[2 * i + 1]`` elements (0: the whole dimension), as
+    :func:`fp8.blocks.quantize_to_blocks` (``Float8Tensor.copy_``) does; nothing where ``bad`` (int32, one element)
+    is set."""
+    _check_backend(backend)
+    return _quantize_blocks_reference(values, value_scales, payloads, scales, blocks, bad)
+
+
+def _resolved_blocks(payloads, blocks) -> list[tuple[int, int]]:
+    out = []
+    for i, p in enumerate(payloads):
+        rows, cols = blocks[2 * i], blocks[2 * i + 1]
+        out.append((rows or p.shape[0] or 1, cols or p.shape[1] or 1))
+    return out
+
+
+def _quantize_blocks_reference(values, value_scales, payloads, scales, blocks, bad):
+    ok = None if bad is None else bad.reshape(()) == 0
+    for value, value_scale, payload, scale, block in zip(values, value_scales, payloads, scales,
+                                                         _resolved_blocks(payloads, blocks)):
+        value = decode(value, value_scale) if value_scale.numel() else value.to(torch.float32)
+        new, grid = quantize_to_blocks(value.reshape(payload.shape), block, get_format(payload.dtype))
+        if ok is not None:
+            new, grid = select_where(ok, new, payload), torch.where(ok, grid, scale)
+        payload.data.copy_(new)
+        scale.data.copy_(grid)
+
+
+def _quantize_blocks_launch(values, value_scales, payloads, scales, blocks, bad):
+    _launchers().launch_block_quantize([v.contiguous() for v in values],
+                                       [s if s.numel() else None for s in value_scales], payloads, scales,
+                                       _resolved_blocks(payloads, blocks), bad)
+
+
+_implementations(quantize_weight_blocks_, _quantize_blocks_reference, _quantize_blocks_launch)
+
+
+@quantize_weight_blocks_.register_fake
+def _(values, value_scales, payloads, scales, blocks, bad, *, backend="torch"):
     return None
 
 
@@ -397,7 +447,7 @@ def _scales_reference(weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp
         out = []
         for k, (dtype, old_k) in enumerate(((exp_avgs[i].dtype if moments[i] >= 1 else None, 2),
                                             (exp_avg_sqs[i].dtype if moments[i] >= 2 else None, 3),
-                                            (weights[i].dtype if kind == 2 else None, 1))):
+                                            (weights[i].dtype if kind in (2, 3) else None, 1))):
             fmax = _scaled_max(dtype) if dtype is not None else None
             out.append(power_of_two_scale(amax[i, k], fmax, previous=old[i, old_k]) if fmax is not None else one)
         p_scale = one
@@ -463,7 +513,7 @@ def _write_row(i: int, kind: int, ok: Tensor, new: Tensor, w: Tensor, m, v, weig
         value = decode(stored, new[i, 2])
         if kind == 1:
             params[i].data.copy_(torch.where(ok, value.to(params[i].dtype), params[i]))
-        else:
+        elif kind == 2:
             fmt = get_format(params[i].dtype)
             params[i].data.copy_(select_where(ok, quantize(value, new[i, 3], fmt), params[i]))
             param_scales[i].data.copy_(torch.where(ok, new[i, 3], param_scales[i]))
