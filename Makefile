@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart quickstart-engine finetune-demo test gpu-check
+.PHONY: install quickstart quickstart-engine finetune-demo test test-fast test-tiers gpu-check
 
 install:
 	$(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
@@ -35,6 +35,14 @@ finetune-demo: install
 
 test: install
 	$(PYTHON) -m pytest -q --durations=40 tests
+
+# The fast tier: no test that took 2 s or more or started processes when tests/tiers.json was recorded (tests/tiers.py).
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow and not multiprocess and not gpu" tests
+
+# Re-record tests/tiers.json (each test's seconds and whether it starts processes): the whole suite, once.
+test-tiers: install
+	FP8LM_RECORD_TIERS=tests/tiers.json $(PYTHON) -m pytest -q tests
 
 # The one GPU check (docs/gpu.md). Without a CUDA GPU it stops at once, installing nothing. On a CUDA machine:
 # the CUDA build of torch (kept if already there, else installed from TORCH_CUDA_INDEX), torchao and

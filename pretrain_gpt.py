@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from fp8.checkpoint import CheckpointCorruptedError
     from megatron.training.checkpointing.checkpoint import CheckpointMismatchError
-    from megatron.training.distributed.core_trace import CollectiveTraceError
+    from megatron.training.compat.core_trace import CollectiveTraceError
     from megatron.training.data.datasets import DataError
     from megatron.training.health import RunHealthError
     from megatron.training.training import pretrain

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8  # noqa: E402
 import fp8.distributed as fd  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
-from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
+from fp8.testing import GPTConfig, TinyGPT  # noqa: E402
 from megatron.training.data.corpus import get_batch, load_corpus  # noqa: E402
 
 VARIANTS = ("torch DDP FP32", "torch DDP BF16 grads", "fp8 DDP (ours)", "fp8 O3 (ours)")

@@ -66,7 +66,7 @@ def _quickstart_bytes(level: str) -> tuple[int, float]:
     import torch
 
     from examples import quickstart
-    from examples.tiny_gpt import GPTConfig, TinyGPT
+    from fp8.testing import GPTConfig, TinyGPT
     from megatron.training.data.corpus import get_batch, load_corpus
 
     args = quickstart.parse_args(["--steps", "1", "--eval-batches", "1", "--sample", "0"])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from examples import quickstart  # noqa: E402
-from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
+from fp8.testing import GPTConfig, TinyGPT  # noqa: E402
 
 VARIANTS = ("FP32", "BF16 mixed precision", "O1", "O2", "O1, fp32 gradient sums", "O2, fp32 gradient sums",
             "O1, E4M3 gradients", "O2, E4M3 gradients")

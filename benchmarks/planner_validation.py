@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import fp8  # noqa: E402
 from fp8.cast import payload_and_scale  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
-from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
+from fp8.testing import GPTConfig, TinyGPT  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 STATE_KEYS = {  # planner category -> fp8.memory_report category (absent from a report: 0 bytes held)
@@ -104,7 +104,7 @@ def _recompute_tiny(model: nn.Module) -> nn.Module:
 
 
 def tiny_case(d_model: int, n_layer: int, n_head: int, seq: int, batch: int, vocab: int = 256) -> Case:
-    """examples/tiny_gpt.py's TinyGPT (untied LM head converted to FP8 too, no dropout, FP32 on CPU)."""
+    """fp8.testing's TinyGPT (untied LM head converted to FP8 too, no dropout, FP32 on CPU)."""
     cfg = GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, d_model=d_model, n_head=n_head)
     idx = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     targets = torch.roll(idx, -1, dims=1)

@@ -28,7 +28,7 @@ if __name__ == "__main__" and not __package__:
 import torch  # noqa: E402
 
 import fp8  # noqa: E402
-from examples.tiny_gpt import GPTConfig, TinyGPT  # noqa: E402
+from fp8.testing import GPTConfig, TinyGPT  # noqa: E402
 from megatron.training.data.corpus import ByteTokenizer, get_batch, load_corpus  # noqa: E402
 
 MEMORY_CATEGORIES = (*fp8.MEMORY_CATEGORIES, "total")

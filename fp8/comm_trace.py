@@ -5,7 +5,7 @@ one rank issues and another does not may simply wait; on NCCL the first is a dea
 (or mismatched data). A :class:`CollectiveTrace` records one rank's ``torch.distributed`` calls in issue
 order: kind, process group (its name, the same on every rank, and its global ranks), bytes, dtype, peer,
 the ``batch_isend_irecv`` group an operation belongs to, and the tag of what travelled. :class:`fp8.comm.Collectives`
-records into the trace of its :class:`fp8.comm.CommBytesCounter`; ``megatron.training.distributed.core_trace`` records
+records into the trace of its :class:`fp8.comm.CommBytesCounter`; ``megatron.training.compat.core_trace`` records
 the calls megatron-core makes itself. :func:`check_traces` applies NCCL's rules to every rank's trace:
 
 - **Collectives.** Every rank of a group issues the same collectives on it in the same order, each with the
@@ -119,13 +119,19 @@ class CollectiveTrace:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
         if not lines:
             raise ValueError(f"{path}: empty trace file (the rank died before writing it?)")
-        header = json.loads(lines[0])
         calls = []
-        for line in lines[1:]:
-            fields = json.loads(line)
-            fields["ranks"] = tuple(fields["ranks"])
-            calls.append(TraceCall(**fields))
-        return int(header["rank"]), calls
+        for number, line in enumerate(lines, start=1):
+            try:
+                fields = json.loads(line)
+                if number == 1:
+                    rank = int(fields["rank"])
+                    continue
+                fields["ranks"] = tuple(fields["ranks"])
+                calls.append(TraceCall(**fields))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}: line {number} is not a trace record ({error}); the file is truncated or "
+                                 f"not one CollectiveTrace.save wrote: trace the run again") from None
+        return rank, calls
 
 
 def load_traces(directory: str | Path, world_size: int | None = None) -> dict[int, list[TraceCall]]:

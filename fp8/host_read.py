@@ -8,38 +8,25 @@ without a sync and has one way to read it, :meth:`HostCopy.result`, which waits 
 copy at one step and read it at the next, so the wait costs nothing (the copy landed long ago) and every rank
 reads the same values at the same step whatever its timing.
 
-Test hook: with ``FP8LM_SKEW_READINESS=1`` in the environment, the copies of odd global ranks land late (on
-the CPU the copy is made only when :meth:`HostCopy.result` asks for it; until then the host buffer holds NaN),
-as GPU copies still in flight do. Code that read a host buffer without waiting for it, or decided anything from
-whether it had landed, would then act differently on even and odd ranks, which the collective-trace checker
+``HostCopy(values, late=True)`` makes a CPU copy land late (made only when :meth:`HostCopy.result` asks for it; until
+then the host buffer holds NaN), as GPU copies still in flight do: the tests make the copies of odd ranks late
+(``tests/skewed_readiness.py``), so code that read a host buffer without waiting for it, or decided anything from
+whether it had landed, would act differently on even and odd ranks, which the collective-trace checker
 (:mod:`fp8.comm_trace`) reports.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 
-__all__ = ["HostCopy", "SKEW_READINESS_ENV"]
-
-SKEW_READINESS_ENV = "FP8LM_SKEW_READINESS"
-"""Environment variable of the test hook (module docstring): ``1`` makes odd ranks' host copies land late."""
-
-
-def _lands_late() -> bool:
-    if os.environ.get(SKEW_READINESS_ENV, "") != "1":
-        return False
-    return dist.is_available() and dist.is_initialized() and dist.get_rank() % 2 == 1
+__all__ = ["HostCopy"]
 
 
 class HostCopy:
     """An asynchronous copy of the 1-D device tensor ``values`` to the host; :meth:`result` waits for it and
-    returns the values as a list. ``late`` (default: the test hook of the module docstring) defers a CPU
-    tensor's copy to :meth:`result`."""
+    returns the values as a list. ``late`` defers a CPU tensor's copy to :meth:`result` (module docstring)."""
 
-    def __init__(self, values: torch.Tensor, late: bool | None = None) -> None:
+    def __init__(self, values: torch.Tensor, late: bool = False) -> None:
         values = values.detach().reshape(-1)
         cuda = values.device.type == "cuda"
         self._source: torch.Tensor | None = None
@@ -49,7 +36,7 @@ class HostCopy:
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        elif _lands_late() if late is None else late:
+        elif late:
             self.host = torch.full(values.shape, float("nan")).to(values.dtype)
             self._source = values.clone()
         else:

@@ -110,6 +110,8 @@ def parse_precision_rules(rules, source: str = "precision rules") -> tuple[Preci
 def load_precision_file(path: str | Path) -> tuple[PrecisionRule, ...]:
     """Rules from a JSON file (``.json``) or a YAML file (``.yaml``/``.yml``, needs PyYAML)."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"precision file {path} is a directory: give the .json/.yaml file of the rules")
     if not path.is_file():
         raise FileNotFoundError(f"precision file {path} does not exist")
     text = path.read_text(encoding="utf-8")
@@ -118,7 +120,13 @@ def load_precision_file(path: str | Path) -> tuple[PrecisionRule, ...]:
             import yaml
         except ImportError as error:
             raise ValueError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or write the rules as JSON") from error
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML{where} ({problem})") from None
     elif path.suffix == ".json":
         try:
             data = json.loads(text)

@@ -9,8 +9,8 @@ cost one pass over each operand every ``interval`` steps; :meth:`FP8Statistics.r
 
 For a value ``x`` cast with scale ``s`` to a format with largest magnitude ``max`` and smallest subnormal ``tiny``:
 it *flushes to zero* when ``x != 0`` and ``|x| * s <= tiny / 2`` (round to nearest even takes it to 0), and it
-*saturates* when ``|x| * s > max`` (clamped to ``max``). Fractions are over the values observed (non-finite values
-are neither). The tensor-wise recipe's casts are observed; the per-row and per-tile recipes choose a scale per
+*saturates* when ``|x| * s > max`` (clamped to ``max``). The flush-to-zero fraction is over the non-zero finite
+values observed (zeros cannot flush), the saturated fraction over the finite ones (non-finite values are neither). The tensor-wise recipe's casts are observed; the per-row and per-tile recipes choose a scale per
 block from the block's own amax (no saturation by construction) and are not.
 """
 
@@ -29,8 +29,8 @@ STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated")
 
 
 def flush_and_saturation_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """``[values that flush to zero, values that saturate, finite values]`` of ``x`` cast with ``scale`` to ``fmt``
-    (int64, on ``x``'s device; no host read)."""
+    """``[values that flush to zero, values that saturate, finite values, non-zero finite values]`` of ``x`` cast with
+    ``scale`` to ``fmt`` (int64, on ``x``'s device; no host read)."""
     return _counts(x.detach().abs().float(), scale, fmt)
 
 
@@ -39,14 +39,16 @@ def _counts(ax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tens
     tiny = fmt.min_normal * 2.0 ** -fmt.mantissa_bits
     finite = torch.isfinite(ax)
     scaled = ax * scale.float()
-    flush = finite & (ax > 0) & (scaled <= tiny / 2)
+    nonzero = finite & (ax > 0)
+    flush = nonzero & (scaled <= tiny / 2)
     saturated = finite & (scaled > fmt.max)
-    return torch.stack([flush.sum(), saturated.sum(), finite.sum()])
+    return torch.stack([flush.sum(), saturated.sum(), finite.sum(), nonzero.sum()])
 
 
 class CastStatistics:
     """Device accumulators of one cast site (an FP8 linear's input, or its output gradient) over the observed
-    steps since the last read: the largest amax, the last scale, and the flush / saturation / finite counts."""
+    steps since the last read: the largest amax, the last scale, and the flush / saturation / finite / non-zero
+    counts."""
 
     def __init__(self) -> None:
         self.active = False
@@ -69,7 +71,8 @@ class CastStatistics:
         self._scale = scale.detach().float().reshape(())
 
     def take(self) -> list[torch.Tensor] | None:
-        """``[amax, scale, flushed, saturated, finite]`` as device tensors (None if nothing observed); resets."""
+        """``[amax, scale, flushed, saturated, finite, non-zero]`` as device tensors (None if nothing observed);
+        resets."""
         if self._counts is None:
             return None
         out = [self._amax, self._scale, *self._counts.to(torch.float64)]
@@ -79,13 +82,14 @@ class CastStatistics:
 
 def _weight_stats(weight: Float8Tensor) -> list[torch.Tensor]:
     """A stored FP8 weight: amax of its value, its scale (the largest, for block scales), payload values at zero
-    (flushed, or zero already) and at the format's max (saturated), and its size."""
+    (flushed, or zero already: the master is not here to tell) and at the format's max (saturated), and its size
+    (twice: the denominator of both fractions)."""
     payload = weight.payload
     mag = payload.float().abs()
     fmt_max = weight.format.max
     return [weight.dequantize(torch.float32).abs().amax(), weight.scale.float().amax(),
             (mag == 0).sum().to(torch.float64), (mag >= fmt_max).sum().to(torch.float64),
-            torch.tensor(float(payload.numel()), dtype=torch.float64, device=payload.device)]
+            *[torch.tensor(float(payload.numel()), dtype=torch.float64, device=payload.device)] * 2]
 
 
 class FP8Statistics:
@@ -133,8 +137,9 @@ class FP8Statistics:
 
     @torch.no_grad()
     def read(self) -> dict[str, dict[str, dict[str, float]]]:
-        """Per layer, per operand (``input``, ``grad_output``, ``weight``): ``amax``, ``scale``, ``flush_to_zero`` and
-        ``saturated`` (fractions of the finite values), and for the weight its gradient's scale (``grad_scale``: NaN
+        """Per layer, per operand (``input``, ``grad_output``, ``weight``): ``amax``, ``scale``, ``flush_to_zero`` (a
+        fraction of the non-zero finite values; the weight's: of all its payload values) and ``saturated`` (of the
+        finite values), and for the weight its gradient's scale (``grad_scale``: NaN
         when the gradient is not scaled); over the steps observed since the last read. One host read. Empty when no
         step was observed."""
         if not self._observed or not self.layers:
@@ -154,11 +159,11 @@ class FP8Statistics:
         for name, operand, ts in pending:
             values = flat[i:i + len(ts)]
             i += len(ts)
-            amax, scale, flushed, saturated, finite = values[:5]
-            entry = {"amax": amax, "scale": scale, "flush_to_zero": flushed / max(finite, 1.0),
+            amax, scale, flushed, saturated, finite, nonzero = values[:6]
+            entry = {"amax": amax, "scale": scale, "flush_to_zero": flushed / max(nonzero, 1.0),
                      "saturated": saturated / max(finite, 1.0)}
             if operand == "weight":
-                entry["grad_scale"] = values[5]
+                entry["grad_scale"] = values[6]
             out.setdefault(name, {})[operand] = entry
         self._observed = False
         return out

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests import tiers
+
+TIERS = Path(__file__).resolve().parent / "tiers.json"
 
 # Triton decides at kernel-definition time (when fp8.kernels is first imported, by any test module) whether
 # kernels are interpreted: without CUDA, the kernel tests run them under the interpreter, so set it for the
@@ -35,8 +40,22 @@ def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def pytest_configure(config):
+    """``FP8LM_RECORD_TIERS=PATH`` (``make test-tiers``): record every test's time and processes (:mod:`tests.tiers`)."""
+    path = os.environ.get("FP8LM_RECORD_TIERS")
+    if path:
+        recorder = tiers.Recorder(Path(path))
+        recorder.install()
+        config.pluginmanager.register(recorder, "fp8lm-tiers")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped, with the reason, on machines without a CUDA GPU."""
+    """Tier markers (``slow``, ``multiprocess``) from ``tests/tiers.json`` (:mod:`tests.tiers`); tests marked ``gpu``
+    are skipped, with the reason, on machines without a CUDA GPU."""
+    recorded = tiers.load(TIERS)
+    for item in items:
+        for name in tiers.marks(item, recorded):
+            item.add_marker(getattr(pytest.mark, name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine: make gpu-check")

@@ -1,6 +1,6 @@
 """NCCL's rules on the CPU: the collective-trace checker (fp8.comm_trace), proven on the two orderings gloo ran and
 NCCL would not, then applied to pretrain_gpt.py's multi-rank layouts with asynchronous copies landing late on odd
-ranks (the FP8LM_SKEW_READINESS test hook of fp8.host_read).
+ranks (``tests/skewed_readiness.py``: odd ranks' host copies land late).
 
 - The checker's own rules on hand-written traces (deadlocks, crossed messages, collectives some ranks skip).
 - Replays of the old orderings, which the checker must catch: the pipeline communicator posting unbatched
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import fp8
 from fp8.comm import Collectives, CommBytesCounter, P2PMessage
 from fp8.comm_trace import CollectiveTrace, TraceCall, check_traces, load_traces
-from fp8.host_read import SKEW_READINESS_ENV, HostCopy
+from fp8.host_read import HostCopy
 from fp8.scaling import ScalingConfig, ScalingState
 from tests.spawn import free_port, run_worker
 
@@ -167,6 +167,20 @@ def test_traces_round_trip_through_files(tmp_path):
     assert rank == 3 and calls == trace.calls and calls[0].batch == 0 and calls[1].batch is None
 
 
+def test_a_truncated_trace_names_the_file_and_the_line(tmp_path):
+    trace = CollectiveTrace(0)
+    _coll(trace)
+    _coll(trace)
+    path = trace.save(tmp_path / "rank0.jsonl")
+    path.write_text(path.read_text()[:-20])  # the rank died while writing
+    with pytest.raises(ValueError, match=r"rank0.jsonl: line 3 is not a trace record .*truncated"):
+        load_traces(tmp_path)
+    done = subprocess.run([sys.executable, "tools/check_collective_trace.py", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "rank0.jsonl: line 3 is not a trace record" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # -- Collectives: the group's device, traced batches --------------------------------------------------------------
 @pytest.fixture
 def single_process_group(tmp_path):
@@ -297,18 +311,26 @@ def test_checker_finds_the_old_timing_dependent_amax_all_reduce():
     assert "fp8 amax" in violations[0].message and "differs between rank 0 and rank 1" in violations[0].message
 
 
-def test_the_confirmation_is_the_same_step_on_every_rank_with_late_copies(monkeypatch):
+@pytest.fixture
+def skewed_readiness():
+    from fp8 import host_read
+    from tests.skewed_readiness import skew_readiness
+
+    original = skew_readiness()
+    yield
+    host_read.HostCopy.__init__ = original
+
+
+def test_the_confirmation_is_the_same_step_on_every_rank_with_late_copies(skewed_readiness):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    monkeypatch.setenv(SKEW_READINESS_ENV, "1")
     traces = {rank: _scaling_trace(rank, False, FakeStore()) for rank in (0, 1)}
     assert check_traces(traces) == []
     per_cast = [sum(1 for c in traces[r] if c.nbytes == 4) for r in (0, 1)]
     assert per_cast[0] == per_cast[1] < 6 * 3  # per-cast all-reduces stop, at the same step on both ranks
 
 
-def test_late_copies_hold_no_values_until_waited_for(monkeypatch):
-    monkeypatch.setenv(SKEW_READINESS_ENV, "1")
+def test_late_copies_hold_no_values_until_waited_for():
     flags = torch.tensor([1.0, 0.0])
     late = HostCopy(flags, late=True)
     assert torch.isnan(late.host).all()  # what reading the buffer without waiting would see
@@ -350,14 +372,14 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def traced_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Each layout trained for 3 iterations (an evaluation after 2 and 3) by pretrain_gpt.py under torchrun,
-    traced, with FP8LM_SKEW_READINESS=1."""
+    traced, the host copies of odd ranks landing late (``tests/skewed_readiness.py``)."""
     out = tmp_path_factory.mktemp("traced_runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", SKEW_READINESS_ENV: "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     runs = {}
     for name, (nproc, flags) in LAYOUTS.items():
         trace_dir = out / name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "pretrain_gpt.py", *MODEL, "--train-iters", "3", "--eval-interval", "2",
+               str(free_port()), "tests/skewed_readiness.py", "pretrain_gpt.py", *MODEL, "--train-iters", "3", "--eval-interval", "2",
                "--eval-iters", "1", "--log-interval", "1", "--collective-trace", str(trace_dir), *flags]
         runs[name] = (subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), trace_dir)
     return runs

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from fp8.testing import GPTConfig, TinyGPT
 from megatron.training.data.corpus import ByteTokenizer, clean_markdown, get_batch, load_corpus, shakespeare_text
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, d_model=32, n_head=4)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import fp8
 import fp8.distributed as fd
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from fp8.testing import GPTConfig, TinyGPT
 from tests.spawn import CachedLaunch
 from fp8.distributed.scaled_allreduce import coalesce
 from fp8_bounds import quantization_error_bound

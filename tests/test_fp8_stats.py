@@ -29,13 +29,14 @@ def test_flush_and_saturation_follow_the_real_cast(fmt, seed):
     x = torch.randn(4096, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-30, top, (4096,), generator=g))
     x[::97] = 0.0
     scale = torch.tensor(2.0 ** 3)
-    flushed, saturated, finite = flush_and_saturation_counts(x, scale, fmt).tolist()
+    flushed, saturated, finite, nonzero = flush_and_saturation_counts(x, scale, fmt).tolist()
     scaled = x * 8.0
     in_range = scaled.abs() <= fmt.max
     cast = scaled[in_range].to(fmt.dtype).to(torch.float64)  # the real round-to-nearest-even cast
     assert flushed == int(((cast == 0) & (scaled[in_range] != 0)).sum())
     assert saturated == int((~in_range).sum())
     assert finite == x.numel()
+    assert nonzero == int((x != 0).sum()) < finite  # the flush fraction's denominator: zeros cannot flush
     assert flushed > 0 and saturated > 0  # the sample reaches both ends (the test can fail)
 
 
@@ -124,3 +125,24 @@ def test_statistics_need_an_fp8_level():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *FLAGS, "--fp8-opt-level", "none"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "it needs --fp8-opt-level O1/O2/O3" in proc.stderr
+
+
+def test_the_flush_fraction_is_over_non_zero_values(seed):
+    """Half the input exactly zero, the other half flushed by a scale far too small: the fraction is 1 (every value that
+    could flush did), not the 0.5 a count over all values would say, and the flush alarm fires."""
+    model, optimizer = _model(seed)
+    stats = FP8Statistics(model, interval=1)
+    first = model[0]
+    x = torch.randn(128, 32, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    x[::2] = 0.0
+    with torch.no_grad():
+        first.input_scaling.scale.fill_(2.0 ** -60)
+        first.input_scaling.has_history.fill_(True)
+    first.input_scaling.config = first.input_scaling.config.__class__(
+        **{**first.input_scaling.config.__dict__, "kind": "delayed"})
+    stats.begin_step(1)
+    model(x).square().mean().backward()
+    report = stats.read()
+    assert report["0"]["input"]["flush_to_zero"] == 1.0
+    found = alarms(report, 1, saturation=1e-3, flush=0.5)
+    assert any("0 input" in line and "flush" in line for line in found), found

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from fp8.testing import GPTConfig, TinyGPT
 from megatron.training.data.corpus import get_batch, load_corpus
 
 TRACKING_BOUND = 0.03  # |loss_O1 - loss_FP32| / loss_FP32 after training, stated tolerance

@@ -21,7 +21,8 @@ PACKAGES = ("fp8", "megatron/training")
 # prefix of its name (a package entry covers its submodules); an import may reach its own layer or a lower
 # one. Kernels and the GEMM work on payloads and scales (plain tensors); Float8Tensor sits above them.
 LAYERS = (
-    ("fp8.formats", "fp8.eligibility"),  # eligibility: whether a linear runs in FP8 (plain Python)
+    # eligibility: whether a linear runs in FP8 (plain Python); testing: models for tests, benchmarks, examples (torch)
+    ("fp8.formats", "fp8.eligibility", "fp8.testing"),
     ("fp8.launches",),  # device launches counted at the dispatcher (torch only)
     # comm_trace: recorded calls and NCCL's rules (plain data); host_read: device values read at a fixed step
     ("fp8.comm_trace", "fp8.host_read"),
@@ -296,3 +297,43 @@ def test_modules_use_each_other_through_public_names():
     sources = _all_sources()
     violations = [v for name, path in sorted(sources.items()) for v in _seam_violations(path, name, sources)]
     assert not violations, "\n".join(violations)
+
+
+# -- megatron-core: patched and read privately in one place ------------------------------------------------------------
+COMPAT = ROOT / "megatron" / "training" / "compat"
+
+
+def _megatron_core_reaches(path: Path) -> list[str]:
+    """Where ``path`` reaches into megatron-core beyond its public names: a private name imported from it, a module
+    of it named as a string (what rebinding its globals needs), an override of its private ``_communicate``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.core"):
+            found += [f"{path.name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_")]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("megatron.core."):
+            found.append(f"{path.name}:{node.lineno} names module {node.value!r}")
+        elif isinstance(node, ast.FunctionDef) and node.name == "_communicate":
+            found.append(f"{path.name}:{node.lineno} overrides _communicate")
+    return found
+
+
+def test_megatron_core_is_reached_into_only_from_the_compat_package():
+    sources = [p for d in ("megatron", "fp8", "tools") for p in (ROOT / d).rglob("*.py")] + [ROOT / "pretrain_gpt.py"]
+    outside = [hit for p in sources if COMPAT not in p.parents for hit in _megatron_core_reaches(p)]
+    assert outside == [], outside
+    inside = [hit for p in COMPAT.rglob("*.py") for hit in _megatron_core_reaches(p)]
+    assert inside, "the check finds nothing in the compat package either: it cannot fail"
+
+
+def test_another_megatron_core_version_is_refused_naming_the_fix():
+    import pytest
+
+    from megatron.training.compat import (MEGATRON_CORE_VERSION, MegatronCoreVersionError,
+                                          check_megatron_core_version)
+
+    assert check_megatron_core_version() == MEGATRON_CORE_VERSION  # the installed one, read from its metadata
+    with pytest.raises(MegatronCoreVersionError, match=rf"megatron-core 0.15.0 is installed; .* "
+                                                       rf"pip install megatron-core=={MEGATRON_CORE_VERSION}"):
+        check_megatron_core_version("0.15.0")

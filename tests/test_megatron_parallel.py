@@ -83,8 +83,13 @@ def test_losses_match_single_process(results, name, level):
 
 @pytest.mark.parametrize("name,level", [c for c in CASES if c[1] != "none"])
 def test_fp8_levels_hold_fp8_weights(results, name, level):
+    """Every rank holds the FP8 weights of its pipeline stage's layers, all four linears of each (tensor-parallel
+    shards are one weight each), as the single-process model holds all of them: 4 layers x 4 linears."""
+    (single,) = results("single", level)
+    assert single["fp8_weights"] == 4 * 4
+    pp = next(c for c in TWO + FOUR if c["name"] == name).get("pp", 1)
     for r in results(name, level):
-        assert r["fp8_weights"] > 0
+        assert r["fp8_weights"] == single["fp8_weights"] // pp, (name, level, r["fp8_weights"])
 
 
 def _bytes(results, name, level, tag):

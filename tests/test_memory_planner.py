@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import planner_validation as pv
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from fp8.testing import GPTConfig, TinyGPT
 from benchmarks.figure1 import largest_model
 from megatron.training.planning.memory_plan import STATE_CATEGORIES
 from tools.memory_planner import CATEGORIES, PlannerConfig, plan_memory, whole_tensor_partition

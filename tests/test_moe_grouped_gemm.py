@@ -186,7 +186,7 @@ def _experts_case(flags: list[str], seed: int) -> dict:
     initial masters are still on the linears), run on the same routed tokens."""
     from megatron.core import parallel_state
     from megatron.training import training
-    from megatron.training.distributed import cpu_compat
+    from megatron.training.compat import cpu as cpu_compat
     from megatron.training.model import build_model, padded_vocab_size, transformer_config_from_args
 
     from fp8.parallel import take_initial_masters

@@ -33,7 +33,7 @@ host memory (``pin_memory()``, ``pin_memory=True``; on a CPU machine, where pinn
   elementwise op is read on the host as a scalar (free).
 - *Stream and event synchronisation*: ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``,
   ``torch.cuda.Stream.synchronize``, ``torch.accelerator.synchronize`` and the CPU stand-ins megatron-core gets
-  from :mod:`megatron.training.distributed.cpu_compat` (``CudaOnCpu.synchronize``, ``HostStream.synchronize``):
+  from :mod:`megatron.training.compat.cpu` (``CudaOnCpu.synchronize``, ``HostStream.synchronize``):
   wrapped at the Python level while the detector is active (and only then), so the call itself is caught on a
   machine without CUDA.
 - *Boolean-mask indexing* of device data: ``x[mask]`` (``aten.index`` with a bool index: a data-dependent
@@ -76,7 +76,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import fp8
 import fp8.host_read
-from megatron.training.distributed import cpu_compat
+from megatron.training.compat import cpu as cpu_compat
 from tests.spawn import CachedLaunch
 
 aten = torch.ops.aten

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import fp8
 import fp8.distributed as fd
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from fp8.testing import GPTConfig, TinyGPT
 from tests.spawn import CachedLaunch
 from fp8.checkpoint import load_checkpoint, save_checkpoint
 from fp8.optim import partition_by_size

@@ -44,6 +44,7 @@ def _inspect(rank: int, world: int, port: int, flags: list[str], out: str) -> No
                 None if fp8 is None else {"recipe": fp8.recipe, "grad_output": fp8.grad_output.fmt},
                 getattr(module, "fp8_kept_reason", None))
     Path(out, f"rank{rank}.json").write_text(json.dumps(linears))
+    Path(out, f"kept{rank}.json").write_text(json.dumps([name for name, _ in run.fp8_selection[1]]))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -65,6 +66,10 @@ def test_rules_choose_each_linear_by_its_global_name(tmp_path, world):
             assert fp8 == {"recipe": "tensorwise", "grad_output": "e4m3"}, name
         else:  # no rule: the run's default
             assert fp8 == {"recipe": "tensorwise", "grad_output": "e5m2"}, name
+    # the start-up selection names the kept linears as the rules do, by global name, on every stage
+    kept = [name for r in range(world) for name in json.loads((tmp_path / f"kept{r}.json").read_text())]
+    assert sorted(n for n in kept if n.startswith("decoder.")) == sorted(
+        n for n in linears if n.startswith("decoder.layers.2."))
 
 
 def _args(tmp_path, rules, extra=()):

@@ -128,7 +128,7 @@ def test_resume_continues_bit_exactly_and_spec_works_with_gpt_model(tmp_path):
 
 
 def test_cpu_compat_rebinds_only_megatron_core(monkeypatch):
-    from megatron.training.distributed import cpu_compat
+    from megatron.training.compat import cpu as cpu_compat
 
     current_device = torch.cuda.current_device
     assert cpu_compat.enable() is True and cpu_compat.enabled()

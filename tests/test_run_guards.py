@@ -32,10 +32,43 @@ def _run(args, timeout=600):
     (["--lr", "-1"], "--lr -1.0 and --min-lr 0.0 must be >= 0"),
     (["--train-iters", "0"], "--train-iters must be >= 1, got 0"),
     (["--max-skipped-steps", "-1"], "--max-skipped-steps must be >= 0"),
+    # a flag that would have no effect here is refused, naming it and why
+    (["--fp8-opt-level", "none", "--fp8-grad-accumulation", "fp16"],
+     "--fp8-grad-accumulation: no effect, no FP8 level trains (--fp8-opt-level none)"),
+    (["--fp8-opt-level", "none", "--fp8-precision-config", "rules.json", "--fp8-recipe", "rowwise"],
+     "--fp8-recipe, --fp8-precision-config: no effect, no FP8 level trains"),
+    (["--num-layers-at-start-in-bf16", "1"], "--num-layers-at-start-in-bf16: no effect without --first-last-layers-bf16"),
+    (["--fp8-stats-flush-alarm", "0.2"], "--fp8-stats-flush-alarm: no effect without --fp8-stats-interval N"),
+    (["--data-path", "corpus_text_document"], "--mock-data trains on synthetic tokens, so --data-path would be ignored"),
+    (["--tokenizer-model", "tok.model"], "--mock-data trains on synthetic tokens, so --tokenizer-model would be ignored"),
+    (["--moe-ffn-hidden-size", "64"], "--moe-ffn-hidden-size need(s) --num-experts"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1, got 0"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "40"],
+     "--moe-ffn-hidden-size 40: FP8 expert GEMMs need it to be a multiple of 16 x TP = 16"),
 ])
 def test_configuration_rules_before_the_model_is_built(flags, message):
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_args(parse_args(SMALL + flags), world_size=1)
+
+
+def test_flags_with_an_effect_elsewhere_are_accepted():
+    """The same flags where they act: an FP8 level among --compare's, the counts with --first-last-layers-bf16, the
+    alarms with --fp8-stats-interval, a baseline expert size that is not a multiple of 16."""
+    for flags in (["--fp8-opt-level", "none", "--compare", "O2", "--fp8-grad-accumulation", "fp32"],
+                  ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "0"],
+                  ["--fp8-stats-interval", "2", "--fp8-stats-flush-alarm", "0.2"],
+                  ["--fp8-opt-level", "none", "--num-experts", "4", "--moe-ffn-hidden-size", "40"]):
+        validate_args(parse_args(SMALL + flags), world_size=1)
+
+
+def test_precision_files_that_cannot_be_read_are_named(tmp_path):
+    pytest.importorskip("yaml")
+    bad = tmp_path / "rules.yaml"
+    bad.write_text("rules: [\n")
+    with pytest.raises(ConfigurationError, match=r"rules.yaml: not valid YAML at line 2, column 1"):
+        validate_args(parse_args(SMALL + ["--fp8-precision-config", str(bad)]), world_size=1)
+    with pytest.raises(ConfigurationError, match=r"is a directory: give the .json/.yaml file of the rules"):
+        validate_args(parse_args(SMALL + ["--fp8-precision-config", str(tmp_path)]), world_size=1)
 
 
 def test_a_configuration_error_is_one_line_with_exit_code_2():
@@ -92,6 +125,18 @@ def test_resume_guards_and_rope_on_cpu(tmp_path):
                                 "--weight-decay", "0.01"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--fp8-amax-history-len 16 (checkpoint) vs 8 (this run)" in proc.stderr
+    # What decides the parameters and each linear's precision: named with both values
+    proc = _run(SMALL + rope + ["--train-iters", "6", "--load", str(ckpt), "--num-experts", "4",
+                                "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--num-experts None (checkpoint) vs 4 (this run)" in proc.stderr
+    assert "--first-last-layers-bf16 False (checkpoint) vs True (this run)" in proc.stderr
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"pattern": "decoder.layers.0.*", "precision": "bf16"}]))
+    proc = _run(SMALL + rope + ["--train-iters", "6", "--load", str(ckpt), "--fp8-precision-config", str(rules)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (f"--fp8-precision-config rules none (no --fp8-precision-config) (checkpoint) vs "
+            f"[['decoder.layers.0.*', 'bf16', []]] from {rules} (this run)") in proc.stderr
 
 
 def test_compare_saves_each_level_in_its_own_subdirectory(tmp_path):

@@ -120,7 +120,7 @@ def engine_checkpoint(tmp_path_factory) -> Path:
     import torch
 
     import fp8
-    from examples.tiny_gpt import GPTConfig, TinyGPT
+    from fp8.testing import GPTConfig, TinyGPT
     from fp8.checkpoint import save_checkpoint
 
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ class _Done:
 
 
 def _legacy_communicator_class():
-    from megatron.training.distributed.pipeline_p2p import FP8P2PCommunicator
+    from megatron.training.compat.pipeline_p2p import FP8P2PCommunicator
 
     class LegacyP2P(FP8P2PCommunicator):
         """The pipeline communicator's ordering before the fix: receives posted first, unbatched, then sends."""
@@ -63,7 +63,7 @@ def _legacy_communicator_class():
 def p2p(out: str, legacy: bool, flags: list[str]) -> None:
     from megatron.training import training
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.distributed.core_trace import trace_megatron_core
+    from megatron.training.compat.core_trace import trace_megatron_core
 
     args = validate_args(parse_args(flags))
     training.initialize_distributed(args)

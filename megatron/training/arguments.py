@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 
 import torch
 
-from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_config, check_split,
-                           high_precision_layers, normalize_opt_level, opt_level_arg)
+from .compat import MegatronCoreVersionError, check_megatron_core_version
+from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_config, check_expert_fp8_shapes,
+                           check_split, high_precision_layers, normalize_opt_level, opt_level_arg)
 from .output_paths import check_output_path
 
-__all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS"]
+__all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
+           "FP8_ONLY_FLAGS"]
 
 OPT_LEVEL_CHOICES = OPT_LEVELS
 
@@ -200,15 +203,81 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv``; with no arguments at all, the embedded default demo run (:data:`DEMO_DEFAULTS`)."""
+    """Parse ``argv``; with no arguments at all, the embedded default demo run (:data:`DEMO_DEFAULTS`).
+    ``args.explicit_flags``: the destinations the command line set (what :func:`validate_args` refuses where it has no
+    effect)."""
     parser = build_parser()
     demo = argv is not None and len(argv) == 0
     args = parser.parse_args(argv)
     args.demo = demo
+    args.explicit_flags = _explicit_flags(parser, sys.argv[1:] if argv is None else argv)
     if demo:
         for key, value in DEMO_DEFAULTS.items():
             setattr(args, key, value)
     return args
+
+
+def _explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
+    """The destinations ``argv`` sets itself (a flag given with its default value included): ``argv`` parsed again
+    into a namespace holding a marker for every destination (argparse fills in only what is missing)."""
+    unset = object()
+    namespace = argparse.Namespace(**{dest: unset for dest in vars(parser.parse_args([]))})
+    parser.parse_args(argv, namespace=namespace)
+    return frozenset(dest for dest, value in vars(namespace).items() if value is not unset)
+
+
+FP8_ONLY_FLAGS = ("--fp8-amax-history-len", "--fp8-margin", "--fp8-grad-accumulation", "--fp8-recipe",
+                  "--fp8-gemm-backend", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+                  "--num-layers-at-end-in-bf16", "--fp8-precision-config", "--fp8-min-dim",
+                  "--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike", "--fp8-stats-stop")
+"""Flags that only change FP8 training: refused where no FP8 level trains (``--fp8-opt-level none`` and no FP8 level
+in ``--compare``). ``--fp8-activations`` and ``--fp8-pipeline on`` act at every level."""
+
+
+def _trained_levels(args: argparse.Namespace) -> set[str]:
+    """The opt levels the run trains: ``--fp8-opt-level`` and ``--compare``'s (which train with the same flags)."""
+    return {args.fp8_opt_level} | {normalize_opt_level(lvl.strip(), "--compare")
+                                   for lvl in (args.compare or "").split(",") if lvl.strip()}
+
+
+def _them(flags: list[str]) -> str:
+    return "it" if len(flags) == 1 else "them"
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether the command line set ``flag`` (a namespace not made by :func:`parse_args`: set to a non-default)."""
+    dest = flag.lstrip("-").replace("-", "_")
+    explicit = vars(args).get("explicit_flags")
+    if explicit is not None:
+        return dest in explicit
+    return vars(args).get(dest) != build_parser().get_default(dest)
+
+
+def _check_no_silent_flags(args: argparse.Namespace) -> None:
+    """Flags that would have no effect in this configuration, refused naming why (rc 2 from pretrain_gpt.py)."""
+    levels = _trained_levels(args)
+    if levels == {"none"}:
+        idle = [flag for flag in FP8_ONLY_FLAGS if _given(args, flag)]
+        if idle:
+            raise ConfigurationError(f"{', '.join(idle)}: no effect, no FP8 level trains (--fp8-opt-level none"
+                                     f"{'' if not args.compare else ', --compare ' + args.compare}): drop "
+                                     f"{_them(idle)}, or train an FP8 level (--fp8-opt-level O1/O2/O3 or --compare O2)")
+    if not args.first_last_layers_bf16:
+        idle = [flag for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16") if _given(args, flag)]
+        if idle:
+            raise ConfigurationError(f"{', '.join(idle)}: no effect without --first-last-layers-bf16 (the counts of "
+                                     f"the layers it keeps out of FP8): add it, or drop {_them(idle)}")
+    if not args.fp8_stats_interval:
+        idle = [flag for flag in ("--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike",
+                                  "--fp8-stats-stop") if _given(args, flag)]
+        if idle:
+            raise ConfigurationError(f"{', '.join(idle)}: no effect without --fp8-stats-interval N (the alarms read "
+                                     f"the FP8 statistics it collects): add it, or drop {_them(idle)}")
+    if args.mock_data:
+        idle = [flag for flag in ("--data-path", "--tokenizer-model") if _given(args, flag)]
+        if idle:
+            raise ConfigurationError(f"--mock-data trains on synthetic tokens, so {' and '.join(idle)} would be "
+                                     f"ignored: drop --mock-data to train on the data, or drop {', '.join(idle)}")
 
 
 def _world() -> int:
@@ -233,6 +302,7 @@ def _check_moe(args: argparse.Namespace, dp: int) -> None:
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         moe_only = [flag for flag, value in (("--expert-model-parallel-size", ep != 1),
+                                             ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size is not None),
                                              ("--moe-grouped-gemm", args.moe_grouped_gemm),
                                              ("--moe-fp8-dispatch", args.moe_fp8_dispatch),
                                              ("--moe-shared-expert-intermediate-size",
@@ -252,8 +322,7 @@ def _check_moe(args: argparse.Namespace, dp: int) -> None:
             f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (experts are spread over "
             f"data-parallel ranks): launch a multiple of TP x PP x EP processes")
     # --compare's levels train with the same flags: a baseline level among them dispatches in its own dtype
-    levels = {args.fp8_opt_level} | {normalize_opt_level(lvl.strip(), "--compare")
-                                     for lvl in (args.compare or "").split(",") if lvl.strip()}
+    levels = _trained_levels(args)
     if args.moe_fp8_dispatch and (levels == {"none"} or args.moe_token_dispatcher_type != "alltoall"):
         raise ConfigurationError("--moe-fp8-dispatch dispatches tokens in FP8 over the expert-parallel all-to-all: it "
                                  "needs --fp8-opt-level O1/O2/O3 and --moe-token-dispatcher-type alltoall")
@@ -278,11 +347,23 @@ def _check_moe(args: argparse.Namespace, dp: int) -> None:
                                  "--disable-bias-linear, or use --tensor-model-parallel-size 1")
     if args.moe_aux_loss_coeff < 0:
         raise ConfigurationError(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
+    for flag, value in (("--moe-ffn-hidden-size", args.moe_ffn_hidden_size),
+                        ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size)):
+        if value is not None and value < 1:
+            raise ConfigurationError(f"{flag} must be >= 1, got {value} (leave --moe-ffn-hidden-size out for the "
+                                     f"dense --ffn-hidden-size)")
     args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if levels - {"none"}:
+        check_expert_fp8_shapes(args.moe_ffn_hidden_size, args.moe_shared_expert_intermediate_size,
+                                args.tensor_model_parallel_size)
 
 
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check and complete ``args`` (derived sizes filled in); raise :class:`ConfigurationError` naming the fix."""
+    try:
+        check_megatron_core_version()  # the one version megatron/training/compat/ patches
+    except MegatronCoreVersionError as error:
+        raise ConfigurationError(str(error)) from None
     args.fp8_opt_level = normalize_opt_level(args.fp8_opt_level)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
@@ -327,6 +408,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         use_distributed_optimizer=args.use_distributed_optimizer, swiglu=args.swiglu,
         max_position_embeddings=args.max_position_embeddings, position_embedding_type=args.position_embedding_type,
     )
+    _check_no_silent_flags(args)
     _check_moe(args, dp)
     _check_fp8_stats(args)
     high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["ConfigurationError", "check_split", "high_precision_layers", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
+__all__ = ["ConfigurationError", "check_split", "check_expert_fp8_shapes", "high_precision_layers", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "opt_level_arg",
            "check_config", "GEMM_BACKENDS"]
 
 OPT_LEVELS = ("none", "O1", "O2", "O3")
@@ -171,6 +171,21 @@ def _check_fp8_shapes(h: int, f: int, heads: int, groups: int, swiglu: bool, tp:
             f"micro batch x seq length = {tokens} tokens must be a multiple of 16 for FP8 weight-gradient GEMMs: "
             f"change --micro-batch-size or --seq-length"
         )
+
+
+def check_expert_fp8_shapes(moe_ffn_hidden_size: int, shared_expert_size: int | None, tp: int) -> None:
+    """The experts' FP8 GEMMs (an expert's FFN and the shared expert's, split by TP as megatron-core splits them) need
+    dimensions that are multiples of 16 on every shard."""
+    for flag, size in (("--moe-ffn-hidden-size", moe_ffn_hidden_size),
+                       ("--moe-shared-expert-intermediate-size", shared_expert_size)):
+        if size is None:
+            continue
+        if size % tp or (size // tp) % 16:
+            multiple = 16 * tp
+            raise ConfigurationError(
+                f"{flag} {size}: FP8 expert GEMMs need it to be a multiple of 16 x TP = {multiple} (each "
+                f"tensor-parallel shard a multiple of 16), e.g. {multiple * -(-size // multiple)}; "
+                f"or use --fp8-opt-level none")
 
 
 def check_split(split: str) -> list[float]:

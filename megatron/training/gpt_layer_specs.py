@@ -21,6 +21,8 @@ sequence parallelism.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -200,22 +202,37 @@ class SelectiveRowParallelLinear(RowParallelLinear):
 
 def fp8_layer_selection(chunks: list[nn.Module]) -> tuple[int, list[tuple[str, str]]]:
     """``(number of linears running in FP8, [(name, reason kept in high precision), ...])`` over this
-    rank's model chunks: fp8lm's parallel linears, and megatron-core's own linears (the output layer)."""
+    rank's model chunks: fp8lm's parallel linears, and megatron-core's own linears (the output layer). Names are the
+    single-process model's (``decoder.layers.<global index>...``, as ``--fp8-precision-config``'s rules match them),
+    whatever the pipeline stage or virtual chunk."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear as CoreColumn
     from megatron.core.tensor_parallel.layers import RowParallelLinear as CoreRow
 
     n_fp8, kept = 0, []
-    for i, chunk in enumerate(chunks):
-        prefix = f"chunk{i}." if len(chunks) > 1 else ""
-        for name, module in chunk.named_modules():
+    for chunk in chunks:
+        modules = list(chunk.named_modules())
+        layers = {}  # "decoder.layers.<local>" -> "decoder.layers.<global>" (megatron-core's layer_number: 1-based)
+        for name, module in modules:
+            local = _LOCAL_LAYER.fullmatch(name)
+            if local is not None and isinstance(getattr(module, "layer_number", None), int):
+                layers[name] = f"{local.group(1)}{module.layer_number - 1}"
+
+        def global_name(name: str) -> str:
+            local = _LOCAL_LAYER.match(name)
+            return name if local is None else layers.get(local.group(0), local.group(0)) + name[local.end():]
+
+        for name, module in modules:
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 if module.fp8 is not None:
                     n_fp8 += 1
                 else:
-                    kept.append((prefix + name, getattr(module, "fp8_kept_reason", None) or "built without FP8"))
+                    kept.append((global_name(name), getattr(module, "fp8_kept_reason", None) or "built without FP8"))
             elif isinstance(module, (CoreColumn, CoreRow)):
-                kept.append((prefix + name, "vocabulary projection (output layer: high precision, as in Transformer Engine)"))
+                kept.append((name, "vocabulary projection (output layer: high precision, as in Transformer Engine)"))
     return n_fp8, kept
+
+
+_LOCAL_LAYER = re.compile(r"(decoder\.layers\.)(\d+)")
 
 
 def get_gpt_layer_fp8_spec(

@@ -95,7 +95,7 @@ def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch
         # megatron-core's fused kernels (Apex/TE/CUDA) off, and its own batched P2P off (pipeline_p2p batches).
         **dict.fromkeys(_UNFUSED, False),
         # The interleaved schedule overlaps its pipeline sends/receives with compute (Megatron-LM's default
-        # there); megatron.training.distributed.pipeline_p2p hands it asynchronous requests.
+        # there); megatron.training.compat.pipeline_p2p hands it asynchronous requests.
         overlap_p2p_comm=vp is not None,
         **recompute,
         **moe_config_from_args(args),

@@ -29,13 +29,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .config_rules import ConfigurationError
-from .distributed import cpu_compat
+from .compat import cpu as cpu_compat
 from .distributed.core_collective_bytes import record_core_collectives, record_core_construction
-from .distributed.core_trace import check_trace_directory, trace_megatron_core
+from .compat.core_trace import check_trace_directory, trace_megatron_core
 from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_grad_norm, model_grads, scale_grads_,
                                 unique_parameters,
                                 reduce_tied_embedding_grads, tied_embedding_weights)
-from .distributed.pipeline_p2p import FP8P2PCommunicator
+from .compat.pipeline_p2p import FP8P2PCommunicator
 from .fp8_numerics import NumericsMonitor
 from .moe import is_routed_expert_param, set_dispatcher_counter
 from .health import SkipMonitor
@@ -642,7 +642,7 @@ def traced(directory: str | None):
     """``--collective-trace``: yields this rank's :class:`fp8.comm_trace.CollectiveTrace` (None without a
     directory), with megatron-core's own calls recorded too; on the way out (also after an error) the trace is
     written to ``directory/rank<R>.jsonl``; after a normal end rank 0 checks every rank's trace and raises
-    :class:`~megatron.training.distributed.core_trace.CollectiveTraceError` on a violation of NCCL's rules."""
+    :class:`~megatron.training.compat.core_trace.CollectiveTraceError` on a violation of NCCL's rules."""
     if directory is None:
         yield None
         return

@@ -77,7 +77,11 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
                "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
                "use_distributed_optimizer", "make_vocab_size_divisible_by", "fp8_amax_history_len", "fp8_margin",
-               "fp8_grad_accumulation", "fp8_recipe")
+               "fp8_grad_accumulation", "fp8_recipe", "num_experts", "moe_ffn_hidden_size",
+               "moe_shared_expert_intermediate_size", "moe_router_topk", "first_last_layers_bf16",
+               "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_precision_rules")
+# Saved beside the flags: what decides each linear's precision, compared by content (a moved file is the same rules).
+_PRECISION_RULES = "fp8_precision_rules"
 # Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
 # resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -224,9 +228,22 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _precision_rules(args: argparse.Namespace) -> list | None:
+    """``--fp8-precision-config``'s rules as saved and compared: ``[pattern, precision, overrides]`` each, or None."""
+    path = vars(args).get("fp8_precision_config")
+    if not path:
+        return None
+    from fp8.precision_rules import load_precision_file
+
+    return [[rule.pattern, rule.precision, [list(pair) for pair in rule.overrides]]
+            for rule in load_precision_file(path)]
+
+
 def _run_args(args: argparse.Namespace) -> dict:
-    out = {}
+    out = {_PRECISION_RULES: _precision_rules(args)}
     for key, value in vars(args).items():
+        if key == "explicit_flags":  # how the command line was spelled, not the run
+            continue
         try:
             json.dumps(value)
             out[key] = value
@@ -331,6 +348,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _difference(key: str, saved: dict, this: dict) -> str:
+    """One refused difference, naming the flag and both values."""
+    if key == _PRECISION_RULES:
+        def rules(values: dict) -> str:
+            if not values.get(key):
+                return "none (no --fp8-precision-config)"
+            return f"{values[key]!r} from {values.get('fp8_precision_config')}"
+
+        return (f"--fp8-precision-config rules {rules(saved)} (checkpoint) vs {rules(this)} (this run): each "
+                f"linear's precision follows them")
+    return f"{_flag(key)} {saved.get(key)!r} (checkpoint) vs {this.get(key)!r} (this run)"
+
+
 def _raw_vocab(args: argparse.Namespace) -> int | None:
     """The vocabulary before padding: ``--vocab-size`` (mock data) or the tokenizer's."""
     if getattr(args, "mock_data", False) or not getattr(args, "tokenizer_model", None):
@@ -342,9 +372,9 @@ def _raw_vocab(args: argparse.Namespace) -> int | None:
 
 def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
     saved = meta["args"]
+    this = {**vars(args), _PRECISION_RULES: _precision_rules(args)}
     # A flag absent from an older checkpoint's arguments is not compared (it did not exist when it was saved).
-    diffs = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
-             for k in _MODEL_ARGS if k in saved and saved[k] != getattr(args, k, None)]
+    diffs = [_difference(k, saved, this) for k in _MODEL_ARGS if k in saved and saved[k] != this.get(k)]
     raw = _raw_vocab(args)
     if meta.get("raw_vocab_size") != raw:
         diffs.append(f"vocabulary {meta.get('raw_vocab_size')} (checkpoint) vs {raw} (this run: --vocab-size or the "

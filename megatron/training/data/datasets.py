@@ -30,8 +30,9 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split
+from megatron.training.compat import index_header
 from megatron.training.data import corpus, preprocess_data
 from megatron.training.data.preprocess_data import TOKENIZER_RECORD
 from megatron.training.data.tokenizer import SentencePieceTokenizer, load_sentencepiece_model
@@ -85,10 +86,11 @@ def check_data_files(data_prefix: str | os.PathLike | Sequence[str | os.PathLike
 
 def _open_indexed_dataset(prefix: str) -> IndexedDataset:
     """Open ``prefix`` as a megatron-core ``IndexedDataset``, checking the .idx header and the .bin size."""
+    expected = index_header()
     with open(f"{prefix}.idx", "rb") as f:
-        header = f.read(len(_INDEX_HEADER))
+        header = f.read(len(expected))
     fix = f"rebuild it with `{_preprocess_command(prefix)}`"
-    if header != _INDEX_HEADER:
+    if header != expected:
         raise DataError(f"{prefix}.idx is not a megatron-core index (bad header): {fix}")
     try:
         dataset = IndexedDataset(prefix, multimodal=False, mmap=True)

@@ -1,1 +1,1 @@
-"""Distributed plumbing of the training loop: pipeline P2P, gradient finalisation and norms, megatron-core's own collectives (their bytes and their trace), and megatron-core on CPU (gloo)."""
+"""Distributed plumbing of the training loop: gradient finalisation and norms, and the bytes of megatron-core's own collectives (what patches megatron-core is in :mod:`megatron.training.compat`)."""

@@ -1,7 +1,7 @@
-"""A small GPT in plain PyTorch.
+"""Models for tests, benchmarks and examples (as ``torchao.testing``): a small GPT in plain PyTorch.
 
 Every projection is a plain ``nn.Linear`` called through its module (never via
-its ``.weight``), so the FP8 engine can swap the Linear layers in place.
+its ``.weight``), so the FP8 engine can swap the Linear layers in place. Not imported by ``import fp8``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ What it redirects, and why:
 3. Tied input/output embeddings across pipeline stages: ``LanguageModule`` moves the shared weight with
    ``.cuda()`` before all-reducing it over the embedding group; the same all-reduce is done in place.
 
-Pipeline receive buffers are allocated by fp8lm's own communicator (:mod:`megatron.training.distributed.pipeline_p2p`), on the
+Pipeline receive buffers are allocated by fp8lm's own communicator (:mod:`megatron.training.compat.pipeline_p2p`), on the
 model's device, so megatron-core's P2P module needs nothing. :func:`seed` seeds the CPU generator and the
 tracker the way ``model_parallel_cuda_manual_seed`` seeds CUDA.
 """
