@@ -65,10 +65,14 @@ def _quickstart_bytes(level: str) -> tuple[int, float]:
     its last step (one step here: the bytes do not depend on the number of steps)."""
     import torch
 
-    from examples import quickstart
+    import runpy
+    from types import SimpleNamespace
+
     from fp8.testing import GPTConfig, TinyGPT
     from megatron.training.data.corpus import get_batch, load_corpus
 
+    # the engine quickstart's functions: its script run as a module of its own (nothing imports the examples)
+    quickstart = SimpleNamespace(**runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="quickstart_script"))
     args = quickstart.parse_args(["--steps", "1", "--eval-batches", "1", "--sample", "0"])
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head)
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())

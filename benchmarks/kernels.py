@@ -100,7 +100,7 @@ def measure(level: str, n_linears: int, recipe: str = "tensorwise", kind: str = 
     return out
 
 
-def _slope(small: dict, large: dict, part: str) -> dict:
+def slope(small: dict, large: dict, part: str) -> dict:
     d = LARGE - SMALL
     ops = {op: (large[part][2].get(op, 0) - small[part][2].get(op, 0)) / d
            for op in set(large[part][2]) | set(small[part][2])}
@@ -113,19 +113,19 @@ def linear_table(levels=("O1", "O2")) -> list[dict]:
     rows = []
     small, large = measure("bf16", SMALL), measure("bf16", LARGE)
     rows.append({"variant": "BF16 nn.Linear", "level": "bf16", "recipe": None,
-                 "forward": _slope(small, large, "forward"), "backward": _slope(small, large, "backward")})
+                 "forward": slope(small, large, "forward"), "backward": slope(small, large, "backward")})
     for level in levels:
         for name, (recipe, kind) in RECIPES.items():
             small, large = measure(level, SMALL, recipe, kind), measure(level, LARGE, recipe, kind)
             rows.append({"variant": f"{level} {name}", "level": level, "recipe": name,
-                         "forward": _slope(small, large, "forward"), "backward": _slope(small, large, "backward")})
+                         "forward": slope(small, large, "forward"), "backward": slope(small, large, "backward")})
     for name, (recipe, kind) in RECIPES.items():  # the weight gradient in fp32, as Transformer Engine's main_grad
         if recipe != "tensorwise":
             continue
         small = measure("O1", SMALL, recipe, kind, grad_accumulation="fp32")
         large = measure("O1", LARGE, recipe, kind, grad_accumulation="fp32")
         rows.append({"variant": f"O1 {name}, fp32 wgrad", "level": "O1", "recipe": name, "grad_accumulation": "fp32",
-                     "forward": _slope(small, large, "forward"), "backward": _slope(small, large, "backward")})
+                     "forward": slope(small, large, "forward"), "backward": slope(small, large, "backward")})
     for row in rows:
         row["total"] = {k: row["forward"][k] + row["backward"][k] for k in ("launches", "full_size_passes")}
     return rows
@@ -145,7 +145,7 @@ def optimizer_table(levels=LEVELS) -> list[dict]:
     for name, level, adamw, recipe in variants:
         small, large = measure(level, SMALL, recipe, adamw=adamw), measure(level, LARGE, recipe, adamw=adamw)
         rows.append({"variant": name, "level": level, "recipe": recipe, f"launches_{SMALL}": small["step"][0],
-                     f"launches_{LARGE}": large["step"][0], "per_linear": _slope(small, large, "step")})
+                     f"launches_{LARGE}": large["step"][0], "per_linear": slope(small, large, "step")})
     return rows
 
 

@@ -19,7 +19,7 @@ from .formats import FP8Format, get_format
 from .host_read import HostCopy
 from .ops import power_of_two_scale
 
-__all__ = ["ScalingConfig", "ScalingState", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
+__all__ = ["ScalingConfig", "ScalingState", "HistoryProbe", "compute_scale", "amax_of", "power_of_two_scale", "update_scales",
            "set_amax_reduction_group", "discard_step_amaxes", "finite_amax", "fp16_accumulation_scale", "FP16_MAX",
            "FP16_HEADROOM_BITS"]
 
@@ -122,7 +122,7 @@ class ScalingState(nn.Module):
         self.config = config
         self.amax_comm: Collectives | None = None
         self.history_confirmed = False
-        self._history_probe: _HistoryProbe | None = None  # posted by update_scales, read at the next one
+        self._history_probe: HistoryProbe | None = None  # posted by update_scales, read at the next one
         # FP8 numerics statistics of this role's casts (fp8.stats.FP8Statistics sets one; None: not collected):
         # anything with ``observe(x, scale, fmt)``, called with each training cast's input and scale.
         self.stats = None
@@ -267,7 +267,7 @@ class ScalingState(nn.Module):
         return f"fmt={c.fmt}, kind={c.kind}, history_len={c.history_len}, margin={c.margin}"
 
 
-class _HistoryProbe:
+class HistoryProbe:
     """Which delayed histories of a group of states have started: the agreed device flags, copied to the host
     without a sync at one :func:`update_scales` and read at the next (:class:`fp8.host_read.HostCopy`)."""
 
@@ -325,7 +325,7 @@ def _confirm_histories(members: list[ScalingState]) -> None:
             state.history_confirmed = state.history_confirmed or started
         pending = [s for s in pending if not s.history_confirmed]
     if pending:
-        pending[0]._history_probe = _HistoryProbe(pending)
+        pending[0]._history_probe = HistoryProbe(pending)
 
 
 def set_amax_reduction_group(module: nn.Module, group: dist.ProcessGroup | None,

@@ -73,11 +73,11 @@ def run_task(task: dict, seed: int, out: str) -> None:
         result["missing_in_model"] = sorted(set(state) - set(own))
         data = run.data_iterators(datasets.train, consumed=task["consumed"])
         with torch.no_grad():
-            losses = run.forward_backward(forward_step_func=training._forward_step, data_iterator=data,
+            losses = run.forward_backward(forward_step_func=training.gpt_forward_step, data_iterator=data,
                                           model=run._model_arg(), num_microbatches=args.num_microbatches,
                                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                           forward_only=True)
-        result["eval_loss"] = float(run._mean(run._loss_sum_count(losses)))
+        result["eval_loss"] = float(run._mean(run.loss_sum_count(losses)))
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
         return

@@ -9,7 +9,7 @@ Per configuration: ``warmup`` iterations outside the detector (first-step scalin
 and their probes, lazily built optimizer states), then ``iterations`` under it, each the per-iteration body of
 ``training._train_iterations`` (the step, the records kept on the device, the exit check), then the log point's
 flush under a second detector (``flush_hits``: one batched read per log interval, and the log gathering). The batches are drawn from the data
-pipeline beforehand (data loading is host work) and declared pinned host data: on a GPU ``_forward_step`` pins
+pipeline beforehand (data loading is host work) and declared pinned host data: on a GPU ``gpt_forward_step`` pins
 them and copies them without blocking (``pin_memory()`` needs CUDA, so the worker names them). megatron-core's
 all-to-all dispatcher builds its chunk-sorting indices on the host (``permute_idx_device == "cpu"`` without
 permute fusion); they are declared host data too. With ``"canary": true`` one more iteration reads each
@@ -61,19 +61,19 @@ def _canary_hits(run, data, it: int) -> list:
     last pipeline stage): the hits the detector records there, proving it sees inside megatron-core's schedule."""
     from megatron.training import training
 
-    loss_func = training._loss_func
+    loss_func = training.loss_func
 
     def reading_loss_func(loss_mask, output_tensor):
         loss, reported = loss_func(loss_mask, output_tensor)
         bool(torch.isfinite(loss))  # the planted host read
         return loss, reported
 
-    training._loss_func = reading_loss_func
+    training.loss_func = reading_loss_func
     try:
         with HostSyncDetector() as detector:
             run.train_step(data, it)
     finally:
-        training._loss_func = loss_func
+        training.loss_func = loss_func
     return detector.hits
 
 
@@ -89,7 +89,7 @@ def run_config(config: dict, out: str) -> None:
     batches = [[next(s) for _ in range(total * args.num_microbatches)] for s in sources]
     data = [iter(b) for b in batches]
     data = data if isinstance(source, list) else data[0]
-    pending, sent = training._PendingRecords(args, run), training._BytesSince(run.counter)
+    pending, sent = training.PendingRecords(args, run), training.BytesSince(run.counter)
     exit_policy = ExitPolicy(args, run.device, run.world)
 
     def iteration(it: int) -> dict:  # the per-iteration body of training._train_iterations, up to its log point

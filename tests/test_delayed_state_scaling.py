@@ -136,13 +136,13 @@ def test_single_pass_kernel_matches_the_torch_path(gen, opt_cls, kwargs, monkeyp
     over six steps: a gradient spike x 1e3 at step 2 (moments outgrow their delayed scales: the fix-up
     recomputes those tensors from their intact inputs), a NaN gradient at step 4 (skipped on device by
     both), steady steps otherwise (no tensor recomputed: one pass). Scales, step counts and skips are
-    identical; payloads within the bounds of tests/test_kernels.py (``_close_to_torch_path``: 4 storage
+    identical; payloads within the bounds of tests/test_kernels.py (``close_to_torch_path``: 4 storage
     steps at the tensor's amax, 16 ulps for fp32, at most 10% of elements differing), and the amax
     histories (of the fp32 values, which differ by the kernel's fp32 rounding) within 4 steps of their
     state's storage format (16 ulps for fp32)."""
     _triton_ready()
     import fp8.kernels.triton_adam as ta
-    from tests.test_kernels import _adam_setup, _close_to_torch_path
+    from tests.test_kernels import adam_setup, close_to_torch_path
 
     redo_per_step, passes = [], []
     single, fixup = ta.adam_delayed_kernel, ta.adam_delayed_fixup_kernel
@@ -162,7 +162,7 @@ def test_single_pass_kernel_matches_the_torch_path(gen, opt_cls, kwargs, monkeyp
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
     for backend in ("torch", "triton"):
-        params, opt = _adam_setup(seed, opt_cls, precision=DELAYED_O2, kernel_backend=backend, **kwargs)
+        params, opt = adam_setup(seed, opt_cls, precision=DELAYED_O2, kernel_backend=backend, **kwargs)
         g = torch.Generator().manual_seed(seed + 1)
         for step in range(6):
             spike = 1e3 if step == 2 else 1.0
@@ -193,11 +193,11 @@ def test_single_pass_kernel_matches_the_torch_path(gen, opt_cls, kwargs, monkeyp
                 assert torch.equal(value, s_tri[key]), key
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in s_ref:
-                _close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
+                close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
         if isinstance(a, fp8.Float8Tensor):
-            _close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
+            close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
         else:
-            _close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
+            close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
 
 
 def test_state_dict_round_trip_keeps_the_amax_histories(gen):

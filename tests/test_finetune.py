@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from examples.finetune import common, dpo, sft
+from megatron.training.finetune import data as finetune_data
+from megatron.training.finetune import demo, export, runtime
 from tests.spawn import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str) -> SimpleNamespace:
+    """The functions of ``examples/finetune/<name>.py`` (the script run as a module of its own, not imported from an
+    ``examples`` package: the examples sit on the library, nothing imports them)."""
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "examples" / "finetune" / f"{name}.py"), run_name=f"{name}_script"))
 
 # |final loss O2 - none| / none on the tiny task below (12 steps, random tiny Llama), measured over seeds 0-4:
 # 0.00038 to 0.00076; the bound leaves 2x headroom over the largest.
@@ -60,15 +69,15 @@ def _log(path: Path) -> list[dict]:
 def _tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
-    return common.prepare_tokenizer(AutoTokenizer.from_pretrained(str(tiny_model)))
+    return finetune_data.prepare_tokenizer(AutoTokenizer.from_pretrained(str(tiny_model)))
 
 
 def test_collate_masks_prompt_and_padding(tiny_model):
     tok = _tokenizer(tiny_model)
-    a = common.encode(tok, "ROMEO\nHow now?\n\nJULIET\n", "Good night.", 64)
-    b = common.encode(tok, "LEAR\nNothing will come of nothing.\n\nCORDELIA\n", "Nothing, my lord, nothing at all.", 64)
+    a = finetune_data.encode(tok, "ROMEO\nHow now?\n\nJULIET\n", "Good night.", 64)
+    b = finetune_data.encode(tok, "LEAR\nNothing will come of nothing.\n\nCORDELIA\n", "Nothing, my lord, nothing at all.", 64)
     n_prompt_a = len(tok("ROMEO\nHow now?\n\nJULIET\n")["input_ids"])
-    batch = common.collate([a, b], tok.pad_token_id)
+    batch = finetune_data.collate([a, b], tok.pad_token_id)
     ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
     assert ids.shape == labels.shape == mask.shape and ids.shape[0] == 2
     # Row a: prompt masked, response + EOS labelled with its own ids, padding masked and not attended.
@@ -81,7 +90,7 @@ def test_collate_masks_prompt_and_padding(tiny_model):
     assert (ids[0, la:] == tok.pad_token_id).all()
     # The summed log-probs see exactly the response tokens (+ EOS).
     logits = torch.randn(2, ids.shape[1], 2048)
-    _, counts = common.response_logprobs(logits, labels)
+    _, counts = finetune_data.response_logprobs(logits, labels)
     assert counts.tolist() == [(labels[i] != -100).sum().item() for i in range(2)]
     assert counts[0].item() == la - n_prompt_a
 
@@ -89,18 +98,18 @@ def test_collate_masks_prompt_and_padding(tiny_model):
 def test_truncation_keeps_response_tokens(tiny_model):
     tok = _tokenizer(tiny_model)
     long_prompt = "ROMEO\n" + "But soft, what light through yonder window breaks? " * 20 + "\n\nJULIET\n"
-    e = common.encode(tok, long_prompt, "Ay me.", 32)
+    e = finetune_data.encode(tok, long_prompt, "Ay me.", 32)
     assert e.truncated and len(e.input_ids) == 32
     assert sum(x != -100 for x in e.labels) == len(tok("Ay me.", add_special_tokens=False)["input_ids"]) + 1
-    e = common.encode(tok, "A\n", "word " * 100, 32)
+    e = finetune_data.encode(tok, "A\n", "word " * 100, 32)
     assert e.truncated and len(e.input_ids) == 32 and e.labels[0] == -100 and e.labels[-1] != -100
-    assert not common.encode(tok, "A\n", "short", 32).truncated
+    assert not finetune_data.encode(tok, "A\n", "short", 32).truncated
 
 
 def test_pad_token_defaults_to_eos(tiny_model):
     tok = _tokenizer(tiny_model)
     tok.pad_token = None
-    assert common.prepare_tokenizer(tok).pad_token_id == tok.eos_token_id
+    assert finetune_data.prepare_tokenizer(tok).pad_token_id == tok.eos_token_id
 
 
 @pytest.mark.parametrize("script,line,expect", [
@@ -125,7 +134,7 @@ def test_bad_jsonl_exits_2_naming_line_and_key(tiny_model, tmp_path, script, lin
 def _run_sft(tiny_model, tmp_path, level, seed=0, steps=12, extra=()):
     data = _write_jsonl(tmp_path / "sft.jsonl", _sft_rows())
     log = tmp_path / f"sft-{level}-{seed}.jsonl"
-    rc = sft.main(["--model", str(tiny_model), "--data", str(data), "--fp8-opt-level", level, "--max-steps",
+    rc = _script("sft").main(["--model", str(tiny_model), "--data", str(data), "--fp8-opt-level", level, "--max-steps",
                    str(steps), "--lr", "3e-3", "--batch-size", "8", "--eval-examples", "4", "--seed", str(seed),
                    "--log-json", str(log), "--warmup-steps", "2", *extra])
     assert rc == 0
@@ -171,7 +180,7 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
     data = _write_jsonl(tmp_path / "dpo.jsonl", _dpo_rows())
     for level in ("none", "O2"):
         log = tmp_path / f"dpo-{level}.jsonl"
-        rc = dpo.main(["--model", str(tiny_model), "--data", str(data), "--fp8-opt-level", level, "--max-steps", "6",
+        rc = _script("dpo").main(["--model", str(tiny_model), "--data", str(data), "--fp8-opt-level", level, "--max-steps", "6",
                        "--lr", "3e-3", "--batch-size", "4", "--eval-examples", "4", "--log-json", str(log)])
         assert rc == 0
         records = _log(log)
@@ -199,8 +208,8 @@ def test_dpo_none_and_o2(tiny_model, tmp_path):
             assert table["policy"]["ratio_vs_bf16"] < 0.5 and table["total"]["ratio_vs_bf16"] < 0.5, table
     # The reference built for O2 is fp8.freeze's: FP8 weights, nothing trainable.
     args = type("A", (), {"reference": "fp8", "recipe": "tensorwise", "fp8_min_dim": None, "fp8_embeddings": True})()
-    rt = common.Runtime(0, 1, torch.device("cpu"), False)
-    reference = dpo.build_reference(tiny_model, args, rt)
+    rt = runtime.Runtime(0, 1, torch.device("cpu"), False)
+    reference = _script("dpo").build_reference(tiny_model, args, rt)
     assert any(isinstance(p, fp8.Float8Tensor) for p in reference.parameters())
     assert not any(p.requires_grad for p in reference.parameters())
 
@@ -231,7 +240,7 @@ def test_sft_loss_is_the_global_token_mean_at_any_number_of_ranks(tiny_model, tm
     for world in (1, 2):
         log = tmp_path / f"world{world}.jsonl"
         if world == 1:
-            assert sft.main([*flags, "--log-json", str(log)]) == 0
+            assert _script("sft").main([*flags, "--log-json", str(log)]) == 0
         else:
             run_worker(ROOT / "examples/finetune/sft.py", 2, [*flags, "--log-json", str(log)], seed=0)
         losses[world] = [r["loss"] for r in _log(log) if "step" in r]
@@ -241,17 +250,17 @@ def test_sft_loss_is_the_global_token_mean_at_any_number_of_ranks(tiny_model, tm
 
 
 def test_demo_tasks_hold_out_plays():
-    plays = common.demo_plays()
-    held_plays = plays[-common.DEMO_HELDOUT_PLAYS:]
-    held_prompts = {prompt for prompt, _, _ in common._demo_pairs(held_plays)}
-    train, held = common.demo_rows("sft", 50, 10, seed=0)
+    plays = demo.demo_plays()
+    held_plays = plays[-demo.DEMO_HELDOUT_PLAYS:]
+    held_prompts = {prompt for prompt, _, _ in demo.demo_pairs(held_plays)}
+    train, held = demo.demo_rows("sft", 50, 10, seed=0)
     assert len(train) == 50 and len(held) == 10
     assert all(r.keys() == {"prompt", "response"} and r["response"] for r in train + held)
     assert all(r["prompt"] in held_prompts for r in held)
     assert not any(r["prompt"] in held_prompts for r in train)
     # Prompt: previous speaker and lines, blank line, next speaker's name (the corpus's own layout).
     assert all(r["prompt"].endswith("\n") and "\n\n" in r["prompt"] for r in train)
-    train, held = common.demo_rows("dpo", 50, 10, seed=0)
+    train, held = demo.demo_rows("dpo", 50, 10, seed=0)
     assert all(r.keys() == {"prompt", "chosen", "rejected"} for r in train + held)
     assert all(r["chosen"] != r["rejected"] and r["chosen"].count("\n") == r["rejected"].count("\n")
                for r in train + held)
@@ -262,14 +271,14 @@ def test_export_takes_master_weights(tiny_model, level):
     """The exported values are the optimizer's masters, not the FP8-rounded weights the model holds."""
     import fp8
 
-    rt = common.Runtime(0, 1, torch.device("cpu"), False)
-    model, _ = common.load_model(tiny_model, rt.device)
+    rt = runtime.Runtime(0, 1, torch.device("cpu"), False)
+    model, _ = runtime.load_model(tiny_model, rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = fp8.initialize(model, opt, level)
     ids = torch.randint(0, 2048, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    state = common.master_state(model, opt, level, rt)
+    state = runtime.master_state(model, opt, level, rt)
     fp8_names = [n for n, p in model.named_parameters() if isinstance(p, fp8.Float8Tensor)]
     assert fp8_names and set(state) == {n for n, _ in model.named_parameters()}
     params = dict(model.named_parameters())
@@ -298,7 +307,7 @@ def test_export_transposes_every_converted_conv1d_back(tmp_path):
         def save_pretrained(self, path):
             pass
 
-    common.save_bf16(model, optimizer, NoTokenizer(), tmp_path, "O2", common.Runtime(0, 1, torch.device("cpu"), False))
+    export.save_bf16(model, optimizer, NoTokenizer(), tmp_path, "O2", runtime.Runtime(0, 1, torch.device("cpu"), False))
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path)).state_dict()
     for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
         layer = model.transformer.h[0].get_submodule(name)
@@ -306,7 +315,7 @@ def test_export_transposes_every_converted_conv1d_back(tmp_path):
         assert torch.equal(loaded[f"transformer.h.0.{name}.weight"], master), name
 
 
-@pytest.mark.parametrize("script", [sft, dpo])
+@pytest.mark.parametrize("script", ["sft", "dpo"])
 def test_missing_corpus_names_the_finetune_fix(script, tmp_path, monkeypatch, capsys):
     """Without the corpus package the demo task cannot be built: the error names the install and sft/dpo's own
     flags (--data, --model), not pretrain_gpt.py's."""
@@ -315,7 +324,7 @@ def test_missing_corpus_names_the_finetune_fix(script, tmp_path, monkeypatch, ca
     monkeypatch.setenv("FP8LM_CACHE", str(tmp_path))
     monkeypatch.setattr(corpus, "_find_installed_plays", lambda: None)
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--max-steps", "1"])
+        _script(script).main(["--max-steps", "1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and "requirements-corpus.txt" in err

@@ -294,7 +294,7 @@ batches = [{k: v.to(run.device) for k, v in next(source).items()} for _ in range
 data = iter(batches)
 run.train_step(data, 0)
 run.train_step(data, 1)  # first steps: lazy optimizer states, first scales, NCCL communicators
-pending = training._PendingRecords(args, run)
+pending = training.PendingRecords(args, run)
 torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode("error")
 try:

@@ -53,7 +53,7 @@ STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0}
 def _slopes(level, recipe="tensorwise", kind="delayed", **kwargs):
     small = kernels.measure(level, kernels.SMALL, recipe, kind, **kwargs)
     large = kernels.measure(level, kernels.LARGE, recipe, kind, **kwargs)
-    return {part: kernels._slope(small, large, part) for part in ("forward", "backward", "step")}, small, large
+    return {part: kernels.slope(small, large, part) for part in ("forward", "backward", "step")}, small, large
 
 
 @pytest.mark.parametrize("recipe,kind", list(BUDGET))
@@ -98,7 +98,7 @@ def test_o1_step_with_fused_adamw_is_flat(recipe):
 def test_o3_step_is_flat_for_every_recipe():
     """O3 (the sharded optimizer, here in a one-rank gloo group of its own process) runs the same multi-tensor step."""
     code = ("import json, sys; sys.path.insert(0, '.'); from benchmarks import kernels; kernels._one_rank_group(); "
-            "print(json.dumps({r: kernels._slope(kernels.measure('O3', kernels.SMALL, r), "
+            "print(json.dumps({r: kernels.slope(kernels.measure('O3', kernels.SMALL, r), "
             "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise')}))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

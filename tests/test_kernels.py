@@ -121,7 +121,7 @@ def test_grad_accumulation_keeps_nan(gen):
     assert torch.equal(_bits(accs[0].payload), _bits(accs[1].payload)) and torch.isnan(accs[1].dequantize()[7])
 
 
-def _adam_setup(seed: int, opt_cls, **kwargs):
+def adam_setup(seed: int, opt_cls, **kwargs):
     g = torch.Generator().manual_seed(seed)
     weight = torch.nn.Parameter(fp8.to_float8(torch.randn(40, 52, generator=g) * 0.02))  # 2080: not a multiple of 1024
     vector = torch.nn.Parameter(torch.randn(1100, generator=g))
@@ -129,7 +129,7 @@ def _adam_setup(seed: int, opt_cls, **kwargs):
     return [weight, vector, half], opt_cls([weight, vector, half], **kwargs)
 
 
-def _close_to_torch_path(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> None:
+def close_to_torch_path(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> None:
     """Same scale; every element within 4 storage steps at the tensor's amax (16 fp32 ulps for fp32
     tensors); at most 10% of the elements differ at all. Measured over 40 seeds x both optimizers:
     worst 2.7 steps (FP16 master with L2 decay, where Adam's m / sqrt(v) amplifies an fp32 rounding
@@ -153,7 +153,7 @@ def test_fused_adam_matches_the_torch_path(gen, opt_cls, kwargs):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
     for backend in ("torch", "triton"):
-        params, opt = _adam_setup(seed, opt_cls, kernel_backend=backend, **kwargs)
+        params, opt = adam_setup(seed, opt_cls, kernel_backend=backend, **kwargs)
         g = torch.Generator().manual_seed(seed + 1)
         for step in range(5):
             params[0].grad = fp8.to_float8(torch.randn(40, 52, generator=g) * 1e-3)
@@ -170,11 +170,11 @@ def test_fused_adam_matches_the_torch_path(gen, opt_cls, kwargs):
         assert torch.equal(s_ref["step"], s_tri["step"]) and s_tri["step"] == 4
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in s_ref:
-                _close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
+                close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
         if isinstance(a, fp8.Float8Tensor):
-            _close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
+            close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
         else:
-            _close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
+            close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
 
 
 def test_backend_selection():
@@ -284,7 +284,7 @@ def test_fused_adam_is_one_launch_per_stage_and_param_group(gen, monkeypatch):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
     for backend in ("torch", "triton"):
-        params, _ = _adam_setup(seed, fp8.optim.AdamW)
+        params, _ = adam_setup(seed, fp8.optim.AdamW)
         extra = torch.nn.Parameter(fp8.to_float8(torch.randn(16, 48, generator=torch.Generator().manual_seed(seed)) * 0.1))
         groups = [{"params": params[:2], "lr": 1e-2, "weight_decay": 0.1}, {"params": [params[2], extra], "lr": 3e-3, "weight_decay": 0.0}]
         opt = fp8.optim.AdamW(groups, betas=(0.9, 0.95), kernel_backend=backend)
@@ -322,8 +322,8 @@ def test_fused_adam_is_one_launch_per_stage_and_param_group(gen, monkeypatch):
         assert torch.equal(s_ref["step"], s_tri["step"]) and s_tri["step"] == 3
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in s_ref:
-                _close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
+                close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
         if isinstance(a, fp8.Float8Tensor):
-            _close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
+            close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
         else:
-            _close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
+            close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))

@@ -337,3 +337,57 @@ def test_another_megatron_core_version_is_refused_naming_the_fix():
     with pytest.raises(MegatronCoreVersionError, match=rf"megatron-core 0.15.0 is installed; .* "
                                                        rf"pip install megatron-core=={MEGATRON_CORE_VERSION}"):
         check_megatron_core_version("0.15.0")
+
+
+# -- tests use the project through its public names -------------------------------------------------------------------
+PROJECT = ("fp8", "megatron", "benchmarks", "tools", "examples", "tests")
+
+
+def _private_uses(path: Path) -> list[str]:
+    """A private name of the project (``_x``) that ``path`` imports or reads from one of its modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PROJECT \
+                and not (node.module or "").startswith("megatron.core"):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
+                else:
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PROJECT[:2] and not alias.name.startswith("megatron.core"):
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"{path.name}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_tests_use_public_names_only():
+    hits = [hit for path in sorted((ROOT / "tests").glob("*.py")) for hit in _private_uses(path)]
+    assert hits == [], hits
+
+
+def test_the_public_name_check_sees_private_uses(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import fp8\nfrom fp8.scaling import _x\nfrom megatron.training import training\n"
+                     "training._loss(1)\nfp8.scaling._probe\n")
+    assert len(_private_uses(probe)) == 3
+
+
+def test_nothing_imports_the_examples():
+    """``examples/`` sits on the library: no library module, test, benchmark or tool imports it (tests run its scripts)."""
+    sources = [p for d in ("fp8", "megatron", "tests", "benchmarks", "tools", "examples") for p in (ROOT / d).rglob("*.py")]
+    hits = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            hits += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "examples"]
+    assert hits == [], hits

@@ -5,7 +5,7 @@
   scales and bias corrections, the new scales) are bit-exact: same operations, same rounding.
 - The update passes (Adam's, SGD's) round their fp32 update math differently where the reference's kernels fuse
   multiply-adds: compared through whole optimizer runs with the bounds of ``tests/test_kernels.py``
-  (``_close_to_torch_path``), with identical scales, step counts and skips.
+  (``close_to_torch_path``), with identical scales, step counts and skips.
 - Each op is one Triton launch (the CPU op sequence is the GPU's kernel sequence), and the step bumps every FP8
   weight's version counters once, as ``copy_`` did.
 """
@@ -151,13 +151,13 @@ def test_clone_and_restore(gen, taken):
 def _optimizer_lists(opt):
     """The per-row lists and workspace of ``opt``'s multi-tensor step (as ``FP8Optimizer._multi_tensor_step``
     builds them)."""
-    from fp8.optim.base import _STATE_LISTS
+    from fp8.optim.ops import STATE_LISTS
 
-    lists = {key: [] for key in (*_STATE_LISTS, "grads", "grad_scales", "kinds", "moments", "beta1", "beta2", "lr")}
+    lists = {key: [] for key in (*STATE_LISTS, "grads", "grad_scales", "kinds", "moments", "beta1", "beta2", "lr")}
     for group in opt.param_groups:
         for p in group["params"]:
             opt._append_row(lists, p, group, torch.device("cpu"))
-    return lists, [lists[key] for key in _STATE_LISTS]
+    return lists, [lists[key] for key in STATE_LISTS]
 
 
 def _setup(seed: int, opt_cls, **kwargs):
@@ -218,7 +218,7 @@ def test_sgd_kernels_match_the_torch_path(gen, kwargs):
     """SGD's passes (two param groups; an FP8 weight, fp32 and bf16 vectors): five steps, a gradient spike at step 1,
     a NaN gradient at step 3 (skipped by both) and an external "not ok" at step 4 (O3's agreement), then one more."""
     _needs_triton()
-    from tests.test_kernels import _close_to_torch_path
+    from tests.test_kernels import close_to_torch_path
 
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = {}
@@ -244,11 +244,11 @@ def test_sgd_kernels_match_the_torch_path(gen, kwargs):
         assert torch.equal(s_ref["step"], s_tri["step"]) and s_tri["step"] == 4
         for key in ("momentum_buffer", "master"):
             if key in s_ref:
-                _close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
+                close_to_torch_path(s_ref[key], s_tri[key], s_ref[f"{key}_scale"], s_tri[f"{key}_scale"])
         if isinstance(a, fp8.Float8Tensor):
-            _close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
+            close_to_torch_path(a.payload, b.payload, a.scale, b.scale)
         else:
-            _close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
+            close_to_torch_path(a.detach(), b.detach(), torch.ones(()), torch.ones(()))
 
 
 @pytest.mark.parametrize("opt_cls,kwargs", [

@@ -634,7 +634,7 @@ def test_known_core_syncs_are_kept_apart_and_nothing_else():
 def test_detector_exempts_only_the_history_probe_read():
     """The probe's host read is the one exemption; the same read of the same tensor elsewhere is flagged."""
     state = fp8.scaling.ScalingState(fp8.scaling.ScalingConfig(kind="delayed"))
-    probe = fp8.scaling._HistoryProbe([state])
+    probe = fp8.scaling.HistoryProbe([state])
     with HostSyncDetector() as detector:
         assert probe.started() == [False]
     assert not detector.hits

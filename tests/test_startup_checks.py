@@ -110,9 +110,11 @@ def test_converter_hf_output_is_checked_first(tmp_path, afile, capsys):
 
 @pytest.mark.parametrize("script", ["sft", "dpo"])
 def test_finetune_outputs_are_checked_first(script, tmp_path, afile, capsys):
-    import importlib
+    import runpy
 
-    main = importlib.import_module(f"examples.finetune.{script}").main
+    # the script's functions, run as a module of its own (nothing imports the examples)
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "finetune" / f"{script}.py"),
+                          run_name=f"{script}_script")["main"]
     for flags, message in ((["--output", f"{afile}/out"], f"--output {afile}/out: cannot be created: {afile} is a file"),
                            (["--log-json", str(tmp_path)], f"--log-json {tmp_path}: is a directory")):
         with pytest.raises(SystemExit) as exit_:
@@ -139,11 +141,11 @@ def test_split_in_any_notation_reaches_megatron_core_as_written():
     """megatron-core reads only digits and dots: 1e-3 would be two numbers; the weights are passed fixed-point."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.data.datasets import _split_string
+    from megatron.training.data.datasets import split_string
 
     validate_args(parse_args(SMALL + ["--split", "1e-3,1,0"]), world_size=1)
-    assert parse_and_normalize_split(_split_string("1e-3,1,0")) == pytest.approx([1e-3 / 1.001, 1 / 1.001, 0.0])
-    assert parse_and_normalize_split(_split_string("99,1")) == pytest.approx([0.99, 0.01, 0.0])
+    assert parse_and_normalize_split(split_string("1e-3,1,0")) == pytest.approx([1e-3 / 1.001, 1 / 1.001, 0.0])
+    assert parse_and_normalize_split(split_string("99,1")) == pytest.approx([0.99, 0.01, 0.0])
 
 
 # -- --load ---------------------------------------------------------------------------------------------------------

@@ -73,8 +73,8 @@ def _meta_checks(results: dict) -> None:
     results["finite_device"] = str(finite.device)
     fake_run = types.SimpleNamespace(device=meta, world=Collectives(group))
     losses = [{"lm loss": torch.empty((), device=meta)} for _ in range(3)]
-    results["loss_device"] = str(training.TrainingRun._loss_sum_count(fake_run, losses).device)
-    results["empty_loss_device"] = str(training.TrainingRun._loss_sum_count(fake_run, []).device)
+    results["loss_device"] = str(training.TrainingRun.loss_sum_count(fake_run, losses).device)
+    results["empty_loss_device"] = str(training.TrainingRun.loss_sum_count(fake_run, []).device)
     # O3's clipping on a rank owning no gradient this step (its partial norm is a zero it creates itself).
     params = [torch.nn.Parameter(torch.empty(8, device=meta)), torch.nn.Parameter(torch.empty(8, device=meta))]
     optimizer = ShardedAdamW(params, lr=1e-3, process_group=group, precision="O1")
@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                 # Batches are prepared on the host beforehand: data loading is host work, not a device sync.
                 source = run.data_iterators(training.Datasets(args).train)
                 data = iter([next(source) for _ in range(5 * args.num_microbatches)])
-                pending = training._PendingRecords(args, run)
+                pending = training.PendingRecords(args, run)
                 run.train_step(data, 0)  # the first step (lazy state, first scales) outside the detector
                 snapshots = []
                 with HostSyncDetector() as step_detector:

@@ -28,7 +28,7 @@ import fp8
 import fp8.quantizers
 from fp8.launches import LaunchCounter
 from fp8.linear import Float8Linear, Float8LinearConfig
-from fp8.optim.fused_adam import _mark_fp8_weights_written
+from fp8.optim.fused_adam import mark_fp8_weights_written
 
 IN, HIDDEN, OUT, TOKENS = 32, 48, 16, 64  # all distinct, so a transposed weight copy is told apart by its shape
 SCALED_MM = Float8LinearConfig(gemm_backend="scaled_mm")
@@ -162,7 +162,7 @@ def test_rebuilt_after_load_state_dict_and_in_place_writes(seed):
         "payload.copy_": lambda: w.payload.copy_(_flip(w.payload, 0)),
         "payload view (O3 all-gather)": lambda: w.payload.detach().view(-1).copy_(_flip(w.payload, 1).reshape(-1)),
         # a kernel writing through the address (the fused Adam): autograd sees nothing until told
-        "Triton Adam": lambda: (w.payload.data.copy_(_flip(w.payload, 0)), _mark_fp8_weights_written([w])),
+        "Triton Adam": lambda: (w.payload.data.copy_(_flip(w.payload, 0)), mark_fp8_weights_written([w])),
     }
     for name, write in writes.items():
         with torch.no_grad():

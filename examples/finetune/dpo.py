@@ -25,7 +25,7 @@ if __name__ == "__main__" and not __package__:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.finetune import common  # noqa: E402
+from megatron.training.finetune import cli, data, loop, runtime  # noqa: E402
 
 KEYS = ("prompt", "chosen", "rejected")
 
@@ -38,17 +38,17 @@ BF16_REFERENCE_BYTES = {"weights": 2}
 def encode_pairs(tokenizer, rows, max_length):
     out = []
     for r in rows:
-        out.append((common.encode(tokenizer, r["prompt"], r["chosen"], max_length),
-                    common.encode(tokenizer, r["prompt"], r["rejected"], max_length)))
+        out.append((data.encode(tokenizer, r["prompt"], r["chosen"], max_length),
+                    data.encode(tokenizer, r["prompt"], r["rejected"], max_length)))
     return out
 
 
 def sequence_logps(model, pairs, pad_id, device):
     """Summed response log-probs of (chosen, rejected) for ``pairs`` in one forward of 2B sequences."""
-    batch = common.collate([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+    batch = data.collate([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
     batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp, _ = common.response_logprobs(logits, batch["labels"])
+    logp, _ = data.response_logprobs(logits, batch["labels"])
     n = len(pairs)
     return logp[:n], logp[n:]
 
@@ -65,7 +65,7 @@ def build_reference(model_dir, args, rt):
     """The frozen reference: the initial weights, ``fp8.freeze``-d (``--reference fp8``) or in BF16."""
     import fp8
 
-    reference, _ = common.load_model(model_dir, rt.device)
+    reference, _ = runtime.load_model(model_dir, rt.device)
     if args.reference == "fp8":
         reference = fp8.freeze(reference, recipe=args.recipe, min_fp8_dim=args.fp8_min_dim,
                                embeddings=args.fp8_embeddings)
@@ -90,7 +90,7 @@ def evaluate(policy, reference, pairs, pad_id, batch_size, beta, rt):
             l, _, _, c, r = dpo_terms(pc, pr, rc.float(), rr.float(), beta)
             sums += torch.stack([(c > r).sum(), (c - r).sum(), l * len(chunk)]).double()
     policy.train()
-    correct, margin, loss, n = (v * rt.world for v in common.all_mean([*sums.tolist(), float(len(mine))], rt))
+    correct, margin, loss, n = (v * rt.world for v in runtime.all_mean([*sums.tolist(), float(len(mine))], rt))
     n = max(n, 1.0)
     return correct / n, margin / n, loss / n
 
@@ -123,7 +123,7 @@ def format_table(table) -> str:
 
 
 def main(argv=None) -> int:
-    parser = common.build_parser(__doc__.splitlines()[0], task="dpo")
+    parser = cli.build_parser(__doc__.splitlines()[0], task="dpo")
     parser.add_argument("--beta", type=float, default=0.1, help="DPO temperature beta")
     # DPO's defaults: one micro-batch per step, so FP8 weight gradients lose nothing to accumulation and hold
     # 1 byte instead of 4 (the memory target); the demo preference is learned at 1e-3 within 60 steps.
@@ -132,20 +132,20 @@ def main(argv=None) -> int:
                         help="how the frozen reference is held: fp8 (fp8.freeze; the default at the FP8 levels) "
                              "or bf16 (the default at --fp8-opt-level none)")
     args = parser.parse_args(argv)
-    common.check_args(args, parser)
+    cli.check_args(args, parser)
     if args.reference is None:
         args.reference = "bf16" if args.fp8_opt_level == "none" else "fp8"
     if not args.beta > 0:
         parser.error(f"--beta must be positive, got {args.beta}")
-    return common.run_main(args, run)
+    return cli.run_main(args, run)
 
 
 def run(args, rt) -> int:
     import fp8
 
     started = time.perf_counter()
-    log = common.JsonLog(args.log_json, rt)
-    train_rows, eval_rows, model_dir, policy, tokenizer = common.load_task(args, rt, "dpo", KEYS)
+    log = runtime.JsonLog(args.log_json, rt)
+    train_rows, eval_rows, model_dir, policy, tokenizer = loop.load_task(args, rt, "dpo", KEYS)
     n_params = sum(p.numel() for p in policy.parameters())
     pairs = encode_pairs(tokenizer, train_rows, args.max_length)
     held = encode_pairs(tokenizer, eval_rows, args.max_length)
@@ -156,11 +156,11 @@ def run(args, rt) -> int:
     pad_id = tokenizer.pad_token_id
     reference = build_reference(model_dir, args, rt)
 
-    train_model, policy, optimizer, scheduler = common.training_setup(policy, args, rt)
+    train_model, policy, optimizer, scheduler = loop.training_setup(policy, args, rt)
     policy.train()
     record = {}
     policy_memory = None
-    for step, idx in enumerate(common.batches(len(pairs), args.batch_size, rt, args.seed, args.max_steps)):
+    for step, idx in enumerate(runtime.batches(len(pairs), args.batch_size, rt, args.seed, args.max_steps)):
         t0 = time.perf_counter()
         chunk = [pairs[i] for i in idx]
         with torch.no_grad():
@@ -168,9 +168,9 @@ def run(args, rt) -> int:
         pc, pr = sequence_logps(train_model, chunk, pad_id, rt.device)
         loss, acc, margin, _, _ = dpo_terms(pc, pr, rc.float(), rr.float(), args.beta)
         loss.backward()
-        grad_norm, policy_memory = common.optimizer_step(policy, optimizer, scheduler, args, policy_memory)
-        loss_v, acc_v, margin_v = common.all_mean([loss.item(), acc.item(), margin.item()], rt)
-        if common.nonfinite(loss_v, step, log):
+        grad_norm, policy_memory = loop.optimizer_step(policy, optimizer, scheduler, args, policy_memory)
+        loss_v, acc_v, margin_v = runtime.all_mean([loss.item(), acc.item(), margin.item()], rt)
+        if loop.nonfinite(loss_v, step, log):
             return 1
         record = {"step": step, "loss": loss_v, "reward_accuracy": acc_v, "reward_margin": margin_v,
                   "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -200,7 +200,7 @@ def run(args, rt) -> int:
     log.print("memory (fp8.memory_report after step 1; BF16 pair computed per parameter: policy "
               f"{sum(BF16_POLICY_BYTES.values())} B = BF16 weights + grads, fp32 masters + Adam; reference "
               f"{sum(BF16_REFERENCE_BYTES.values())} B):\n" + format_table(table))
-    return common.finish(policy, optimizer, tokenizer, args, rt, log)
+    return loop.finish(policy, optimizer, tokenizer, args, rt, log)
 
 
 if __name__ == "__main__":

@@ -104,11 +104,6 @@ def grads_finite_flag(params: Iterable[torch.Tensor], kernel_backend: str = "aut
 select_where = ops.select_where
 
 
-_STATE_LISTS = ("weights", "exp_avgs", "exp_avg_sqs", "params", "weight_scales", "exp_avg_scales", "exp_avg_sq_scales",
-                "param_scales", "steps")
-"""The per-row state lists of the ops of :mod:`fp8.optim.ops`, in their argument order."""
-
-
 class _Workspace:
     """A step's per-row scratch tensors: ``old`` scales ``(rows, 5)``, bias corrections ``bc`` ``(rows, 2)``,
     ``amax`` ``(rows, 3)``, ``new`` scales ``(rows, 4)`` (fp32, one buffer) and the skip flag ``bad`` (int32)."""
@@ -310,7 +305,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
     def _state_args(lists: dict, rows: slice, ws: "_Workspace") -> tuple:
         """The arguments a group's pass op takes after its gradients: the state lists, kinds, old scales and bias
         corrections of ``rows``."""
-        return (*(lists[key][rows] for key in _STATE_LISTS), lists["kinds"][rows], ws.old[rows], ws.bc[rows])
+        return (*(lists[key][rows] for key in ops.STATE_LISTS), lists["kinds"][rows], ws.old[rows], ws.bc[rows])
 
     def _multi_tensor_step(self, params: list[torch.Tensor], agreed_ok: torch.Tensor | None) -> torch.Tensor:
         """The step as a fixed number of multi-tensor ops (:mod:`fp8.optim.ops`), whatever the number of parameters:
@@ -323,7 +318,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         sync; the moments, masters and parameters are updated in place."""
         backend = op_backend(self.kernel_backend, params)
         device = params[0].device
-        lists: dict[str, list] = {key: [] for key in (*_STATE_LISTS, "grads", "grad_scales", "kinds", "moments",
+        lists: dict[str, list] = {key: [] for key in (*ops.STATE_LISTS, "grads", "grad_scales", "kinds", "moments",
                                                       "beta1", "beta2", "lr")}
         groups = []
         for group in self.param_groups:
@@ -335,7 +330,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 groups.append((group, slice(start, len(lists["kinds"]))))
         ws = self._workspace(len(lists["kinds"]), device)
         tables = self._device_tables(lists, groups, device) if backend == "triton" else None
-        state = [lists[key] for key in _STATE_LISTS]
+        state = [lists[key] for key in ops.STATE_LISTS]
         ops.prepare_states_(lists["grad_scales"], *state, lists["kinds"], lists["moments"], lists["beta1"],
                             lists["beta2"], lists["lr"], self._bias_correction,
                             None if agreed_ok is None else agreed_ok.to(device=device, dtype=torch.bool).reshape(()),
@@ -410,7 +405,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         scratch = self.__dict__.get("_step_scratch")
         if scratch is None or scratch.device != device:
             scratch = self.__dict__["_step_scratch"] = torch.ones(1, dtype=torch.float32, device=device)
-        rows, fmaxes = mt.state_table(*(lists[key] for key in _STATE_LISTS), lists["kinds"], lists["moments"],
+        rows, fmaxes = mt.state_table(*(lists[key] for key in ops.STATE_LISTS), lists["kinds"], lists["moments"],
                                       scratch)
         key = (tuple(map(tuple, rows)), tuple((r.start, r.stop) for _, r in groups))
         cache = self.__dict__.setdefault("_fused_adam_tables", {})

@@ -21,7 +21,7 @@ from ..tensor import Float8Tensor
 from .base import grads_finite_flag
 from .precision import DELAYED_HEADROOM, delayed_or_current_scale
 
-__all__ = ["fused_adam_step"]
+__all__ = ["fused_adam_step", "mark_fp8_weights_written"]
 
 _BLOCK = 1024
 
@@ -147,11 +147,11 @@ def fused_adam_step(optimizer, params: list[torch.Tensor], agreed_ok: torch.Tens
         new_scales = _new_scales(optimizer, table, fmax_table, old_scales, amax)
         adam_stage2_kernel[(n_blocks,)](blocks, table, grad_table, old_scales, bc, fmax_table, new_scales, bad,
                                         **scalars, **flags)
-    _mark_fp8_weights_written(params)
+    mark_fp8_weights_written(params)
     return ok
 
 
-def _mark_fp8_weights_written(params: list[torch.Tensor]) -> None:
+def mark_fp8_weights_written(params: list[torch.Tensor]) -> None:
     """The kernels write the FP8 weights' payloads and scales through their addresses, which autograd does not see:
     bump their version counters, as an in-place op would, so the transposes cached with the weights
     (:attr:`fp8.Float8Tensor.transpose_cache`) are rebuilt and a graph still holding the old values fails loudly."""

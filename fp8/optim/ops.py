@@ -51,7 +51,7 @@ from .precision import decode
 __all__ = [
     "mark_nonfinite_", "amaxes_", "quantize_weights_", "quantize_weight_blocks_", "dequantize_grads", "clone_tensors", "restore_unless_", "prepare_states_",
     "adam_stage1_", "adam_stage2_", "sgd_stage1_", "sgd_stage2_", "state_scales_", "select_where", "adam_update_",
-    "sgd_update", "OP_BACKENDS",
+    "sgd_update", "OP_BACKENDS", "STATE_LISTS",
 ]
 
 OP_BACKENDS = ("torch", "triton")
@@ -365,9 +365,9 @@ def _state_tables(tables, weights, exp_avgs, exp_avg_sqs, params, weight_scales,
             blocks, n_blocks)
 
 
-# The lists every state op takes, per row (module docstring).
-_STATE = ("weights", "exp_avgs", "exp_avg_sqs", "params", "weight_scales", "exp_avg_scales", "exp_avg_sq_scales",
-          "param_scales", "steps")
+STATE_LISTS = ("weights", "exp_avgs", "exp_avg_sqs", "params", "weight_scales", "exp_avg_scales", "exp_avg_sq_scales",
+               "param_scales", "steps")
+"""The per-row state lists every state op takes, in their argument order (module docstring)."""
 
 
 @custom_op("fp8lm::prepare_states_", mutates_args=("old", "bc", "amax", "bad"))
@@ -581,7 +581,7 @@ def _(*args, backend="torch"):
     return None
 
 
-@custom_op("fp8lm::adam_stage2_", mutates_args=_STATE)
+@custom_op("fp8lm::adam_stage2_", mutates_args=STATE_LISTS)
 def adam_stage2_(grads: list[Tensor], weights: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                  params: list[Tensor], weight_scales: list[Tensor], exp_avg_scales: list[Tensor],
                  exp_avg_sq_scales: list[Tensor], param_scales: list[Tensor], steps: list[Tensor], kinds: list[int],
@@ -687,7 +687,7 @@ def _(*args, backend="torch"):
     return None
 
 
-@custom_op("fp8lm::sgd_stage2_", mutates_args=_STATE)
+@custom_op("fp8lm::sgd_stage2_", mutates_args=STATE_LISTS)
 def sgd_stage2_(grads: list[Tensor], weights: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 params: list[Tensor], weight_scales: list[Tensor], exp_avg_scales: list[Tensor],
                 exp_avg_sq_scales: list[Tensor], param_scales: list[Tensor], steps: list[Tensor], kinds: list[int],

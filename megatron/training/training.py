@@ -45,7 +45,7 @@ from .model import announce_layer_selection, build_model, padded_vocab_size, tra
 from .optimizer import build_optimizer, owner_optimizer, step_optimizer
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory", "TrainingRun",
-           "Datasets", "traced"]
+           "Datasets", "traced", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
 
 
 def _free_port() -> int:
@@ -103,7 +103,7 @@ def _lr_at(args: argparse.Namespace, it: int) -> float:
     return args.min_lr + (args.lr - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _forward_step(data_iterator, model):
+def gpt_forward_step(data_iterator, model):
     """One micro-batch through ``model`` (a pipeline chunk): ``(output, loss function)``."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
@@ -111,7 +111,7 @@ def _forward_step(data_iterator, model):
     # asynchronously (no host read, no device synchronisation).
     batch = {k: _to_device_async(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -121,7 +121,7 @@ def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float()
     mask = loss_mask.to(losses.dtype)
     loss = (losses * mask).sum() / mask.sum().clamp(min=1)
@@ -311,9 +311,9 @@ class TrainingRun:
                                             self.pp_size, log=_is_logging_rank())
 
     def forward_step(self, data_iterator, model):
-        """The schedule's forward step: :func:`_forward_step`, and the micro-batch's megatron-core collectives
+        """The schedule's forward step: :func:`gpt_forward_step`, and the micro-batch's megatron-core collectives
         (embedding, output layer, loss) recorded in the byte counter."""
-        out = _forward_step(data_iterator, model)
+        out = gpt_forward_step(data_iterator, model)
         args = self.args
         record_core_collectives(
             self.counter, getattr(model, "module", model), tp_size=self.tp_size,
@@ -331,7 +331,7 @@ class TrainingRun:
         its = [_batches(dataset, self.args, self.dp_rank, self.dp_size, consumed=consumed) for _ in self.chunks]
         return its if len(its) > 1 else its[0]
 
-    def _loss_sum_count(self, losses: list[dict]) -> torch.Tensor:
+    def loss_sum_count(self, losses: list[dict]) -> torch.Tensor:
         """``[sum of lm loss, number of micro-batches]`` over this step's micro-batches and every rank
         (fp32, on the run's device: the all-reduce's tensor lives on the group's device, CUDA for NCCL;
         nothing is read to the host). Ranks off the last pipeline stage contribute zeros."""
@@ -399,7 +399,7 @@ class TrainingRun:
         finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
         step_optimizer(self.optimizer, finite)
         self.skipped_counter += (~finite).to(torch.int64)
-        return {"loss": self._mean(self._loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
+        return {"loss": self._mean(self.loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
                 "skipped": ~finite}
 
     @torch.no_grad()
@@ -418,7 +418,7 @@ class TrainingRun:
                 )
         for chunk in self.chunks:
             chunk.train()
-        return float(self._mean(self._loss_sum_count(losses)))  # one host read per evaluation
+        return float(self._mean(self.loss_sum_count(losses)))  # one host read per evaluation
 
     def mu(self) -> torch.Tensor | None:
         """The data-parallel gradient scaling factor mu after this step (a device value, or None)."""
@@ -461,8 +461,8 @@ def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> R
     history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
     logger.start_level(args.fp8_opt_level, args.train_iters, start)
-    pending = _PendingRecords(args, run)
-    sent = _BytesSince(run.counter)
+    pending = PendingRecords(args, run)
+    sent = BytesSince(run.counter)
     for it in range(start, args.train_iters):
         if run.numerics is not None:
             run.numerics.begin_step(it + 1)
@@ -495,7 +495,7 @@ def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> R
     return history
 
 
-class _PendingRecords:
+class PendingRecords:
     """Per-iteration values kept on device until the next log point, then read to the host in one
     batch (:meth:`flush`): loss, gradient norm, skip flag, skipped-steps counter, mu.
 
@@ -555,7 +555,7 @@ class _PendingRecords:
         return records
 
 
-class _BytesSince:
+class BytesSince:
     """The bytes this rank sent since the previous record, by tag and in total: an iteration's record holds
     its step's collectives and those after the previous record (its evaluation, the log gathering)."""
 

@@ -153,7 +153,7 @@ def _check_token_range(prefix: str, dtype, tokenizer: SentencePieceTokenizer, sa
         )
 
 
-def _split_string(split: str | Sequence[float]) -> str:
+def split_string(split: str | Sequence[float]) -> str:
     """``split`` as megatron-core's parser reads it (digits and dots only: no sign, no exponent), once it is
     up to three non-negative weights with a positive sum (``DataError`` otherwise)."""
     from megatron.training.config_rules import ConfigurationError, check_split
@@ -214,7 +214,7 @@ def build_gpt_datasets(
         raise ValueError(f"num_samples must be three non-negative sample counts (or None), got {num_samples}")
     check_data_files(prefixes)
     given = split if isinstance(split, str) else ",".join(f"{float(w):g}" for w in split)  # as the user wrote it
-    weights = parse_and_normalize_split(_split_string(split))
+    weights = parse_and_normalize_split(split_string(split))
     dropped: set[int] = set()
     while True:  # a split without a sample's worth of tokens: dropped if nothing is asked of it, else an error
         split_matrix = convert_split_vector_to_split_matrix(weights)
