@@ -352,12 +352,13 @@ def convert_to_sharded(
     gather_weights: bool = True,
     expert_params: Any = (),
     expert_process_group: dist.ProcessGroup | None = None,
+    counter: CommBytesCounter | None = None,
 ) -> ShardedFP8Optimizer:
     """The O3 optimizer equivalent to ``optimizer`` (``torch.optim`` Adam, AdamW or SGD), as
     :func:`fp8.optim.convert_optimizer` builds the O2 one, sharded over ``process_group`` (``expert_params``, the
     parameters of this rank's experts under expert parallelism, over ``expert_process_group``); ``gather_weights``
-    as :class:`ShardedFP8Optimizer`'s."""
+    as :class:`ShardedFP8Optimizer`'s; ``counter`` counts its collectives' bytes."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
     return _SHARDED[target](groups, **kwargs, precision=precision, initial_masters=initial_masters,
                             process_group=process_group, scaling_module=scaling_module, gather_weights=gather_weights,
-                            expert_params=expert_params, expert_process_group=expert_process_group)
+                            expert_params=expert_params, expert_process_group=expert_process_group, counter=counter)

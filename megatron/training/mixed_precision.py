@@ -78,18 +78,18 @@ class MainGrads:
 
     def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup | None,
                  owns: Callable[[nn.Parameter], bool] | None = None, expert_params=(),
-                 expert_group: dist.ProcessGroup | None = None) -> None:
+                 expert_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None) -> None:
         self.params = list(params)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.owns = owns
         experts = {id(p) for p in expert_params}
-        self.comm = Collectives(dp_group) if self.dp_size > 1 else None  # built once; counted once a counter is set
+        self.comm = Collectives(dp_group, counter) if self.dp_size > 1 else None  # built once
         self._groups = [([p for p in self.params if id(p) not in experts], self.comm)]
         if experts:
             if expert_group is None:
                 raise ValueError("expert_params need their expert_group (the expert-data-parallel group)")
-            self.expert_comm = Collectives(expert_group)
+            self.expert_comm = Collectives(expert_group, counter)
             self._groups.append(([p for p in self.params if id(p) in experts], self.expert_comm))
         else:
             self.expert_comm = None

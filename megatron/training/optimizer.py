@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8.comm import CommBytesCounter
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
@@ -44,11 +45,13 @@ def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.opti
 def build_optimizer(
     args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None,
     expert_params: list[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None,
+    counter: CommBytesCounter | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of ``args.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
     the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it). ``expert_params``: this
     rank's experts under expert parallelism, whose gradients are reduced (and, sharded, owned) over ``expert_group``
-    (the expert-data-parallel group)."""
+    (the expert-data-parallel group). ``counter`` counts the bytes of the optimizer's own collectives (a sharded
+    optimizer's weight all-gather and agreement, the BF16 baseline's main-gradient reduction)."""
     level = args.fp8_opt_level
     masters: dict[nn.Parameter, nn.Parameter] = {}
     for chunk in chunks:
@@ -74,9 +77,10 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     base = _torch_optimizer(args, groups)
     scaling_module = nn.ModuleList(chunks)
-    experts = {"expert_params": list(expert_params), "expert_process_group": expert_group}
+    experts = {"expert_params": list(expert_params), "expert_process_group": expert_group, "counter": counter}
     if level == "none" and getattr(args, "bf16", False):
-        return _bf16_baseline(args, base, masters, scaling_module, dp_group, list(expert_params), expert_group)
+        return _bf16_baseline(args, base, masters, scaling_module, dp_group, list(expert_params), expert_group,
+                              counter)
     if level == "none":
         if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
@@ -98,7 +102,8 @@ def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | N
 
 
 def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
-                   dp_group, expert_params: list[nn.Parameter], expert_group) -> BF16MasterOptimizer:
+                   dp_group, expert_params: list[nn.Parameter], expert_group,
+                   counter: CommBytesCounter | None) -> BF16MasterOptimizer:
     """Megatron's ``--bf16`` baseline: FP32 masters (sharded over data parallel with
     ``--use-distributed-optimizer``) stepped on FP32 main gradients, copied back into the BF16 parameters."""
     inner = base
@@ -107,7 +112,7 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
         # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
         # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
         # BF16MasterOptimizer gathers the BF16 parameters from the owners, not the FP32 masters.
-        inner = convert_to_sharded(base, {}, "O1", {}, dp_group, gather_weights=False)
+        inner = convert_to_sharded(base, {}, "O1", {}, dp_group, gather_weights=False, counter=counter)
         with torch.no_grad():
             for master in masters.values():
                 if not inner.owns(master):
@@ -116,7 +121,8 @@ def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_mod
 
         def owns(p, _inner=inner, _master_of=master_of):
             return _inner.owns(_master_of[p])
-    main_grads = MainGrads(list(masters), dp_group, owns, [p for p in expert_params if p in masters], expert_group)
+    main_grads = MainGrads(list(masters), dp_group, owns, [p for p in expert_params if p in masters], expert_group,
+                           counter)
     return BF16MasterOptimizer(inner, [(master, p) for p, master in masters.items()], scaling_module, main_grads)
 
 

@@ -228,9 +228,8 @@ class TrainingRun:
         self.expert_params = ([p for p in unique_parameters(chunks) if is_routed_expert_param(p)]
                               if self.ep_size > 1 else [])
         expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
-        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, expert_dp_group)
-        if hasattr(self.optimizer, "counter"):  # O3: its weight all-gather and agreement collectives
-            self.optimizer.counter = self.counter
+        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, expert_dp_group,
+                                         counter=self.counter)  # O3: its weight all-gather and agreement counted
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
         # A sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism: the two copies of
         # tied embeddings may have different owners on their stages, so their gradients are summed over the
@@ -287,8 +286,6 @@ class TrainingRun:
                                  if self.expert_params and self.norm_group is not dist.group.WORLD else None)
         if self.tied_weights and self.embd_comm is None:
             raise RuntimeError("tied embeddings on a rank outside megatron-core's embedding group")
-        if self.main_grads is not None:
-            self.main_grads.counter = self.counter
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
