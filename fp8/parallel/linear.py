@@ -156,10 +156,6 @@ class ParallelLinearBase(nn.Module):
         """Tensor-parallel all-reduce of a GEMM's fp32 output, in ``dtype``."""
         return self.comm.all_reduce(tensor.to(dtype), "tp all-reduce")
 
-    def set_counter(self, counter: CommBytesCounter | None) -> None:
-        """Count this layer's collectives in ``counter``."""
-        self.comm.counter = counter
-
     def extra_repr(self) -> str:
         precision = "high precision" if self.fp8 is None else f"fp8 weight={self.fp8.weight_fmt}"
         return (

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fp8.activations import compress_activations
+from fp8.comm import CommBytesCounter
 from fp8.linear import Float8LinearConfig
 from fp8.precision_rules import PrecisionPlan, PrecisionRule, load_precision_file
 from fp8.scaling import ScalingConfig
@@ -133,10 +134,12 @@ def _initialize_megatron_weights(model: GPTModel, args: argparse.Namespace, conf
     reinitialize_named_(params, args.seed, config.init_method_std, tp_rank, tp_size)
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                counter: CommBytesCounter | None = None) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialised independently of the layout,
     each rank generating only its shards (:mod:`fp8.parallel.init`) on its device: the current CUDA device
     when there is one, else the default device (the meta device inside ``with torch.device("meta")``).
+    ``counter`` counts the bytes the layers' own collectives send (tensor-parallel linears, the MoE token dispatcher).
 
     Call after ``parallel_state.initialize_model_parallel`` and after seeding (``cpu_compat.seed``).
     """
@@ -147,12 +150,13 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
     # allocates nothing), then they are re-initialised layout-independently (_initialize_megatron_weights).
     config.use_cpu_initialization = device.type == "meta"
     with torch.device(device):
-        return _build_chunks(args, config, vocab_size)
+        return _build_chunks(args, config, vocab_size, counter)
 
 
-def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                  counter: CommBytesCounter | None) -> list[GPTModel]:
     fp8 = fp8_recipe_from_args(args)
-    common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args),
+    common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args), "counter": counter,
               "num_experts": getattr(args, "num_experts", None),
               "moe_fp8_dispatch": bool(getattr(args, "moe_fp8_dispatch", False)),
               "moe_grouped_gemm": bool(getattr(args, "moe_grouped_gemm", False))}

@@ -29,7 +29,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-__all__ = ["install_counted_dispatcher", "set_dispatcher_counter", "CountedAlltoAllTokenDispatcher", "SeededSequentialMLP", "expert_init_seed",
+__all__ = ["install_counted_dispatcher", "CountedAlltoAllTokenDispatcher", "SeededSequentialMLP", "expert_init_seed",
            "is_routed_expert_param", "permute_dropless"]
 
 
@@ -161,11 +161,3 @@ def install_counted_dispatcher(moe: MoELayer, pg_collection, counter: CommBytesC
         comm=Collectives(pg_collection.ep, counter), fmt=fmt, grad_fmt=grad_fmt)
     if moe.use_shared_expert and moe.shared_expert_overlap:
         moe.token_dispatcher.set_shared_experts(moe.shared_experts)
-
-
-def set_dispatcher_counter(module: torch.nn.Module, counter: CommBytesCounter | None) -> None:
-    """Count ``module``'s expert-parallel all-to-alls in ``counter`` (when it is a ``MoELayer`` with a
-    :class:`CountedAlltoAllTokenDispatcher`)."""
-    dispatcher = getattr(module, "token_dispatcher", None) if isinstance(module, MoELayer) else None
-    if isinstance(dispatcher, CountedAlltoAllTokenDispatcher):
-        dispatcher.comm.counter = counter

@@ -22,7 +22,6 @@ from fp8.comm import Collectives, CommBytesCounter
 from fp8.comm_trace import CollectiveTrace
 from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
-from fp8.parallel.linear import ParallelLinearBase
 from fp8.tensor import Float8Tensor
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -37,7 +36,7 @@ from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_g
                                 reduce_tied_embedding_grads, tied_embedding_weights)
 from .compat.pipeline_p2p import FP8P2PCommunicator
 from .fp8_numerics import NumericsMonitor
-from .moe import is_routed_expert_param, set_dispatcher_counter
+from .moe import is_routed_expert_param
 from .health import SkipMonitor
 from .log import TrainingLogger
 from .mixed_precision import cast_to_bf16_, main_grad_bytes
@@ -206,15 +205,10 @@ class TrainingRun:
         self.vocab_size = padded_vocab_size(datasets.vocab_size, args)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
-        chunks = build_model(args, self.config, self.vocab_size)
+        chunks = build_model(args, self.config, self.vocab_size, counter=self.counter)
         if args.bf16:
             cast_to_bf16_(chunks)
         chunks = [_to_device(c, device) for c in chunks]
-        for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, ParallelLinearBase):
-                    module.set_counter(self.counter)
-                set_dispatcher_counter(module, self.counter)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
