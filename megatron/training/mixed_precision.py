@@ -113,14 +113,8 @@ class MainGrads:
 
     @property
     def counter(self) -> CommBytesCounter | None:
-        """The byte counter of the data-parallel reduction (settable)."""
+        """The byte counter of the data-parallel reduction (given at construction)."""
         return None if self.comm is None else self.comm.counter
-
-    @counter.setter
-    def counter(self, counter: CommBytesCounter | None) -> None:
-        for comm in (self.comm, self.expert_comm):
-            if comm is not None:
-                comm.counter = counter
 
     @torch.no_grad()
     def finish(self) -> None:
