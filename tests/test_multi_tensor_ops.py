@@ -399,7 +399,7 @@ def test_block_scaled_weights_take_the_multi_tensor_step(gen, recipe_block, back
         _needs_triton()
     from fp8.blocks import quantize_to_blocks
 
-    shape = (140, 260)
+    shape = (72, 136)  # a partial 128x128 block and a partial column chunk; small for the Triton interpreter
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(*shape, generator=g) * 0.02
