@@ -49,7 +49,7 @@ from fp8.memory import memory_report  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import baseline_argv, parse_args, validate_args  # noqa: E402
 from megatron.training.mixed_precision import main_grad_bytes  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
@@ -107,6 +107,8 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
                                                       // _model_parallel(case["flags"])))]
     if recompute:
         flags.append("--recompute-activations")
+    if level == "none":  # the case's FP8-only flags have no effect at the baseline, which refuses them
+        flags = baseline_argv(flags)
     args = parse_args(flags)
     validate_args(args)
     if parallel_state.model_parallel_is_initialized():

@@ -21,27 +21,13 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import FP8_ONLY_FLAGS, parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import baseline_argv, parse_args, validate_args  # noqa: E402
 from megatron.training.log import TrainingLogger  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data",
          "--vocab-size", "512", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1", "--no-progress",
          "--lr", "3e-3", "--lr-warmup-iters", "0"]
-
-
-def _without_fp8_only_flags(flags: list[str]) -> list[str]:
-    """``flags`` less :data:`megatron.training.arguments.FP8_ONLY_FLAGS` (with their values)."""
-    switches = {"--first-last-layers-bf16", "--fp8-stats-stop"}
-    out, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-        elif flag in FP8_ONLY_FLAGS:
-            skip = flag not in switches
-        else:
-            out.append(flag)
-    return out
 
 
 def run_config(config: dict, level: str, seed: int, out: str) -> None:
@@ -58,7 +44,7 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(config["vp"])]
     flags += config.get("flags", [])  # any other pretrain_gpt.py flags (e.g. the MoE ones)
     if level == "none":  # the config's FP8-only flags have no effect at the baseline, which refuses them
-        flags = _without_fp8_only_flags(flags)
+        flags = baseline_argv(flags)
     args = parse_args(flags)
     validate_args(args)
     if parallel_state.model_parallel_is_initialized():

@@ -30,7 +30,7 @@ from fp8.grouped_gemm import GroupedBlockLinearFunction, group_bounds
 from fp8.linear import NO_HOOKS, Float8LinearConfig, Float8LinearFunction
 from fp8.scaled_fp16 import ScaledFloat16Tensor
 from fp8.scaling import ScalingState
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, baseline_argv, parse_args, validate_args
 from megatron.training.moe_grouped import PAD_MULTIPLE, ExpertPadding, padded_sizes
 from tests.fp8_bounds import product_error_bound
 from tests.spawn import CachedLaunch, init_gloo_worker
@@ -45,6 +45,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size",
         "256", "--train-iters", "3", "--eval-interval", "0", "--no-progress", "--lr", "3e-3", "--lr-warmup-iters", "0",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--fp8-min-dim", "0"]
+def _argv(flags: list[str]) -> list[str]:
+    """:data:`BASE` and ``flags``; at the baseline without BASE's FP8-only flags (refused there)."""
+    argv = BASE + flags
+    return baseline_argv(argv) if "none" in argv[argv.index("--fp8-opt-level") + 1:][:1] else argv
+
+
 WIDE = ["--hidden-size", "128"]  # the blockwise recipe tiles 128 x 128: narrower linears fall back to tensorwise
 # Layer 0's experts on synthetic routed tokens, grouped against sequential (built from the same seed).
 EXPERT_CASES = {
@@ -194,7 +200,7 @@ def _experts_case(flags: list[str], seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for grouped in (False, True):
-        args = validate_args(parse_args(BASE + flags + ["--seed", str(seed)] + (GROUPED if grouped else [])),
+        args = validate_args(parse_args(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else []))),
                              world_size=1)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -237,7 +243,7 @@ def _run_case(flags: list[str], seed: int, world: int) -> dict:
 
     out = {}
     for grouped in (False, True):
-        args, run, datasets = megatron_run(BASE + flags + ["--seed", str(seed)] + (GROUPED if grouped else []), world)
+        args, run, datasets = megatron_run(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else [])), world)
         chunk = run.bare_chunks[0]
         initial = {name: _bits(p) for name, p in chunk.named_parameters()}
         experts = chunk.decoder.layers[0].mlp.experts

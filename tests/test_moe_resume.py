@@ -22,7 +22,7 @@ from tests.resume_tasks import ResumeMatrix
 
 SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31))) % 100_000
 BOUND = 1e-3
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--fp8-min-dim", "0",
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--moe-token-dispatcher-type", "alltoall", "--train-iters", "6"]
 LAYOUTS = {"ep1": (1, []), "ep2": (2, ["--expert-model-parallel-size", "2"])}
 LEVELS = ("none", "O3")
@@ -31,7 +31,8 @@ CASES = [(a, b, lvl) for lvl in LEVELS for a, b in (("ep1", "ep2"), ("ep2", "ep1
 
 def _flags(layout: str, level: str, *extra: str) -> list[str]:
     dispatch = ["--moe-fp8-dispatch"] if level != "none" and layout == "ep2" else []
-    return ["--fp8-opt-level", level, *MOE, *LAYOUTS[layout][1], *dispatch, *extra]
+    fp8 = ["--fp8-min-dim", "0"] if level != "none" else []  # an FP8 flag: refused at the baseline
+    return ["--fp8-opt-level", level, *MOE, *fp8, *LAYOUTS[layout][1], *dispatch, *extra]
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,22 @@ def test_flags_with_an_effect_elsewhere_are_accepted():
         validate_args(parse_args(SMALL + flags), world_size=1)
 
 
+def test_baseline_argv_drops_exactly_the_fp8_only_flags():
+    """A harness training one flag set at several levels: the baseline's argv is the same run less the FP8-only
+    flags, with their values (both spellings), and validates at --fp8-opt-level none."""
+    from megatron.training.arguments import FP8_ONLY_FLAGS, baseline_argv
+
+    fp8_flags = ["--fp8-recipe", "rowwise", "--fp8-min-dim=0", "--first-last-layers-bf16", "--fp8-stats-stop",
+                 "--num-layers-at-end-in-bf16", "0"]
+    argv = SMALL + ["--fp8-opt-level", "none"] + fp8_flags + ["--train-iters", "2"]
+    kept = baseline_argv(argv)
+    assert kept == SMALL + ["--fp8-opt-level", "none", "--train-iters", "2"]
+    assert not any(a.split("=", 1)[0] in FP8_ONLY_FLAGS for a in kept)
+    validate_args(parse_args(kept), world_size=1)
+    with pytest.raises(ConfigurationError, match="no effect, no FP8 level trains"):
+        validate_args(parse_args(argv), world_size=1)
+
+
 def test_precision_files_that_cannot_be_read_are_named(tmp_path):
     pytest.importorskip("yaml")
     bad = tmp_path / "rules.yaml"

@@ -22,7 +22,7 @@ from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_
 from .output_paths import check_output_path
 
 __all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
-           "FP8_ONLY_FLAGS"]
+           "FP8_ONLY_FLAGS", "baseline_argv"]
 
 OPT_LEVEL_CHOICES = OPT_LEVELS
 
@@ -232,6 +232,21 @@ FP8_ONLY_FLAGS = ("--fp8-amax-history-len", "--fp8-margin", "--fp8-grad-accumula
                   "--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike", "--fp8-stats-stop")
 """Flags that only change FP8 training: refused where no FP8 level trains (``--fp8-opt-level none`` and no FP8 level
 in ``--compare``). ``--fp8-activations`` and ``--fp8-pipeline on`` act at every level."""
+
+
+def baseline_argv(argv: list[str]) -> list[str]:
+    """``argv`` less the :data:`FP8_ONLY_FLAGS` (with their values: ``--flag V`` or ``--flag=V``): the same run at
+    ``--fp8-opt-level none``, which refuses them. For harnesses that train one set of flags at several levels."""
+    switches = {"--first-last-layers-bf16", "--fp8-stats-stop"}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in FP8_ONLY_FLAGS:
+            skip = arg not in switches
+        elif arg.split("=", 1)[0] not in FP8_ONLY_FLAGS:
+            out.append(arg)
+    return out
 
 
 def _trained_levels(args: argparse.Namespace) -> set[str]:
