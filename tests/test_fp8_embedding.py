@@ -18,8 +18,9 @@ from fp8.tensor import Float8Tensor
 transformers = pytest.importorskip("transformers")
 
 # Mean loss on the training batches after 24 steps, O2 + FP8 embeddings vs none, tiny Llama (hidden 128, vocab
-# 256), relative: measured 0.006-0.020 over seeds 0-5.
-TRAIN_GAP = 0.05
+# 256), relative: two noisy runs (mean gap -0.2%); measured |gap| <= 0.042 over seeds 0-119, and 0.064 for one CI
+# seed (session seed 1446732585): the bound is twice the worst.
+TRAIN_GAP = 0.13
 
 
 def _table(gen, rows=300, dim=64) -> nn.Embedding:
