@@ -84,10 +84,12 @@ def test_ranks_merge_by_their_largest_values():
                "weight": {"amax": 1.0, "scale": 2.0, "flush_to_zero": 0.0, "saturated": 0.0, "grad_scale": float("nan")}}}
     b = {"l": {"input": {"amax": 3.0, "scale": 4.0, "flush_to_zero": 0.0, "saturated": 0.2},
                "weight": {"amax": 0.5, "scale": 2.0, "flush_to_zero": 0.0, "saturated": 0.0, "grad_scale": 8.0}}}
-    merged = merge_rank_stats([(0, a), (0, b)], pipeline_stages=1)
+    merged = merge_rank_stats([a, b])
     assert merged["l"]["input"] == {"amax": 3.0, "scale": 4.0, "flush_to_zero": 0.1, "saturated": 0.2}
     assert merged["l"]["weight"]["grad_scale"] == 8.0
-    assert sorted(merge_rank_stats([(0, a), (1, b)], pipeline_stages=2)) == ["stage0.l", "stage1.l"]
+    # pipeline stages report their layers by global name: distinct layers stay apart
+    assert sorted(merge_rank_stats([{"decoder.layers.0.x": a["l"]}, {"decoder.layers.1.x": b["l"]}])) == \
+        ["decoder.layers.0.x", "decoder.layers.1.x"]
 
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

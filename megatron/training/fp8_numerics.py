@@ -20,6 +20,7 @@ An alarm is a WARNING naming the layer, operand and iteration; with ``--fp8-stat
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import logging
 
 import torch
@@ -34,14 +35,14 @@ __all__ = ["NumericsMonitor", "merge_rank_stats", "alarms"]
 _LOG = logging.getLogger("megatron.training")
 
 
-def merge_rank_stats(per_rank: list[tuple[int, dict]], pipeline_stages: int) -> dict:
-    """One entry per layer from every rank's ``(pipeline stage, FP8Statistics.read())``: tensor-parallel and
-    data-parallel copies of a layer merged by their largest value (amax, scale, fractions)."""
+def merge_rank_stats(per_rank: list[dict]) -> dict:
+    """One entry per layer from every rank's statistics (``FP8Statistics.read()``, keyed by the single-process model's
+    layer names: a pipeline stage's layers by their global number): tensor-parallel and data-parallel copies of a layer
+    merged by their largest value (amax, scale, fractions)."""
     merged: dict = {}
-    for stage, stats in per_rank:
+    for stats in per_rank:
         for name, operands in stats.items():
-            key = f"stage{stage}.{name}" if pipeline_stages > 1 else name
-            layer = merged.setdefault(key, {})
+            layer = merged.setdefault(name, {})
             for operand, values in operands.items():
                 slot = layer.setdefault(operand, {})
                 for stat, value in values.items():
@@ -73,14 +74,15 @@ def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list
 class NumericsMonitor:
     """The run's FP8 statistics (``args.fp8_stats_interval`` > 0) over ``chunks`` (this rank's model chunks)."""
 
-    def __init__(self, args: argparse.Namespace, chunks: list[torch.nn.Module], world: Collectives, pp_rank: int,
-                 pp_size: int, log: bool) -> None:
+    def __init__(self, args: argparse.Namespace, chunks: list[torch.nn.Module], world: Collectives,
+                 global_names: list[Callable[[str], str]], log: bool) -> None:
+        """``global_names[i]``: chunk ``i``'s module names -> the single-process model's (the layers' global numbers,
+        as the start-up selection and ``--fp8-precision-config`` name them)."""
         self.args = args
         self.world = world
-        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.global_names = global_names
         self.log = log
-        self.stats = [FP8Statistics(c, args.fp8_stats_interval, prefix=f"chunk{i}." if len(chunks) > 1 else "")
-                      for i, c in enumerate(chunks)]
+        self.stats = [FP8Statistics(c, args.fp8_stats_interval) for c in chunks]
         self.losses: list[float] = []
 
     def begin_step(self, iteration: int) -> None:
@@ -91,10 +93,9 @@ class NumericsMonitor:
         """At a log point: read, gather and merge the statistics into ``records[-1]["fp8_stats"]``, then raise the
         alarms (every rank the same ones)."""
         local: dict = {}
-        for s in self.stats:
-            local.update(s.read())
-        gathered = self.world.all_gather_object((self.pp_rank, local), "fp8 statistics")
-        merged = merge_rank_stats(gathered, self.pp_size)
+        for s, global_name in zip(self.stats, self.global_names):
+            local.update({global_name(name): values for name, values in s.read().items()})
+        merged = merge_rank_stats(self.world.all_gather_object(local, "fp8 statistics"))
         args = self.args
         found = []
         if merged and records:

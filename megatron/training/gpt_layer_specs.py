@@ -22,6 +22,7 @@ sequence parallelism.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 from .moe import SeededSequentialMLP, install_counted_dispatcher
 from .moe_grouped import FP8GroupedMLP
 
-__all__ = ["get_gpt_layer_fp8_spec", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
+__all__ = ["get_gpt_layer_fp8_spec", "global_module_names", "get_gpt_block_fp8_spec", "SDPAttention", "Norm", "SeededTransformerLayer",
            "FP32Router", "LINEAR_PLACES",
            "layer_init_seed", "SelectiveColumnParallelLinear", "SelectiveRowParallelLinear", "fp8_layer_selection"]
 
@@ -210,18 +211,8 @@ def fp8_layer_selection(chunks: list[nn.Module]) -> tuple[int, list[tuple[str, s
 
     n_fp8, kept = 0, []
     for chunk in chunks:
-        modules = list(chunk.named_modules())
-        layers = {}  # "decoder.layers.<local>" -> "decoder.layers.<global>" (megatron-core's layer_number: 1-based)
-        for name, module in modules:
-            local = _LOCAL_LAYER.fullmatch(name)
-            if local is not None and isinstance(getattr(module, "layer_number", None), int):
-                layers[name] = f"{local.group(1)}{module.layer_number - 1}"
-
-        def global_name(name: str) -> str:
-            local = _LOCAL_LAYER.match(name)
-            return name if local is None else layers.get(local.group(0), local.group(0)) + name[local.end():]
-
-        for name, module in modules:
+        global_name = global_module_names(chunk)
+        for name, module in chunk.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 if module.fp8 is not None:
                     n_fp8 += 1
@@ -230,6 +221,23 @@ def fp8_layer_selection(chunks: list[nn.Module]) -> tuple[int, list[tuple[str, s
             elif isinstance(module, (CoreColumn, CoreRow)):
                 kept.append((name, "vocabulary projection (output layer: high precision, as in Transformer Engine)"))
     return n_fp8, kept
+
+
+def global_module_names(chunk: nn.Module) -> Callable[[str], str]:
+    """A module name of ``chunk`` (one pipeline stage's or virtual chunk's model) -> its name in the single-process
+    model: ``decoder.layers.<local index>`` becomes ``decoder.layers.<global index>`` (megatron-core's 1-based
+    ``layer_number`` less one); other names are the same."""
+    layers = {}
+    for name, module in chunk.named_modules():
+        local = _LOCAL_LAYER.fullmatch(name)
+        if local is not None and isinstance(getattr(module, "layer_number", None), int):
+            layers[name] = f"{local.group(1)}{module.layer_number - 1}"
+
+    def global_name(name: str) -> str:
+        local = _LOCAL_LAYER.match(name)
+        return name if local is None else layers.get(local.group(0), local.group(0)) + name[local.end():]
+
+    return global_name
 
 
 _LOCAL_LAYER = re.compile(r"(decoder\.layers\.)(\d+)")

@@ -36,6 +36,7 @@ from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_g
                                 reduce_tied_embedding_grads, tied_embedding_weights)
 from .compat.pipeline_p2p import FP8P2PCommunicator
 from .fp8_numerics import NumericsMonitor
+from .gpt_layer_specs import global_module_names
 from .moe import is_routed_expert_param
 from .health import SkipMonitor
 from .log import TrainingLogger
@@ -298,8 +299,8 @@ class TrainingRun:
         # --fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)
         self.numerics = None
         if getattr(args, "fp8_stats_interval", 0) and args.fp8_opt_level != "none":
-            self.numerics = NumericsMonitor(args, chunks, self.world, parallel_state.get_pipeline_model_parallel_rank(),
-                                            self.pp_size, log=_is_logging_rank())
+            self.numerics = NumericsMonitor(args, chunks, self.world, [global_module_names(c) for c in chunks],
+                                            log=_is_logging_rank())
 
     def forward_step(self, data_iterator, model):
         """The schedule's forward step: :func:`gpt_forward_step`, and the micro-batch's megatron-core collectives
