@@ -52,7 +52,8 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
-           "file_sha256", "CheckpointCorruptedError", "CheckpointMismatchError", "CHECKPOINT_VERSION", "CHECKSUMS"]
+           "file_sha256", "CheckpointError", "CheckpointCorruptedError", "CheckpointMismatchError",
+           "CheckpointNotFoundError", "CHECKPOINT_VERSION", "CHECKSUMS"]
 
 CHECKPOINT_VERSION = 1
 """Layout version written in ``meta``."""
@@ -175,8 +176,18 @@ def _config(module: nn.Module, optimizer: FP8Optimizer) -> dict[str, Any]:
     }
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint saved with another model shape, optimizer or precision; the message names each difference."""
+class CheckpointError(Exception):
+    """Base of every checkpoint error of fp8lm (fp8's checkpoints and ``pretrain_gpt.py``'s): the message names what
+    is wrong and the fix."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint saved with another model shape, optimizer or precision (``pretrain_gpt.py``: another flag, named
+    with both values); the message names each difference."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint where one is asked for (``--load``, an iteration); the message says what is there and the fix."""
 
 
 def _check_config(path: Path, saved: dict[str, Any] | None, module: nn.Module, optimizer: FP8Optimizer) -> None:
@@ -199,7 +210,7 @@ def _check_config(path: Path, saved: dict[str, Any] | None, module: nn.Module, o
             f"was saved (model, optimizer class, OptimizerPrecision / opt level)")
 
 
-class CheckpointCorruptedError(ValueError):
+class CheckpointCorruptedError(CheckpointError, ValueError):
     """A checkpoint file does not match its checksum, or is missing; the message names the files."""
 
 

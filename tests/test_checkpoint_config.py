@@ -61,3 +61,16 @@ def test_a_corrupted_file_is_an_exception_naming_it(tmp_path, seed):
     with pytest.raises(CheckpointCorruptedError, match=data.name):
         load_checkpoint(tmp_path / "c", *_build(seed))
     assert issubclass(CheckpointCorruptedError, Exception) and issubclass(CheckpointMismatchError, Exception)
+
+
+def test_one_checkpoint_error_hierarchy():
+    """fp8's checkpoints and pretrain_gpt.py's raise the same classes, under one base (fp8.checkpoint)."""
+    import fp8.checkpoint as engine
+    from megatron.training.checkpointing import checkpoint as training
+
+    for name in ("CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointCorruptedError"):
+        cls = getattr(engine, name)
+        assert issubclass(cls, engine.CheckpointError)
+        assert getattr(training, name, cls) is cls
+    assert issubclass(engine.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(engine.CheckpointMismatchError, ValueError)

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fp8.checkpoint import CheckpointCorruptedError, resolve_checkpoint, verify_checksums, write_atomically
+from fp8.checkpoint import (CheckpointCorruptedError, CheckpointMismatchError, CheckpointNotFoundError, resolve_checkpoint,
+                            verify_checksums, write_atomically)
 from fp8.formats import byte_view
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
@@ -87,15 +88,6 @@ _PRECISION_RULES = "fp8_precision_rules"
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size",
                   "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
-
-
-class CheckpointNotFoundError(FileNotFoundError):
-    """``--load`` names no checkpoint (the message says what is there and the fix)."""
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint does not fit this run (model shape, opt level, optimizer, schedule); the message
-    names every difference."""
 
 
 # -- paths ----------------------------------------------------------------------------------------
