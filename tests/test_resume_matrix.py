@@ -91,11 +91,15 @@ def test_parameters_equal_after_the_load(matrix, source, target, level):
 
 
 def test_print_matrix(matrix):
-    """The table for the docs (``pytest -s``): maximum relative loss difference over iterations 4-6."""
+    """The table for the docs (``pytest -s``): maximum relative loss difference over iterations 4-6, one row per
+    direction, a measured (finite) value within the bound in every cell a level covers."""
+    import math
+
     rows = []
     for other, levels in LEVELS.items():
         for a, b in (("1", other), (other, "1")):
             cells = {lvl: max(_rel(matrix, a, b, lvl)) for lvl in levels}
+            assert all(math.isfinite(v) and 0 <= v < BOUND for v in cells.values()), (a, b, cells, SEED)
             rows.append(f"| {_label(a)} -> {_label(b)} | "
                         + " | ".join(f"{cells[lvl]:.1e}" if lvl in cells else "-" for lvl in ("none", "O2", "O3")) + " |")
     print(f"\nresume matrix (seed {SEED}): max relative loss difference, iterations 4-6, vs the uninterrupted run\n"
