@@ -35,6 +35,7 @@ optimizer stops with a message naming each difference; corrupted files are found
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -504,12 +505,34 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     parallel layout (every rank calls it); returns its iteration. ``directory`` may also be one checkpoint
     (``DIR/iter_XXXXXXX``). Without a checkpoint there: 0 (start from scratch) when ``directory`` is also
     ``--save`` (a requeued job), else :class:`CheckpointNotFoundError` naming what is there.
-    Sets ``run.consumed_samples``."""
-    directory = Path(directory)
+    Sets ``run.consumed_samples``.
+
+    Four steps: :func:`_resolve` (which checkpoint: verified, or the newest earlier good one with
+    ``--load-fallback``), :func:`_plan` (what to read for every tensor this rank holds, and what is missing),
+    :func:`_read` (refuse what is missing on any rank, then one ``dcp.load``), :func:`_apply` (reshard into the
+    model, the optimizer states, the counters and the random streams)."""
     distributed = dist.is_initialized()
+    resolved = _resolve(Path(directory), run, iteration)
+    if resolved is None:
+        return 0
+    path = resolved
+    meta = _read_meta(path, distributed)
+    _check_compatible(path, meta, run.args, run.vocab_size)
+    plan = _plan(path, meta, run)
+    _read(plan, run, distributed)
+    _apply(plan, run, meta, path)
+    if distributed:
+        run.world.barrier("checkpoint")
+    return int(meta["iteration"])
+
+
+def _resolve(directory: Path, run, iteration: int | None) -> Path | None:
+    """The checkpoint to load, verified (``--load-fallback``: the newest earlier one that verifies), or None: no
+    checkpoint yet in the run's own ``--save`` directory (a requeued job starts from scratch)."""
     rank0 = dist.get_rank() == 0
     save = run.args.save
-    if rank0 and save is not None and Path(save).resolve() == directory.resolve():
+    own_save = save is not None and Path(save).resolve() == directory.resolve()
+    if rank0 and own_save:
         _remove_stale_tmp(directory)
     single, named = _single_checkpoint(directory)
     if single:  # --load DIR/iter_XXXXXXX: that checkpoint
@@ -521,11 +544,11 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         if iteration is None:
             iteration = latest_iteration(directory)
             if iteration is None:
-                if save is not None and Path(save).resolve() == directory.resolve():
+                if own_save:
                     if rank0:  # the documented requeue case: --save and --load the same directory
                         print(f"--load {directory}: no checkpoint there yet (it is also --save), starting from "
                               f"scratch", flush=True)
-                    return 0
+                    return None
                 raise CheckpointNotFoundError(f"--load {directory} {describe_no_checkpoint(directory)}")
             named_by = f"{directory / LATEST} names iteration {iteration}"
         else:
@@ -544,36 +567,62 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
             raise CheckpointCorruptedError(f"{error}; or pass --load-fallback to load the newest earlier iteration "
                                            f"that verifies") from error
         path, iteration = _earlier_good_checkpoint(directory, iteration, run, error, rank0)
-    meta = _read_meta(path, distributed)
-    args = run.args
-    _check_compatible(path, meta, args, run.vocab_size)
+    return path
+
+
+@dataclasses.dataclass
+class _LoadPlan:
+    """What one rank reads from a checkpoint (:func:`_plan`): the ``request`` for ``dcp.load`` (live tensors loaded in
+    place, or buffers to reshard), per parameter entry its buffers, the keys it lacks, the layouts."""
+
+    path: Path
+    reader: Any
+    metadata: dict
+    ranks: dict
+    same_layout: bool
+    reshard_tp: bool
+    request: dict = dataclasses.field(default_factory=dict)
+    missing: list = dataclasses.field(default_factory=list)
+    entries: list = dataclasses.field(default_factory=list)  # (entry, model buffers or None, {state key: buffers})
+    rng_key: str | None = None
+
+    def need(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """A buffer for stored tensor ``key`` (loaded as stored: FP8 as uint8 bytes, used as ``dtype``), or None and
+        ``key`` recorded as missing."""
+        if key not in self.metadata:
+            self.missing.append(key)
+            return None
+        self.request[key] = _empty(self.metadata[key])
+        buf = self.request[key]
+        return buf.view(dtype) if dtype is not None and dtype != buf.dtype else buf
+
+    def take(self, candidates: list[str], buf) -> bool:
+        """Load the first stored key of ``candidates`` into ``buf`` in place; whether one was stored."""
+        key = next((k for k in candidates if k in self.metadata), None)
+        if key is not None:
+            self.request[key] = buf
+        return key is not None
+
+
+def _plan(path: Path, meta: dict, run) -> _LoadPlan:
+    """What this rank reads, for every parameter, optimizer state, buffer, scaling state, data-parallel scaling
+    factor and random stream it holds, at the checkpoint's layout or resharded to this run's."""
     ranks = _ranks()
     saved = meta["layout"]
     same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("vp"), saved.get("ep", 1)) == (
-        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], args.virtual_pipeline_model_parallel_size,
+        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], run.args.virtual_pipeline_model_parallel_size,
         ranks["ep_size"])
     reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata().state_dict_metadata
-    optimizer = run.optimizer
     saved_tp = int(saved["tp"])
-    reshard_tp = saved_tp != ranks["tp_size"]
-    request: dict[str, Any] = {}
-    missing: list[str] = []
-    plans = []  # (entry, model buffers or None, {state key: buffers})
-
-    def need(key: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        if key not in md:
-            missing.append(key)
-            return None
-        request[key] = _empty(md[key])  # loaded as stored (FP8 as uint8 bytes), used as ``dtype``
-        return request[key].view(dtype) if dtype is not None and dtype != request[key].dtype else request[key]
-
+    plan = _LoadPlan(path, reader, reader.read_metadata().state_dict_metadata, ranks, same_layout,
+                     saved_tp != ranks["tp_size"])
+    md, request, missing, optimizer = plan.metadata, plan.request, plan.missing, run.optimizer
     for e in _entries(run):
         p = e.param
         fp8_dtype = p.payload.dtype if isinstance(p, Float8Tensor) else None
         # Resharded tensor-parallel parameters are read shard by shard and re-split, even when the
         # checkpoint's only shard ``tp0`` has this rank's own key (TP1 -> TP2: rank 0 holds half of it).
-        in_place = not (e.sharded and reshard_tp)
+        in_place = not (e.sharded and plan.reshard_tp)
         keys = [e.key] if in_place else [f"{e.name}/tp{i}" for i in range(saved_tp)]
         model_bufs = None
         if in_place:
@@ -588,9 +637,9 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
             else:
                 missing.append(f"model/{e.key}")
         elif fp8_dtype is not None:
-            model_bufs = [(need(f"model/{k}/payload", fp8_dtype), need(f"model/{k}/scale")) for k in keys]
+            model_bufs = [(plan.need(f"model/{k}/payload", fp8_dtype), plan.need(f"model/{k}/scale")) for k in keys]
         else:
-            model_bufs = [(need(f"model/{k}"), None) for k in keys]
+            model_bufs = [(plan.need(f"model/{k}"), None) for k in keys]
         optim_bufs: dict[str, list] = {}
         if e.opt_param.requires_grad and _owns(optimizer, e.opt_param):
             live = optimizer.state.get(e.opt_param, {})
@@ -598,54 +647,55 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
             for full in (k for k in md if k.startswith(prefix)):
                 skey = full[len(prefix):]
                 dtype = live[skey].dtype if isinstance(live.get(skey), torch.Tensor) else None
-                optim_bufs[skey] = [need(f"optim/{k}/{skey}", dtype) for k in keys]
+                optim_bufs[skey] = [plan.need(f"optim/{k}/{skey}", dtype) for k in keys]
             if not optim_bufs and meta["iteration"] > 0 and live:
                 missing.append(f"{prefix}*")
-        plans.append((e, model_bufs, optim_bufs))
+        plan.entries.append((e, model_bufs, optim_bufs))
     saved_dp = int(saved["dp"])
     for fqn, buf, scaling in _buffers(run):
         # a scaling state from the same data-parallel rank's, else from the rank that held it (an expert's under
         # another expert-parallel split)
         keys = ([f"scaling/dp{i}/{fqn}" for i in [ranks["dp"] % saved_dp, *range(saved_dp)]] if scaling
                 else [f"buffers/{fqn}"])
-        key = next((k for k in keys if k in md), None)
-        if key is not None:
-            request[key] = buf
-        else:
+        if not plan.take(keys, buf):
             missing.append(keys[0])
     for v, chunk in enumerate(run.chunks):
         mu = getattr(chunk, "grad_scaling", None)
-        if mu is None:
-            continue
-        for name, buf in mu.named_buffers():
-            candidates = [f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] + sorted(
-                k for k in md if k.startswith("mu/") and k.endswith(f"/{name}"))
-            key = next((k for k in candidates if k in md), None)
-            if key is not None:
-                request[key] = buf
+        for name, buf in (mu.named_buffers() if mu is not None else ()):
+            plan.take([f"mu/stage{ranks['pp']}.{v}/tp{ranks['tp']}/{name}"] + sorted(
+                k for k in md if k.startswith("mu/") and k.endswith(f"/{name}")), buf)
     for v, ddp in enumerate(run.expert_ddps):
         for name, buf in ddp.grad_scaling.named_buffers():
-            candidates = [f"mu_experts/stage{ranks['pp']}.{v}/tp{ranks['tp']}/ep{ranks['ep']}/{name}"] + sorted(
-                k for k in md if k.startswith("mu_experts/") and k.endswith(f"/{name}"))
-            key = next((k for k in candidates if k in md), None)
-            if key is not None:
-                request[key] = buf
+            plan.take([f"mu_experts/stage{ranks['pp']}.{v}/tp{ranks['tp']}/ep{ranks['ep']}/{name}"] + sorted(
+                k for k in md if k.startswith("mu_experts/") and k.endswith(f"/{name}")), buf)
     rng_key = f"rng/rank{dist.get_rank()}"
     if same_layout and rng_key in md:
+        plan.rng_key = rng_key
         request[rng_key] = io.BytesIO()
-    problems = sorted(set(_gather(missing[:5], run.world if distributed else None)))
+    return plan
+
+
+def _read(plan: _LoadPlan, run, distributed: bool) -> None:
+    """Refuse a checkpoint that lacks what any rank needs (every rank raises the same error), then read it."""
+    problems = sorted(set(_gather(plan.missing[:5], run.world if distributed else None)))
     if problems:
         raise CheckpointMismatchError(
-            f"checkpoint {path} lacks entries this run needs (e.g. {', '.join(problems[:6])}): it was saved from "
+            f"checkpoint {plan.path} lacks entries this run needs (e.g. {', '.join(problems[:6])}): it was saved from "
             f"another model or opt level")
-    dcp.load(request, storage_reader=reader, no_dist=not distributed)
+    dcp.load(plan.request, storage_reader=plan.reader, no_dist=not distributed)
+
+
+def _apply(plan: _LoadPlan, run, meta: dict, path: Path) -> None:
+    """What was read, put in place: resharded parameters, the optimizer's states and masters, the run's counters, and
+    the random streams at the same layout (restarted from ``--seed`` at another, said once)."""
+    optimizer, ranks = run.optimizer, plan.ranks
     state_by_param: dict[int, dict[str, torch.Tensor]] = {}
     masters: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for e, model_bufs, optim_bufs in plans:
+        for e, model_bufs, optim_bufs in plan.entries:
             if model_bufs is not None:
                 _reshard_model(e, model_bufs, ranks)
-            state = _optimizer_state(e, optim_bufs, optimizer, ranks, reshard_tp)
+            state = _optimizer_state(e, optim_bufs, optimizer, ranks, plan.reshard_tp)
             if e.opt_param is not e.param and "master" in state:
                 masters[id(e.opt_param)] = state.pop("master")
             if state:
@@ -653,15 +703,13 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         _load_optimizer(optimizer, state_by_param, masters, meta)
     run.skipped_steps = int(meta["skipped_steps"])
     run.consumed_samples = int(meta["consumed_samples"])
-    if same_layout and rng_key in request:
-        _set_rng(request[rng_key].getvalue())
-    elif rank0:
+    if plan.rng_key is not None:
+        _set_rng(plan.request[plan.rng_key].getvalue())
+    elif dist.get_rank() == 0:
+        saved = meta["layout"]
         print(f"--load {path}: saved at TP{saved['tp']} PP{saved['pp']} DP{saved['dp']} EP{saved.get('ep', 1)}, "
               f"resharded to TP{ranks['tp_size']} PP{ranks['pp_size']} DP{ranks['dp_size']} EP{ranks['ep_size']}; "
               f"random streams restart from --seed", flush=True)
-    if distributed:
-        run.world.barrier("checkpoint")
-    return int(meta["iteration"])
 
 
 def _gather(obj, world) -> list:
