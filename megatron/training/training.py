@@ -617,14 +617,15 @@ def pretrain(args: argparse.Namespace) -> list[RunHistory]:
         levels = list(args.compare_levels) + [args.fp8_opt_level]
         levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))
         histories = []
-        main_level, save, load = args.fp8_opt_level, args.save, args.load
         for level in levels:
-            args.fp8_opt_level = level
-            if len(levels) > 1:  # --compare: each level checkpoints in its own subdirectory
-                args.save = None if save is None else os.path.join(save, level)
-                args.load = None if load is None else os.path.join(load, level)
-            histories.append(train_level(args, datasets, logger, CommBytesCounter(trace=trace)))
-        args.fp8_opt_level, args.save, args.load = main_level, save, load
+            # each level's own arguments (``args`` itself is never changed): with --compare, its checkpoints in its
+            # own subdirectory
+            subdir = len(levels) > 1
+            level_args = argparse.Namespace(**{
+                **vars(args), "fp8_opt_level": level,
+                "save": os.path.join(args.save, level) if subdir and args.save is not None else args.save,
+                "load": os.path.join(args.load, level) if subdir and args.load is not None else args.load})
+            histories.append(train_level(level_args, datasets, logger, CommBytesCounter(trace=trace)))
     logger.finish(histories)
     return histories
 
