@@ -194,10 +194,25 @@ class TrainingRun:
     """Everything one level's training needs on this rank."""
 
     def __init__(self, args: argparse.Namespace, datasets: Datasets, counter: CommBytesCounter | None = None) -> None:
+        """Built in order: the model chunks on this rank's device (:meth:`_build_model`), the optimizer of the opt
+        level (:meth:`_build_optimizer`), the data-parallel wrappers (:meth:`_wrap_data_parallel`), the collectives
+        of the step (:meth:`_build_collectives`), the pipeline schedule (:meth:`_build_schedule`) and the FP8
+        statistics (:meth:`_build_monitoring`)."""
         self.args = args
         self.counter = counter if counter is not None else CommBytesCounter()
         cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
+        chunks = self._build_model(datasets)
+        self._build_optimizer(chunks)
+        self._wrap_data_parallel(chunks)
+        self._build_collectives(chunks)
+        self._build_schedule()
+        self._build_monitoring(chunks)
+
+    def _build_model(self, datasets: Datasets) -> list[torch.nn.Module]:
+        """This rank's model chunks on its device (BF16 with --bf16), the data-parallel group, and the FP8 layer
+        selection announced once per pipeline stage (its first tensor- and data-parallel rank)."""
+        args = self.args
         # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
         # masters in the optimizer (megatron/training/mixed_precision.py).
         self.autocast = False
@@ -213,49 +228,63 @@ class TrainingRun:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
-        # FP8 layer selection, announced once per pipeline stage (its first tensor- and data-parallel rank).
         self.fp8_selection = announce_layer_selection(
             args, chunks, log=self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0)
         self.bare_chunks = chunks
-        # Expert parallelism: each rank of an expert-parallel group holds other experts, so the experts' gradients
-        # are reduced (and at O3 owned) over the expert-data-parallel group, the rest over data parallelism.
+        self.params = sum(p.numel() for c in chunks for p in c.parameters())
+        return chunks
+
+    def _build_optimizer(self, chunks: list[torch.nn.Module]) -> None:
+        """The optimizer of the opt level over ``chunks``; under expert parallelism the experts' gradients are reduced
+        (and at O3 owned) over the expert-data-parallel group, the rest over data parallelism."""
+        args = self.args
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.expert_params = ([p for p in unique_parameters(chunks) if is_routed_expert_param(p)]
                               if self.ep_size > 1 else [])
-        expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
-        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, expert_dp_group,
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
+        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, self.expert_dp_group,
                                          counter=self.counter)  # O3: its weight all-gather and agreement counted
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
         # A sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism: the two copies of
         # tied embeddings may have different owners on their stages, so their gradients are summed over the
         # embedding group before the data-parallel reduction (megatron-core's order), outside DDP's buckets.
-        sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
+        self.sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
         pp_world = parallel_state.get_pipeline_model_parallel_world_size()
-        tie_first = sharded and self.dp_size > 1 and pp_world > 1 and not args.untie_embeddings_and_output_weights
+        tie_first = (self.sharded and self.dp_size > 1 and pp_world > 1
+                     and not args.untie_embeddings_and_output_weights)
         self.tied_weights = tied_embedding_weights(chunks) if tie_first else []
+
+    def _wrap_data_parallel(self, chunks: list[torch.nn.Module]) -> None:
+        """fp8lm's data-parallel wrappers (the O3 owners' reduction; the experts' own over expert data parallelism),
+        or the bare chunks (one data-parallel rank, or the --bf16 baseline's main gradients)."""
         self.tied_owner = None
         self.expert_ddps: list[DistributedDataParallel] = []  # the experts' wrappers over expert data parallelism
-        if self.dp_size > 1 and self.main_grads is None:
-            owners = owner_optimizer(self.optimizer)
-            self.tied_owner = owners.owner if owners is not None else None
-            experts = {id(p) for p in self.expert_params}
-            self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners,
-                                                   exclude=self.tied_weights + [p for p in c.parameters()
-                                                                                if id(p) in experts])
-                           for c in chunks]
-            no_sync = [c.no_sync for c in self.chunks]
-            if self.expert_params and dist.get_world_size(expert_dp_group) > 1:
-                # the experts' wrappers (hooks only: forward runs through the data-parallel wrappers above)
-                expert_owners = owners.expert_owners() if owners is not None else None
-                expert_ddps = [DistributedDataParallel(c, process_group=expert_dp_group, counter=self.counter,
-                                                       o3_optimizer=expert_owners,
-                                                       exclude=[p for p in c.parameters() if id(p) not in experts])
-                               for c in chunks]
-                no_sync = [_joint_no_sync(a.no_sync, b.no_sync) for a, b in zip(self.chunks, expert_ddps)]
-                self.expert_ddps = expert_ddps
-            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        else:
+        if not (self.dp_size > 1 and self.main_grads is None):
             self.chunks = chunks
+            return
+        owners = owner_optimizer(self.optimizer)
+        self.tied_owner = owners.owner if owners is not None else None
+        experts = {id(p) for p in self.expert_params}
+        self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners,
+                                               exclude=self.tied_weights + [p for p in c.parameters()
+                                                                            if id(p) in experts])
+                       for c in chunks]
+        no_sync = [c.no_sync for c in self.chunks]
+        if self.expert_params and dist.get_world_size(self.expert_dp_group) > 1:
+            # the experts' wrappers (hooks only: forward runs through the data-parallel wrappers above)
+            expert_owners = owners.expert_owners() if owners is not None else None
+            expert_ddps = [DistributedDataParallel(c, process_group=self.expert_dp_group, counter=self.counter,
+                                                   o3_optimizer=expert_owners,
+                                                   exclude=[p for p in c.parameters() if id(p) not in experts])
+                           for c in chunks]
+            no_sync = [_joint_no_sync(a.no_sync, b.no_sync) for a, b in zip(self.chunks, expert_ddps)]
+            self.expert_ddps = expert_ddps
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    def _build_collectives(self, chunks: list[torch.nn.Module]) -> None:
+        """The groups of the step and one ``Collectives`` per group, built once: the step's gradient sums and norm go
+        through these; megatron-core's construction-time collectives recorded in the byte counter."""
+        args = self.args
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = dist.get_world_size(self.pp_group)
@@ -268,8 +297,7 @@ class TrainingRun:
         record_core_construction(self.counter, chunks,
                                  dist.get_world_size(self.embd_group) if self.embd_group is not None else 1)
         norm_group = parallel_state.get_model_parallel_group()
-        self.norm_group = dist.group.WORLD if sharded and self.dp_size > 1 else norm_group
-        # One Collectives per group, built once: the step's gradient sums and norm go through these.
+        self.norm_group = dist.group.WORLD if self.sharded and self.dp_size > 1 else norm_group
         self.tp_comm = Collectives(self.tp_group, self.counter)
         self.norm_comm = Collectives(self.norm_group, self.counter)
         in_embd = self.embd_group is not None and dist.get_rank(self.embd_group) >= 0
@@ -281,10 +309,17 @@ class TrainingRun:
                                  if self.expert_params and self.norm_group is not dist.group.WORLD else None)
         if self.tied_weights and self.embd_comm is None:
             raise RuntimeError("tied embeddings on a rank outside megatron-core's embedding group")
+        self.world = Collectives(dist.group.WORLD, self.counter)
+
+    def _build_schedule(self) -> None:
+        """megatron-core's forward-backward schedule; with pipeline parallelism its communicator, FP8 messages at FP8
+        levels (``--fp8-pipeline``)."""
+        args = self.args
         fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
-            p2p = FP8P2PCommunicator(self.pp_group, self.config, fp8=fp8_pipeline, device=device, counter=self.counter,
+            p2p = FP8P2PCommunicator(self.pp_group, self.config, fp8=fp8_pipeline, device=self.device,
+                                     counter=self.counter,
                                      recipe=args.fp8_recipe if args.fp8_opt_level != "none" else "tensorwise")
             pgs = ProcessGroupCollection()
             pgs.tp, pgs.cp, pgs.pp = self.tp_group, parallel_state.get_context_parallel_group(), self.pp_group
@@ -293,12 +328,13 @@ class TrainingRun:
             pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
             self.schedule_kwargs = {"p2p_communicator": p2p, "pg_collection": pgs}
         self.forward_backward = get_forward_backward_func()
-        self.skipped_counter = torch.zeros((), dtype=torch.int64, device=device)
-        self.world = Collectives(dist.group.WORLD, self.counter)
-        self.params = sum(p.numel() for c in chunks for p in c.parameters())
-        # --fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)
+        self.skipped_counter = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def _build_monitoring(self, chunks: list[torch.nn.Module]) -> None:
+        """--fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)."""
+        args = self.args
         self.numerics = None
-        if getattr(args, "fp8_stats_interval", 0) and args.fp8_opt_level != "none":
+        if args.fp8_stats_interval and args.fp8_opt_level != "none":
             self.numerics = NumericsMonitor(args, chunks, self.world, [global_module_names(c) for c in chunks],
                                             log=_is_logging_rank())
 
