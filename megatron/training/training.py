@@ -402,6 +402,21 @@ class TrainingRun:
                 model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
+        self._reduce_grads()
+        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device,
+                                self.expert_norm_comm)
+        # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
+        # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
+        finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
+        step_optimizer(self.optimizer, finite)
+        self.skipped_counter += (~finite).to(torch.int64)
+        return {"loss": self._mean(self.loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
+                "skipped": ~finite}
+
+    def _reduce_grads(self) -> None:
+        """The step's gradients made whole: tied embeddings summed over the embedding group (outside DDP's buckets),
+        the --bf16 baseline's FP32 main gradients reduced, the experts' averaged over expert parallelism, and
+        megatron-core's own finalisation (sequence-parallel norms, tied embeddings across pipeline stages)."""
         if self.tied_weights and self.main_grads is not None:
             # --bf16 with --use-distributed-optimizer: the tied copies' FP32 main gradients summed over the embedding
             # group before the data-parallel reduction (which then frees the ones this rank does not own).
@@ -420,15 +435,6 @@ class TrainingRun:
             scale_grads_([p.grad for p in self.expert_params if p.grad is not None], 1.0 / self.ep_size)
         finalize_model_grads(self.bare_chunks, self.tp_comm, self.embd_comm,
                              self.tied and self.pp_size > 1 and not self.tied_weights)
-        norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device,
-                                self.expert_norm_comm)
-        # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
-        # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
-        finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
-        step_optimizer(self.optimizer, finite)
-        self.skipped_counter += (~finite).to(torch.int64)
-        return {"loss": self._mean(self.loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
-                "skipped": ~finite}
 
     @torch.no_grad()
     def evaluate(self, dataset) -> float:
