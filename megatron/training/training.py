@@ -45,7 +45,7 @@ from .model import announce_layer_selection, build_model, padded_vocab_size, tra
 from .optimizer import build_optimizer, owner_optimizer, step_optimizer
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory", "TrainingRun",
-           "Datasets", "traced", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
+           "Datasets", "traced", "train_iterations", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
 
 
 def _free_port() -> int:
@@ -480,7 +480,7 @@ def train_level(args: argparse.Namespace, datasets: Datasets, logger: TrainingLo
                 f"--train-iters to train on (nothing was trained or saved)")
     exit_policy = ExitPolicy(args, run.device, run.world)
     try:
-        history = _train_iterations(args, datasets, logger, run, start, exit_policy)
+        history = train_iterations(args, datasets, logger, run, start, exit_policy)
     finally:
         exit_policy.close()
     history["summary"] = _summary(history, run)
@@ -488,7 +488,7 @@ def train_level(args: argparse.Namespace, datasets: Datasets, logger: TrainingLo
     return history
 
 
-def _train_iterations(args, datasets, logger, run, start: int, exit_policy) -> RunHistory:
+def train_iterations(args, datasets, logger, run, start: int, exit_policy) -> RunHistory:
     from .checkpointing.checkpoint import save_checkpoint
 
     health = SkipMonitor(args.max_skipped_steps, args.skipped_steps_window, announce=dist.get_rank() == 0)
