@@ -7,7 +7,7 @@ schedules) for several parallel layouts in one launch, the steady-state iteratio
 
 Per configuration: ``warmup`` iterations outside the detector (first-step scaling, the delayed-scaling histories
 and their probes, lazily built optimizer states), then ``iterations`` under it, each the per-iteration body of
-``training._train_iterations`` (the step, the records kept on the device, the exit check), then the log point's
+``training.train_iterations`` (the step, the records kept on the device, the exit check), then the log point's
 flush under a second detector (``flush_hits``: one batched read per log interval, and the log gathering). The batches are drawn from the data
 pipeline beforehand (data loading is host work) and declared pinned host data: on a GPU ``gpt_forward_step`` pins
 them and copies them without blocking (``pin_memory()`` needs CUDA, so the worker names them). megatron-core's
@@ -92,7 +92,7 @@ def run_config(config: dict, out: str) -> None:
     pending, sent = training.PendingRecords(args, run), training.BytesSince(run.counter)
     exit_policy = ExitPolicy(args, run.device, run.world)
 
-    def iteration(it: int) -> dict:  # the per-iteration body of training._train_iterations, up to its log point
+    def iteration(it: int) -> dict:  # the per-iteration body of training.train_iterations, up to its log point
         if run.numerics is not None:
             run.numerics.begin_step(it + 1)
         step = run.train_step(data, it)
