@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..cast import dequantize as dequantize_payload
-from ..blocks import quantize_to_blocks
+from ..blocks import block_size, quantize_to_blocks
 from ..cast import quantize
 from ..formats import FP8_DTYPES, get_format
 from ..scaling import amax_of, power_of_two_scale
@@ -187,11 +187,8 @@ def quantize_weight_blocks_(values: list[Tensor], value_scales: list[Tensor], pa
 
 
 def _resolved_blocks(payloads, blocks) -> list[tuple[int, int]]:
-    out = []
-    for i, p in enumerate(payloads):
-        rows, cols = blocks[2 * i], blocks[2 * i + 1]
-        out.append((rows or p.shape[0] or 1, cols or p.shape[1] or 1))
-    return out
+    """Each payload's block from the flat ``blocks`` list, sizes resolved (:func:`fp8.blocks.block_size`)."""
+    return [block_size((blocks[2 * i], blocks[2 * i + 1]), tuple(p.shape)) for i, p in enumerate(payloads)]
 
 
 def _quantize_blocks_reference(values, value_scales, payloads, scales, blocks, bad):
