@@ -427,6 +427,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_moe(args, dp)
     _check_fp8_stats(args)
     high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up
+    # the rules of --fp8-precision-config, read and checked once now (matched when the model is built), as the
+    # checkpoints save and compare them: [pattern, precision, overrides] each (None without a file)
+    args.fp8_precision_rules = None
     if args.fp8_precision_config:
         if args.first_last_layers_bf16:
             raise ConfigurationError("--first-last-layers-bf16 and --fp8-precision-config both choose layers' "
@@ -434,9 +437,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         from fp8.precision_rules import load_precision_file
 
         try:
-            load_precision_file(args.fp8_precision_config)  # read and checked now; matched when the model is built
+            rules = load_precision_file(args.fp8_precision_config)
         except (OSError, ValueError) as error:
             raise ConfigurationError(f"--fp8-precision-config: {error}") from None
+        args.fp8_precision_rules = [[r.pattern, r.precision, [list(pair) for pair in r.overrides]] for r in rules]
     if args.lr < 0 or args.min_lr < 0:
         raise ConfigurationError(f"--lr {args.lr} and --min-lr {args.min_lr} must be >= 0")
     if args.min_lr > args.lr:

@@ -82,7 +82,7 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "fp8_grad_accumulation", "fp8_recipe", "num_experts", "moe_ffn_hidden_size",
                "moe_shared_expert_intermediate_size", "moe_router_topk", "first_last_layers_bf16",
                "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_precision_rules")
-# Saved beside the flags: what decides each linear's precision, compared by content (a moved file is the same rules).
+# --fp8-precision-config's rules as validate_args read them: compared by content (a moved file is the same rules).
 _PRECISION_RULES = "fp8_precision_rules"
 # Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
 # resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
@@ -221,19 +221,8 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _precision_rules(args: argparse.Namespace) -> list | None:
-    """``--fp8-precision-config``'s rules as saved and compared: ``[pattern, precision, overrides]`` each, or None."""
-    path = vars(args).get("fp8_precision_config")
-    if not path:
-        return None
-    from fp8.precision_rules import load_precision_file
-
-    return [[rule.pattern, rule.precision, [list(pair) for pair in rule.overrides]]
-            for rule in load_precision_file(path)]
-
-
 def _run_args(args: argparse.Namespace) -> dict:
-    out = {_PRECISION_RULES: _precision_rules(args)}
+    out = {}
     for key, value in vars(args).items():
         if key == "explicit_flags":  # how the command line was spelled, not the run
             continue
@@ -365,7 +354,7 @@ def _raw_vocab(args: argparse.Namespace) -> int | None:
 
 def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
     saved = meta["args"]
-    this = {**vars(args), _PRECISION_RULES: _precision_rules(args)}
+    this = vars(args)
     # A flag absent from an older checkpoint's arguments is not compared (it did not exist when it was saved).
     diffs = [_difference(k, saved, this) for k in _MODEL_ARGS if k in saved and saved[k] != this.get(k)]
     raw = _raw_vocab(args)
