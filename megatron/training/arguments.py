@@ -249,10 +249,15 @@ def baseline_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def _compare_levels(args: argparse.Namespace) -> list[str]:
+    """``--compare``'s levels, normalised, each once, in the order given."""
+    return list(dict.fromkeys(normalize_opt_level(lvl.strip(), "--compare")
+                              for lvl in (args.compare or "").split(",") if lvl.strip()))
+
+
 def _trained_levels(args: argparse.Namespace) -> set[str]:
     """The opt levels the run trains: ``--fp8-opt-level`` and ``--compare``'s (which train with the same flags)."""
-    return {args.fp8_opt_level} | {normalize_opt_level(lvl.strip(), "--compare")
-                                   for lvl in (args.compare or "").split(",") if lvl.strip()}
+    return {args.fp8_opt_level, *_compare_levels(args)}
 
 
 def _them(flags: list[str]) -> str:
@@ -473,12 +478,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         raise ConfigurationError("--tokenizer-model given without --data-path")
     if args.mock_data and args.vocab_size is None:
         args.vocab_size = 1024
-    if args.compare:
-        levels = [normalize_opt_level(lvl.strip(), "--compare") for lvl in args.compare.split(",") if lvl.strip()]
-        levels = list(dict.fromkeys(levels))
-        args.compare_levels = [lvl for lvl in levels if lvl != args.fp8_opt_level]
-    else:
-        args.compare_levels = []
+    args.compare_levels = [lvl for lvl in _compare_levels(args) if lvl != args.fp8_opt_level]
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if args.compile_layers:
         from .model import check_compile_layers  # imports megatron-core: only when the flag is given
