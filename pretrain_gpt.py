@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, config_from_args, parse_args, validate_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,14 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         args.log_json = args.log_json or "runs/demo/log.jsonl"
         args.tensorboard_dir = args.tensorboard_dir or "runs/demo/tensorboard"
     try:
-        validate_args(args)
+        config = config_from_args(validate_args(args))
     except ConfigurationError as error:
         print(f"pretrain_gpt.py: configuration error: {error}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    if config.dry_run:
         from megatron.training.planning.dry_run import dry_run
 
-        dry_run(args)
+        dry_run(config)
         return 0
     from fp8.checkpoint import CheckpointCorruptedError
     from megatron.training.checkpointing.checkpoint import CheckpointMismatchError
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.training import pretrain
 
     try:
-        pretrain(args)
+        pretrain(config)
     except (FileNotFoundError, ConfigurationError, DataError, CheckpointMismatchError, CheckpointCorruptedError,
             RunHealthError, CollectiveTraceError) as error:
         print(f"pretrain_gpt.py: {error}", file=sys.stderr)

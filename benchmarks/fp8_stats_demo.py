@@ -48,12 +48,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(ROOT))
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, parse_config
 
-    args = validate_args(parse_args([*DEMO, "--train-iters", str(a.iters)]))
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
-    run = training.TrainingRun(args, datasets)
+    cfg = parse_config([*DEMO, "--train-iters", str(a.iters)])
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
+    run = training.TrainingRun(cfg, datasets)
     modules = dict(run.bare_chunks[0].named_modules())
     if a.layer not in modules:
         sys.exit(f"--layer {a.layer}: no such module; FP8 linears: "
@@ -74,7 +74,7 @@ def main() -> None:
         state["iteration"] = it + 1
         run.numerics.begin_step(it + 1)
         step = run.train_step(data, it)
-        if (it + 1) % args.log_interval == 0:
+        if (it + 1) % cfg.training.log_interval == 0:
             records = [{"iteration": it + 1, "loss": float(step["loss"])}]
             before = len(handler.lines)
             run.numerics.read(records)

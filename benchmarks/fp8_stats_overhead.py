@@ -53,16 +53,16 @@ def main() -> None:
     import torch
 
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, parse_config
 
     iters = a.warmup + 3 * a.rounds * a.block
-    args = validate_args(parse_args([*DEMO, "--train-iters", str(iters), "--fp8-stats-interval", str(a.block)]))
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
-    run = training.TrainingRun(args, datasets)
+    cfg = parse_config([*DEMO, "--train-iters", str(iters), "--fp8-stats-interval", str(a.block)])
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
+    run = training.TrainingRun(cfg, datasets)
     assert run.numerics is not None
     data = run.data_iterators(datasets.train)
-    tokens = args.global_batch_size * args.seq_length
+    tokens = cfg.training.global_batch_size * cfg.model.seq_length
     it = 0
     # the scaling states the statistics hook into (fp8.stats): detached during "off" blocks, as in a run without
     # --fp8-stats-interval

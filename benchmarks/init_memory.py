@@ -51,7 +51,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from megatron.core import parallel_state
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, parse_config
 
     tp = os.environ.get("WORLD_SIZE", "1")
     flags = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
@@ -60,18 +60,18 @@ def worker(a: argparse.Namespace) -> None:
              "--train-iters", str(max(1, a.steps)), "--eval-interval", "0"]
     if a.sequence_parallel and tp != "1":
         flags.append("--sequence-parallel")
-    args = validate_args(parse_args(flags))
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
+    cfg = parse_config(flags)
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
     Collectives().barrier("benchmark")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
     before = _status("VmRSS")
     t0 = time.perf_counter()
-    run = training.TrainingRun(args, datasets)
+    run = training.TrainingRun(cfg, datasets)
     seconds = time.perf_counter() - t0
     construction_peak = _status("VmHWM")
     row = {"tp": parallel_state.get_tensor_model_parallel_world_size(), "rank": dist.get_rank(),
-           "sequence_parallel": bool(args.sequence_parallel), "params_on_rank": run.params,
+           "sequence_parallel": bool(cfg.parallel.sequence_parallel), "params_on_rank": run.params,
            "rss_before_bytes": before, "peak_bytes": construction_peak,
            "construction_peak_bytes": construction_peak - before, "seconds": seconds}
     if a.steps:

@@ -47,17 +47,17 @@ def _run_counts(tp: int, level: str, layers: int) -> dict:
     """One training iteration of the GPT, counted (module docstring)."""
     from megatron.core import parallel_state
     from megatron.training import training
-    from megatron.training.arguments import baseline_argv, parse_args, validate_args
+    from megatron.training.arguments import baseline_argv, parse_config
 
     flags = MODEL + ["--num-layers", str(layers), "--fp8-opt-level", level, "--tensor-model-parallel-size", str(tp)]
     if tp > 1:
         flags.append("--sequence-parallel")
-    args = validate_args(parse_args(baseline_argv(flags) if level == "none" else flags))
+    cfg = parse_config(baseline_argv(flags) if level == "none" else flags)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
-    run = training.TrainingRun(args, datasets)
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
+    run = training.TrainingRun(cfg, datasets)
     iterator = run.data_iterators(datasets.train)
     for it in range(3):
         run.train_step(iterator, it)

@@ -49,7 +49,7 @@ from fp8.memory import memory_report  # noqa: E402
 from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import baseline_argv, parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import baseline_argv, parse_args, parse_config  # noqa: E402
 from megatron.training.mixed_precision import main_grad_bytes  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
@@ -109,15 +109,14 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
         flags.append("--recompute-activations")
     if level == "none":  # the case's FP8-only flags have no effect at the baseline, which refuses them
         flags = baseline_argv(flags)
-    args = parse_args(flags)
-    validate_args(args)
+    run_cfg = parse_config(flags)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    training.initialize_distributed(args)
+    training.initialize_distributed(run_cfg)
     # the planner for the device this run's GEMMs run on (on the CPU, --fp8-gemm-backend auto emulates them)
-    cfg = PlannerConfig.from_args(args, gemm_device="cuda" if torch.cuda.is_available() else "cpu")
-    datasets = training.Datasets(args)
-    run = training.TrainingRun(args, datasets)
+    cfg = PlannerConfig.from_run_config(run_cfg, gemm_device="cuda" if torch.cuda.is_available() else "cpu")
+    datasets = training.Datasets(run_cfg)
+    run = training.TrainingRun(run_cfg, datasets)
     data = run.data_iterators(datasets.train)
     reports: list[dict] = []
     real_step = run.optimizer.step

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import parse_args, parse_config  # noqa: E402
 from megatron.training.log import TrainingLogger  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
@@ -32,10 +32,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 
 def run_task(task: dict, seed: int, out: str) -> None:
     flags = MODEL + ["--seed", str(seed)] + task["flags"]
-    args = validate_args(parse_args(flags))
+    cfg = parse_config(flags)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    training.initialize_distributed(args)
+    training.initialize_distributed(cfg)
     if task.get("kill_in_save"):  # die while the checkpoint's files are being written
         import torch.distributed.checkpoint as dcp
 
@@ -53,8 +53,8 @@ def run_task(task: dict, seed: int, out: str) -> None:
     if task.get("init_only"):  # build the model and save it untrained (iteration 0), or as loaded (--load)
         from megatron.training.checkpointing.checkpoint import load_checkpoint, save_checkpoint
 
-        run = training.TrainingRun(args, training.Datasets(args))
-        iteration = load_checkpoint(args.load, run, args.ckpt_step) if args.load else 0
+        run = training.TrainingRun(cfg, training.Datasets(cfg))
+        iteration = load_checkpoint(cfg.checkpoint.load, run, cfg.checkpoint.ckpt_step) if cfg.checkpoint.load else 0
         save_checkpoint(task["init_only"], run, iteration)
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
@@ -63,8 +63,8 @@ def run_task(task: dict, seed: int, out: str) -> None:
         import torch
         from safetensors.torch import load_file
 
-        datasets = training.Datasets(args)
-        run = training.TrainingRun(args, datasets)
+        datasets = training.Datasets(cfg)
+        run = training.TrainingRun(cfg, datasets)
         (chunk,) = run.bare_chunks
         state = load_file(task["export_eval"])
         own = chunk.state_dict()
@@ -74,17 +74,17 @@ def run_task(task: dict, seed: int, out: str) -> None:
         data = run.data_iterators(datasets.train, consumed=task["consumed"])
         with torch.no_grad():
             losses = run.forward_backward(forward_step_func=training.gpt_forward_step, data_iterator=data,
-                                          model=run._model_arg(), num_microbatches=args.num_microbatches,
-                                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                          model=run._model_arg(), num_microbatches=cfg.training.num_microbatches,
+                                          seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
                                           forward_only=True)
         result["eval_loss"] = float(run._mean(run.loss_sum_count(losses)))
         with open(os.path.join(out, f"{task['name']}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
         return
     try:
-        datasets = training.Datasets(args)
-        logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
-        history = training.train_level(args, datasets, logger)
+        datasets = training.Datasets(cfg)
+        logger = TrainingLogger(cfg, rank=dist.get_rank(), is_logging_rank=False)
+        history = training.train_level(cfg, datasets, logger)
         result["iterations"] = [r["iteration"] for r in history["train"]]
         result["losses"] = [r["loss"] for r in history["train"]]
         result["stopped"] = history.get("stopped")

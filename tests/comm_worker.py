@@ -164,7 +164,7 @@ WATCH.install()
 from fp8.comm import CommBytesCounter  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import parse_args, parse_config  # noqa: E402
 from megatron.training.log import TrainingLogger  # noqa: E402
 
 
@@ -177,17 +177,16 @@ def main() -> None:
     watch = WATCH
     results = {}
     for level in a.levels.split(","):
-        args = parse_args(MODEL + ["--seed", str(a.seed), "--fp8-opt-level", level])
-        validate_args(args)
+        cfg = parse_config(MODEL + ["--seed", str(a.seed), "--fp8-opt-level", level])
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        training.initialize_distributed(args)
-        datasets = training.Datasets(args)
-        logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
+        training.initialize_distributed(cfg)
+        datasets = training.Datasets(cfg)
+        logger = TrainingLogger(cfg, rank=dist.get_rank(), is_logging_rank=False)
         counter = CommBytesCounter()
         sent_before, calls_before = watch.sent, watch.calls
         watch.active = True  # the process groups exist: their creation is torch's, not the project's
-        history = training.train_level(args, datasets, logger, counter)
+        history = training.train_level(cfg, datasets, logger, counter)
         watch.active = False
         results[level] = {
             "watched_bytes": watch.sent - sent_before, "watched_calls": watch.calls - calls_before,

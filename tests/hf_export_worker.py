@@ -24,8 +24,8 @@ from tests.spawn import megatron_run  # noqa: E402
 
 def main() -> None:
     out, tokens, flags = sys.argv[1], torch.tensor(json.loads(sys.argv[2])), sys.argv[3:]
-    args, run, _ = megatron_run(flags, world=1)
-    load_checkpoint(args.load, run)
+    cfg, run, _ = megatron_run(flags, world=1)
+    load_checkpoint(cfg.checkpoint.load, run)
     (chunk,) = run.bare_chunks
     chunk.eval()
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)

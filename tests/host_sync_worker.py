@@ -81,16 +81,16 @@ def run_config(config: dict, out: str) -> None:
     from megatron.training import training
     from megatron.training.exit import ExitPolicy
 
-    args, run, datasets = megatron_run(config["flags"], int(os.environ["WORLD_SIZE"]))
+    cfg, run, datasets = megatron_run(config["flags"], int(os.environ["WORLD_SIZE"]))
     warmup, iterations = config.get("warmup", 3), config.get("iterations", 2)
     source = run.data_iterators(datasets.train)
     sources = source if isinstance(source, list) else [source]
     total = warmup + iterations + (1 if config.get("canary") else 0)
-    batches = [[next(s) for _ in range(total * args.num_microbatches)] for s in sources]
+    batches = [[next(s) for _ in range(total * cfg.training.num_microbatches)] for s in sources]
     data = [iter(b) for b in batches]
     data = data if isinstance(source, list) else data[0]
-    pending, sent = training.PendingRecords(args, run), training.BytesSince(run.counter)
-    exit_policy = ExitPolicy(args, run.device, run.world)
+    pending, sent = training.PendingRecords(cfg, run), training.BytesSince(run.counter)
+    exit_policy = ExitPolicy(cfg.checkpoint, run.device, run.world)
 
     def iteration(it: int) -> dict:  # the per-iteration body of training.train_iterations, up to its log point
         if run.numerics is not None:
@@ -117,7 +117,7 @@ def run_config(config: dict, out: str) -> None:
         "hits": [_hit(h) for h in detector.hits], "known_hits": [_hit(h) for h in detector.known_hits],
         "flush_hits": [_hit(h) for h in flush_detector.hits],
         "canary_hits": [_hit(h) for h in canary],
-        "iterations": iterations, "microbatches": args.num_microbatches, "moe_layers": _moe_layers(run.bare_chunks),
+        "iterations": iterations, "microbatches": cfg.training.num_microbatches, "moe_layers": _moe_layers(run.bare_chunks),
         "finite_loss": finite, "rank": dist.get_rank(),
     }
     with open(os.path.join(out, f"{config['name']}_rank{dist.get_rank()}.json"), "w") as f:

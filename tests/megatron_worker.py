@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
-from megatron.training.arguments import baseline_argv, parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import baseline_argv, parse_args, parse_config  # noqa: E402
 from megatron.training.log import TrainingLogger  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
@@ -45,14 +45,13 @@ def run_config(config: dict, level: str, seed: int, out: str) -> None:
     flags += config.get("flags", [])  # any other pretrain_gpt.py flags (e.g. the MoE ones)
     if level == "none":  # the config's FP8-only flags have no effect at the baseline, which refuses them
         flags = baseline_argv(flags)
-    args = parse_args(flags)
-    validate_args(args)
+    cfg = parse_config(flags)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
-    logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=False)
-    history = training.train_level(args, datasets, logger)
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
+    logger = TrainingLogger(cfg, rank=dist.get_rank(), is_logging_rank=False)
+    history = training.train_level(cfg, datasets, logger)
     rank = dist.get_rank()
     result = {
         "losses": [r["loss"] for r in history["train"]],

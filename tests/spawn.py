@@ -29,18 +29,18 @@ def init_gloo_worker(rank: int, world: int, port: int) -> None:
 
 
 def megatron_run(flags: list[str], world: int):
-    """``(args, run, datasets)``: pretrain_gpt.py's training set-up (``megatron.training.training.TrainingRun``) for
+    """``(cfg, run, datasets)``: pretrain_gpt.py's training set-up (``megatron.training.training.TrainingRun``) for
     ``flags`` in this worker, megatron-core's parallel state (re-)initialised."""
     from megatron.core import parallel_state
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
 
-    args = validate_args(parse_args(flags), world_size=world)
+    cfg = parse_config(flags, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    training.initialize_distributed(args)
-    datasets = training.Datasets(args)
-    return args, training.TrainingRun(args, datasets), datasets
+    training.initialize_distributed(cfg)
+    datasets = training.Datasets(cfg)
+    return cfg, training.TrainingRun(cfg, datasets), datasets
 
 
 def free_port() -> int:

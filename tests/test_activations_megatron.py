@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     results = {}
     try:
         for name, extra in CASES.items():
-            args, run, datasets = megatron_run(FLAGS + extra + ["--seed", str(seed)], world)
+            cfg, run, datasets = megatron_run(FLAGS + extra + ["--seed", str(seed)], world)
             data = run.data_iterators(datasets.train)
             seen: dict = {}
             real_step = run.optimizer.step

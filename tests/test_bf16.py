@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     results = {}
     try:
         for name, extra in CASES.items():
-            args, run, datasets = megatron_run(FLAGS + extra + ["--seed", str(seed)], world)
+            cfg, run, datasets = megatron_run(FLAGS + extra + ["--seed", str(seed)], world)
             data = run.data_iterators(datasets.train)
             seen: dict = {}
             real_step = run.optimizer.step
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                 return real_step(*a, **kw)
 
             run.optimizer.step = step
-            losses = [float(run.train_step(data, it)["loss"]) for it in range(args.train_iters)]
+            losses = [float(run.train_step(data, it)["loss"]) for it in range(cfg.training.train_iters)]
             masters = list(getattr(run.optimizer, "master_weights", []))
             results[name] = {
                 "losses": losses, **seen,

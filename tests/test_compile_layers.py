@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ConfigurationError, build_parser, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, build_parser, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -27,13 +27,13 @@ _TRAIN = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
     from megatron.training.model import build_model, compile_layers, transformer_config_from_args
     flags = json.loads(sys.argv[1])
     out = {}
     for extra in ([], ["--compile-layers"]):
-        args = validate_args(parse_args(flags + extra))
-        history = training.pretrain(args)[-1]
+        cfg = parse_config(flags + extra)
+        history = training.pretrain(cfg)[-1]
         out[" ".join(extra) or "eager"] = {"train": [r["loss"] for r in history["train"]],
                                            "val": history["summary"]["final_val_loss"]}
     out["graphs"] = counters["stats"]["unique_graphs"]
@@ -96,12 +96,12 @@ def test_compile_layers_compiles_each_layer_in_place():
 ])
 def test_what_does_not_compile_is_refused_at_start_up(extra, world, fix):
     with pytest.raises(ConfigurationError, match=fix):
-        validate_args(parse_args([*SMALL, "--fp8-opt-level", "O2", "--compile-layers", *extra]), world_size=world)
-    validate_args(parse_args([*SMALL, "--fp8-opt-level", "O2", *extra]), world_size=world)  # fine without the flag
+        parse_config([*SMALL, "--fp8-opt-level", "O2", "--compile-layers", *extra], world_size=world)
+    parse_config([*SMALL, "--fp8-opt-level", "O2", *extra], world_size=world)  # fine without the flag
 
 
 def test_block_recipes_compile_at_the_baseline_and_with_fp32_sums():
     for extra in (["--fp8-opt-level", "none"],
                   ["--fp8-opt-level", "O2", "--fp8-recipe", "rowwise", "--fp8-grad-accumulation", "fp32"],
                   ["--fp8-opt-level", "O2", "--fp8-recipe", "blockwise", "--fp8-grad-accumulation", "fp8"]):
-        assert validate_args(parse_args([*SMALL, "--compile-layers", *extra]), world_size=1).compile_layers
+        assert parse_config([*SMALL, "--compile-layers", *extra], world_size=1).parallel.compile_layers

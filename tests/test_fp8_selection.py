@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,22 +45,22 @@ def test_initialize_warns_when_no_fp8_gemm_runs(caplog):
 
 def test_negative_min_dim_is_refused():
     with pytest.raises(ConfigurationError, match="--fp8-min-dim must be >= 0"):
-        validate_args(parse_args(["--fp8-min-dim", "-1"]), world_size=1)
+        parse_config(["--fp8-min-dim", "-1"], world_size=1)
 
 
 _SCRIPT = r"""
 import json, logging, sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, ".")
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_config
 from megatron.training import training
 flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--mock-data", "--vocab-size", "256", "--no-progress", "--train-iters", "1",
          "--eval-interval", "0", "--fp8-opt-level", "O2"]
 out = {}
 for min_dim in ("0", "128"):
-    args = validate_args(parse_args(flags + ["--fp8-min-dim", min_dim]))
-    out[min_dim] = training.pretrain(args)[-1]["summary"]["fp8_weights"]
+    cfg = parse_config(flags + ["--fp8-min-dim", min_dim])
+    out[min_dim] = training.pretrain(cfg)[-1]["summary"]["fp8_weights"]
 print("RESULT " + json.dumps(out))
 """
 
@@ -84,8 +84,8 @@ def test_planner_applies_the_same_selection(monkeypatch):
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
              "--vocab-size", "256", "--fp8-opt-level", "O2"]
-    small = PlannerConfig.from_args(validate_args(parse_args(flags + ["--fp8-min-dim", "128"]), world_size=1))
-    every = PlannerConfig.from_args(validate_args(parse_args(flags + ["--fp8-min-dim", "0"]), world_size=1))
+    small = PlannerConfig.from_run_config(parse_config(flags + ["--fp8-min-dim", "128"], world_size=1))
+    every = PlannerConfig.from_run_config(parse_config(flags + ["--fp8-min-dim", "0"], world_size=1))
     assert plan_memory(small)["fp8_params_per_gpu"] == 0
     assert plan_memory(every)["fp8_params_per_gpu"] == 2 * (3 * 64 * 64 + 64 * 64 + 2 * 4 * 64 * 64)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ConfigurationError, build_parser, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, build_parser, parse_args, parse_config, validate_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -44,11 +44,11 @@ def test_the_flag_reaches_the_recipe_and_the_planner(backend):
     from megatron.training.model import fp8_recipe_from_args
     from megatron.training.planning.memory_plan import PlannerConfig
 
-    args = validate_args(parse_args([*SMALL, "--fp8-gemm-backend", backend]), world_size=1)
-    assert fp8_recipe_from_args(args).gemm_backend == backend
-    assert PlannerConfig.from_args(args).fp8_gemm_backend == backend
-    default = validate_args(parse_args(SMALL), world_size=1)
-    assert default.fp8_gemm_backend == "auto" and fp8_recipe_from_args(default).gemm_backend == "auto"
+    config = parse_config([*SMALL, "--fp8-gemm-backend", backend], world_size=1)
+    assert fp8_recipe_from_args(config).gemm_backend == backend
+    assert PlannerConfig.from_run_config(config).fp8_gemm_backend == backend
+    default = parse_config(SMALL, world_size=1)
+    assert default.precision.fp8_gemm_backend == "auto" and fp8_recipe_from_args(default).gemm_backend == "auto"
 
 
 _BUILD = textwrap.dedent("""
@@ -58,19 +58,19 @@ _BUILD = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megatron.core import parallel_state
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
     from megatron.training.model import build_model, fp8_linear_shapes, transformer_config_from_args
     from megatron.training.moe_grouped import FP8GroupedMLP
     from megatron.training.training import initialize_model_parallel
     from fp8.parallel.linear import ParallelLinearBase
     flags, world = json.loads(sys.argv[1]), int(sys.argv[2])
-    args = validate_args(parse_args(flags), world_size=world)
+    cfg = parse_config(flags, world_size=world)
     expected = [(l.name, l.in_features, l.out_features, l.config.recipe, l.config.gemm_backend)
-                for l in fp8_linear_shapes(args)]
+                for l in fp8_linear_shapes(cfg)]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    initialize_model_parallel(args, create_gloo_process_groups=False)
+    initialize_model_parallel(cfg.parallel, create_gloo_process_groups=False)
     with torch.device("meta"):
-        chunks = build_model(args, transformer_config_from_args(args, torch.float32), 256)
+        chunks = build_model(cfg, transformer_config_from_args(cfg, torch.float32), 256)
     built, grouped = [], []
     for name, m in chunks[0].named_modules():
         if isinstance(m, ParallelLinearBase) and m.fp8 is not None:
@@ -164,16 +164,16 @@ def test_the_check_decides_for_the_runs_device():
     from fp8.gemm import GemmTarget
     from megatron.training.model import check_gemm_backend, gemm_backend_problems, gemm_target
 
-    args = validate_args(parse_args([*SMALL, "--hidden-size", "128", "--fp8-recipe", "blockwise"]), world_size=1)
+    config = parse_config([*SMALL, "--hidden-size", "128", "--fp8-recipe", "blockwise"], world_size=1)
     assert gemm_target() == GemmTarget("cpu")
-    assert gemm_backend_problems(args, GemmTarget("cuda", (9, 0), triton=True), "scaled_mm") == []
-    problems = gemm_backend_problems(args, GemmTarget("cuda", (9, 0), triton=False), "scaled_mm")
+    assert gemm_backend_problems(config, GemmTarget("cuda", (9, 0), triton=True), "scaled_mm") == []
+    problems = gemm_backend_problems(config, GemmTarget("cuda", (9, 0), triton=False), "scaled_mm")
     assert problems and all("needs Triton: pip install triton" in p for p in problems)
-    args.fp8_gemm_backend = "scaled_mm"
+    config = config.replace(precision={"fp8_gemm_backend": "scaled_mm"})
     with pytest.raises(ConfigurationError, match=r"a CUDA GPU of compute capability \(9, 0\) without Triton"):
-        check_gemm_backend(args, GemmTarget("cuda", (9, 0), triton=False))
+        check_gemm_backend(config, GemmTarget("cuda", (9, 0), triton=False))
     for recipe in ("tensorwise", "rowwise"):  # every GEMM of these recipes runs torch._scaled_mm, CPU and GPU alike
-        other = validate_args(parse_args([*SMALL, "--fp8-recipe", recipe]), world_size=1)
+        other = parse_config([*SMALL, "--fp8-recipe", recipe], world_size=1)
         for target in (GemmTarget("cpu"), GemmTarget("cuda", (9, 0), triton=False)):
             assert gemm_backend_problems(other, target, "scaled_mm") == [], (recipe, target)
 
@@ -182,13 +182,12 @@ _TRAIN = textwrap.dedent("""
     import json, sys, warnings
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ".")
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
     from megatron.training import training
     flags = json.loads(sys.argv[1])
     out = {}
     for backend in ("emulated", "scaled_mm"):
-        args = validate_args(parse_args(flags + ["--fp8-gemm-backend", backend]))
-        history = training.pretrain(args)[-1]
+        history = training.pretrain(parse_config(flags + ["--fp8-gemm-backend", backend]))[-1]
         out[backend] = {"loss": [r["loss"] for r in history["train"]],
                         "transposes": history["summary"]["memory"].get("weight transposes", 0)}
     print("RESULT " + json.dumps(out))

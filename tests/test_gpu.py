@@ -278,23 +278,23 @@ import json, sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, ".")
 import torch
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_config
 from megatron.training import training
 level = sys.argv[1]
 flags = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "512",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "4096",
          "--train-iters", "6", "--eval-interval", "0", "--bf16", "--fp8-min-dim", "0", "--fp8-opt-level", level,
          "--no-progress"]
-args = validate_args(parse_args(flags), world_size=1)
-training.initialize_distributed(args)
+cfg = parse_config(flags, world_size=1)
+training.initialize_distributed(cfg)
 assert torch.distributed.get_backend() == "nccl"
-run = training.TrainingRun(args, training.Datasets(args))
-source = run.data_iterators(training.Datasets(args).train)
-batches = [{k: v.to(run.device) for k, v in next(source).items()} for _ in range(6 * args.num_microbatches)]
+run = training.TrainingRun(cfg, training.Datasets(cfg))
+source = run.data_iterators(training.Datasets(cfg).train)
+batches = [{k: v.to(run.device) for k, v in next(source).items()} for _ in range(6 * cfg.training.num_microbatches)]
 data = iter(batches)
 run.train_step(data, 0)
 run.train_step(data, 1)  # first steps: lazy optimizer states, first scales, NCCL communicators
-pending = training.PendingRecords(args, run)
+pending = training.PendingRecords(cfg, run)
 torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode("error")
 try:

@@ -30,7 +30,7 @@ from fp8.grouped_gemm import GroupedBlockLinearFunction, group_bounds
 from fp8.linear import NO_HOOKS, Float8LinearConfig, Float8LinearFunction
 from fp8.scaled_fp16 import ScaledFloat16Tensor
 from fp8.scaling import ScalingState
-from megatron.training.arguments import ConfigurationError, baseline_argv, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, baseline_argv, parse_config
 from megatron.training.moe_grouped import PAD_MULTIPLE, ExpertPadding, padded_sizes
 from tests.fp8_bounds import product_error_bound
 from tests.spawn import CachedLaunch, init_gloo_worker
@@ -200,17 +200,17 @@ def _experts_case(flags: list[str], seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for grouped in (False, True):
-        args = validate_args(parse_args(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else []))),
+        cfg = parse_config(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else [])),
                              world_size=1)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        training.initialize_distributed(args)
-        cpu_compat.seed(args.seed)  # megatron-core's RNG tracker, as TrainingRun seeds it before building
-        chunk = build_model(args, transformer_config_from_args(args, torch.float32),
-                            padded_vocab_size(args.vocab_size, args))[0]
+        training.initialize_distributed(cfg)
+        cpu_compat.seed(cfg.training.seed)  # megatron-core's RNG tracker, as TrainingRun seeds it before building
+        chunk = build_model(cfg, transformer_config_from_args(cfg, torch.float32),
+                            padded_vocab_size(cfg.model.vocab_size, cfg))[0]
         masters = {id(w): m for w, m in take_initial_masters(chunk).items()}
         experts = chunk.decoder.layers[0].mlp.experts
-        h = args.hidden_size
+        h = cfg.model.hidden_size
         if not out:  # the same tokens for both
             tokens = {"x": torch.randn(sum(SIZES), h, generator=gen), "probs": torch.rand(sum(SIZES), generator=gen),
                       "dy": torch.randn(sum(SIZES), h, generator=gen)}
@@ -232,7 +232,7 @@ def _experts_case(flags: list[str], seed: int) -> dict:
         if not grouped:
             biases = {k: v for k, v in out[False]["masters"].items() if k.endswith(".bias")}
             weights = {k: v for k, v in out[False]["masters"].items() if k.endswith(".weight")}
-            out["reference"] = _reference(weights, biases, tokens["x"], tokens["probs"], tokens["dy"], args.swiglu)
+            out["reference"] = _reference(weights, biases, tokens["x"], tokens["probs"], tokens["dy"], cfg.model.swiglu)
     out["tokens"] = tokens
     return out
 
@@ -243,12 +243,12 @@ def _run_case(flags: list[str], seed: int, world: int) -> dict:
 
     out = {}
     for grouped in (False, True):
-        args, run, datasets = megatron_run(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else [])), world)
+        cfg, run, datasets = megatron_run(_argv(flags + ["--seed", str(seed)] + (GROUPED if grouped else [])), world)
         chunk = run.bare_chunks[0]
         initial = {name: _bits(p) for name, p in chunk.named_parameters()}
         experts = chunk.decoder.layers[0].mlp.experts
         data = run.data_iterators(datasets.train)
-        losses = [float(run.train_step(data, it)["loss"]) for it in range(args.train_iters)]
+        losses = [float(run.train_step(data, it)["loss"]) for it in range(cfg.training.train_iters)]
         out[grouped] = {
             "type": type(experts).__name__, "initial": initial, "losses": losses, "fp8_selection": run.fp8_selection,
             "fp8_weights": sum(isinstance(p, fp8.Float8Tensor) for p in chunk.parameters()),
@@ -401,7 +401,7 @@ def test_expert_parallel_grouped_experts(expert_parallel, case):
 def _validate(flags: list[str], world: int = 1):
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
             "--vocab-size", "128", "--num-experts", "4"]
-    return validate_args(parse_args(base + flags), world_size=world)
+    return parse_config(base + flags, world_size=world)
 
 
 def test_grouped_gemm_with_tensor_parallelism_is_refused_naming_the_fix():
@@ -409,5 +409,5 @@ def test_grouped_gemm_with_tensor_parallelism_is_refused_naming_the_fix():
         _validate(["--moe-grouped-gemm", "--tensor-model-parallel-size", "2", "--disable-bias-linear"], world=2)
     assert "--moe-grouped-gemm runs each expert unsplit" in str(error.value)
     assert "use --tensor-model-parallel-size 1" in str(error.value)
-    assert _validate(["--moe-grouped-gemm"]).moe_grouped_gemm
-    assert _validate(["--moe-grouped-gemm", "--expert-model-parallel-size", "2"], world=2).moe_grouped_gemm
+    assert _validate(["--moe-grouped-gemm"]).moe.moe_grouped_gemm
+    assert _validate(["--moe-grouped-gemm", "--expert-model-parallel-size", "2"], world=2).moe.moe_grouped_gemm

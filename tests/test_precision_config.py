@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fp8.precision_rules import PrecisionPlan, load_precision_file, parse_precision_rules
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, parse_config
 from megatron.training.model import precision_plan
 from benchmarks.launch import spawn
 from tests.spawn import free_port
@@ -75,7 +75,7 @@ def test_rules_choose_each_linear_by_its_global_name(tmp_path, world):
 def _args(tmp_path, rules, extra=()):
     path = tmp_path / "rules.json"
     path.write_text(json.dumps(rules))
-    return validate_args(parse_args(BASE + ["--fp8-precision-config", str(path), *extra]), world_size=1)
+    return parse_config(BASE + ["--fp8-precision-config", str(path), *extra], world_size=1)
 
 
 def test_patterns_that_match_nothing_and_experts_told_apart_are_refused(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
-from megatron.training.config_rules import high_precision_layers
+from megatron.training.arguments import ConfigurationError, parse_config
+from megatron.training.model import kept_layers
 from tests.spawn import run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,13 +83,13 @@ def test_tp2_pp2_keeps_the_same_global_layers_and_matches_one_process(results):
 def _args(flags: list[str]):
     base = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data", "--vocab-size",
             "128"]
-    return validate_args(parse_args(base + flags), world_size=1)
+    return parse_config(base + flags, world_size=1)
 
 
 def test_layer_numbers_and_refusals():
-    assert high_precision_layers(_args([])) == frozenset()
-    assert high_precision_layers(_args(["--first-last-layers-bf16"])) == {1, 4}  # Megatron's defaults: 1 and 1
-    assert high_precision_layers(_args(["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "0",
+    assert kept_layers(_args([])) == frozenset()
+    assert kept_layers(_args(["--first-last-layers-bf16"])) == {1, 4}  # Megatron's defaults: 1 and 1
+    assert kept_layers(_args(["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "0",
                                         "--num-layers-at-end-in-bf16", "3"])) == {2, 3, 4}
     with pytest.raises(ConfigurationError, match="leave none of the 4 layers in FP8"):
         _args(["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "2"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training.arguments import ConfigurationError, parse_args, validate_args
+from megatron.training.arguments import ConfigurationError, config_from_args, parse_args, validate_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -85,13 +85,12 @@ _IN_PROCESS = textwrap.dedent("""
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ".")
     import torch
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
     from megatron.training import training
     flags = json.loads(sys.argv[1])
     out = {}
     def run(extra):
-        args = validate_args(parse_args(flags + extra))
-        return [r["loss"] for r in training.pretrain(args)[-1]["train"]]
+        return [r["loss"] for r in training.pretrain(parse_config(flags + extra))[-1]["train"]]
     out["full"] = run(["--train-iters", "4"])
     out["first"] = run(["--train-iters", "2", "--save", sys.argv[2]])
     out["resumed"] = run(["--train-iters", "4", "--load", sys.argv[2]])
@@ -146,8 +145,8 @@ def test_cpu_compat_rebinds_only_megatron_core(monkeypatch):
 def test_fp8_grad_accumulation_flag_reaches_the_linear_recipe(flag, expected):
     from megatron.training.model import fp8_recipe_from_args
 
-    args = _validate(["--fp8-opt-level", "O2", *flag])
-    assert fp8_recipe_from_args(args).grad_accumulation == expected
+    config = config_from_args(_validate(["--fp8-opt-level", "O2", *flag]))
+    assert fp8_recipe_from_args(config).grad_accumulation == expected
     with pytest.raises(SystemExit):
         parse_args(["--fp8-grad-accumulation", "bf16"])
 
@@ -181,15 +180,13 @@ def test_a_run_without_baseline_prints_no_comparison():
 def test_a_level_stopped_before_evaluating_shows_no_nan_and_says_why(capsys):
     """After a SIGTERM (or --exit-interval) before the first evaluation: no 'nan' nor '+nan%' in the summary, and the
     note names the stop, not --eval-interval."""
-    import argparse
-
+    from megatron.training.config import LoggingConfig, RunConfig
     from megatron.training.log import TrainingLogger, format_summary
 
     stopped = [{**_summary(level, 4.0), "final_val_loss": float("nan")} for level in ("none", "O2")]
     table = format_summary(stopped)
     assert "nan" not in table.lower()
-    args = argparse.Namespace(eval_interval=100, log_json=None, plot=None, no_progress=True, demo=False)
-    logger = TrainingLogger(args, rank=0, is_logging_rank=True)
+    logger = TrainingLogger(RunConfig(logging=LoggingConfig(no_progress=True)), rank=0, is_logging_rank=True)
     history = {"summary": stopped[1],
                "stopped": {"iteration": 3, "reason": "SIGTERM", "saved": False}}
     logger.finish([history])

@@ -39,11 +39,11 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     results = {}
     try:
         for name, extra in CASES.items():
-            args, run, datasets = megatron_run(FLAGS + extra + layout + ["--seed", str(seed)], world)
+            cfg, run, datasets = megatron_run(FLAGS + extra + layout + ["--seed", str(seed)], world)
             data = run.data_iterators(datasets.train)
             weights = tied_embedding_weights(run.bare_chunks)
             losses, identical = [], []
-            for it in range(args.train_iters):
+            for it in range(cfg.training.train_iters):
                 losses.append(float(run.train_step(data, it)["loss"]))
                 if world > 1:
                     group = parallel_state.get_embedding_group()

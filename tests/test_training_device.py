@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
 
     from megatron.core import parallel_state
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_config
     from tests.test_no_host_sync import HostSyncDetector
 
     init_gloo_worker(rank, world, port)
@@ -99,16 +99,16 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         for layers in (2, 4):
             for level in LEVELS:
                 flags = FLAGS + ["--num-layers", str(layers), "--fp8-opt-level", level, "--seed", str(seed)]
-                args = validate_args(parse_args(flags), world_size=world)
+                cfg = parse_config(flags, world_size=world)
                 state["sharded"] = level == "O3"
                 if parallel_state.model_parallel_is_initialized():
                     parallel_state.destroy_model_parallel()
-                training.initialize_distributed(args)
-                run = training.TrainingRun(args, training.Datasets(args))
+                training.initialize_distributed(cfg)
+                run = training.TrainingRun(cfg, training.Datasets(cfg))
                 # Batches are prepared on the host beforehand: data loading is host work, not a device sync.
-                source = run.data_iterators(training.Datasets(args).train)
-                data = iter([next(source) for _ in range(5 * args.num_microbatches)])
-                pending = training.PendingRecords(args, run)
+                source = run.data_iterators(training.Datasets(cfg).train)
+                data = iter([next(source) for _ in range(5 * cfg.training.num_microbatches)])
+                pending = training.PendingRecords(cfg, run)
                 run.train_step(data, 0)  # the first step (lazy state, first scales) outside the detector
                 snapshots = []
                 with HostSyncDetector() as step_detector:
@@ -135,14 +135,14 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
                              "--pipeline-model-parallel-size", "2"]
             if level.endswith("interleaved"):
                 flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
-            args = validate_args(parse_args(flags), world_size=world)
+            cfg = parse_config(flags, world_size=world)
             state["sharded"] = True  # poison rank 1 (the last stage) only
             parallel_state.destroy_model_parallel()
-            training.initialize_distributed(args)
-            run = training.TrainingRun(args, training.Datasets(args))
-            source = run.data_iterators(training.Datasets(args).train)
-            data = ([iter([next(src) for _ in range(5 * args.num_microbatches)]) for src in source]
-                    if isinstance(source, list) else iter([next(source) for _ in range(5 * args.num_microbatches)]))
+            training.initialize_distributed(cfg)
+            run = training.TrainingRun(cfg, training.Datasets(cfg))
+            source = run.data_iterators(training.Datasets(cfg).train)
+            data = ([iter([next(src) for _ in range(5 * cfg.training.num_microbatches)]) for src in source]
+                    if isinstance(source, list) else iter([next(source) for _ in range(5 * cfg.training.num_microbatches)]))
             run.train_step(data, 0)
             with HostSyncDetector() as step_detector:
                 skipped = []

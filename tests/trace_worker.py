@@ -62,17 +62,17 @@ def _legacy_communicator_class():
 
 def p2p(out: str, legacy: bool, flags: list[str]) -> None:
     from megatron.training import training
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, parse_config
     from megatron.training.compat.core_trace import trace_megatron_core
 
-    args = validate_args(parse_args(flags))
-    training.initialize_distributed(args)
+    cfg = parse_config(flags)
+    training.initialize_distributed(cfg)
     trace = CollectiveTrace(dist.get_rank())
     counter = CommBytesCounter(trace=trace)
-    datasets = training.Datasets(args)
+    datasets = training.Datasets(cfg)
     core = trace_megatron_core(trace)
     try:
-        run = training.TrainingRun(args, datasets, counter)
+        run = training.TrainingRun(cfg, datasets, counter)
         if legacy:
             current = run.schedule_kwargs["p2p_communicator"]
             replay = _legacy_communicator_class()(run.pp_group, run.config, fp8=True, device=run.device, counter=counter)

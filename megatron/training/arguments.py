@@ -3,8 +3,9 @@
 Flags keep Megatron-LM's names (``--num-layers``, ``--tensor-model-parallel-size``, ...); fp8lm adds
 ``--fp8-opt-level {none,O1,O2,O3}`` (``none`` is the high-precision baseline: BF16 mixed precision on
 GPU, FP32 on CPU; ``O0`` is accepted as its alias and normalised to ``none``), ``--log-json``, ``--compare``, ``--plot``, ``--mock-data`` and ``--dry-run``.
-:func:`validate_args` stops bad configurations at start-up with a message naming the fix; the layout rules
-it shares with the memory planner are :func:`megatron.training.config_rules.check_config`.
+:func:`validate_args` stops bad configurations at start-up with a message naming the fix (the layout rules it shares
+with the memory planner are :func:`megatron.training.config_rules.check_config`); :func:`parse_config` returns the
+frozen, typed :class:`~megatron.training.config.RunConfig` every component takes.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import sys
 import torch
 
 from .compat import MegatronCoreVersionError, check_megatron_core_version
+from .config import RunConfig, config_from_args
 from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_config, check_expert_fp8_shapes,
                            check_split, high_precision_layers, normalize_opt_level, opt_level_arg)
 from .output_paths import check_output_path
 
-__all__ = ["parse_args", "validate_args", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
+__all__ = ["parse_args", "validate_args", "parse_config", "config_from_args", "RunConfig", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
            "FP8_ONLY_FLAGS", "baseline_argv"]
 
 OPT_LEVEL_CHOICES = OPT_LEVELS
@@ -431,7 +433,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_no_silent_flags(args)
     _check_moe(args, dp)
     _check_fp8_stats(args)
-    high_precision_layers(args)  # --first-last-layers-bf16's counts checked here, at start-up
+    high_precision_layers(args.first_last_layers_bf16, args.num_layers_at_start_in_bf16,  # checked at start-up
+                          args.num_layers_at_end_in_bf16, args.num_layers)
     # the rules of --fp8-precision-config, read and checked once now (matched when the model is built), as the
     # checkpoints save and compare them: [pattern, precision, overrides] each (None without a file)
     args.fp8_precision_rules = None
@@ -483,9 +486,16 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.compile_layers:
         from .model import check_compile_layers  # imports megatron-core: only when the flag is given
 
-        check_compile_layers(args)
+        check_compile_layers(config_from_args(args))
     if args.fp8_gemm_backend == "scaled_mm":
         from .model import check_gemm_backend  # imports megatron-core: only when the check is asked for
 
-        check_gemm_backend(args)  # every FP8 GEMM of the run decided for this machine's device, before anything runs
+        # every FP8 GEMM of the run decided for this machine's device, before anything runs
+        check_gemm_backend(config_from_args(args))
     return args
+
+
+def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
+    """``argv`` parsed (:func:`parse_args`), validated (:func:`validate_args`, which raises
+    :class:`ConfigurationError` naming the fix) and frozen into the run's :class:`~megatron.training.config.RunConfig`."""
+    return config_from_args(validate_args(parse_args(argv), world_size))

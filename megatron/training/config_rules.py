@@ -208,12 +208,13 @@ def check_split(split: str) -> list[float]:
     return weights + [0.0] * (3 - len(weights))
 
 
-def high_precision_layers(args: argparse.Namespace) -> frozenset[int]:
+def high_precision_layers(first_last_layers_bf16: bool, num_layers_at_start_in_bf16: int,
+                          num_layers_at_end_in_bf16: int, num_layers: int) -> frozenset[int]:
     """The global transformer layer numbers (1-based, as megatron-core numbers them) kept out of FP8 by
     ``--first-last-layers-bf16`` (empty without it); a count that is negative or leaves no layer in FP8 is refused."""
-    if not getattr(args, "first_last_layers_bf16", False):
+    if not first_last_layers_bf16:
         return frozenset()
-    start, end, n = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16, args.num_layers
+    start, end, n = num_layers_at_start_in_bf16, num_layers_at_end_in_bf16, num_layers
     if start < 0 or end < 0:
         raise ConfigurationError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 {end} must "
                                  f"be >= 0")

@@ -13,7 +13,6 @@ so a signal stops the run one iteration later than on CPU, at the same iteration
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 
@@ -22,25 +21,27 @@ import torch
 from fp8.comm import Collectives
 from fp8.host_read import HostCopy
 
+from .config import CheckpointConfig
+
 __all__ = ["ExitPolicy"]
 
-_START = time.time()  # when ``args.start_time`` (pretrain_gpt.py's start) is not set
+_START = time.time()  # when ``CheckpointConfig.start_time`` (pretrain_gpt.py's start) is not set
 
 
 class ExitPolicy:
     """Decides after each iteration whether the run stops there (and why)."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, world: Collectives | None = None) -> None:
-        self.interval = getattr(args, "exit_interval", None)
-        minutes = getattr(args, "exit_duration_in_mins", None)
-        start = getattr(args, "start_time", None) or _START
+    def __init__(self, checkpoint: CheckpointConfig, device: torch.device, world: Collectives | None = None) -> None:
+        self.interval = checkpoint.exit_interval
+        minutes = checkpoint.exit_duration_in_mins
+        start = checkpoint.start_time or _START
         self.deadline = None if minutes is None else start + 60.0 * minutes
         self.device = device
         self.world = world  # every rank of the job (None: a single process)
         self.signalled: str | None = None
         self._previous: dict = {}
         self._in_flight: HostCopy | None = None
-        if getattr(args, "exit_signal_handler", False):
+        if checkpoint.exit_signal_handler:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 

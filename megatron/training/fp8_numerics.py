@@ -19,7 +19,6 @@ An alarm is a WARNING naming the layer, operand and iteration; with ``--fp8-stat
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 import logging
 
@@ -28,6 +27,7 @@ import torch
 from fp8.comm import Collectives
 from fp8.stats import FP8Statistics
 
+from .config import StatsConfig
 from .health import RunHealthError
 
 __all__ = ["NumericsMonitor", "merge_rank_stats", "alarms"]
@@ -72,17 +72,18 @@ def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list
 
 
 class NumericsMonitor:
-    """The run's FP8 statistics (``args.fp8_stats_interval`` > 0) over ``chunks`` (this rank's model chunks)."""
+    """The run's FP8 statistics (``stats.fp8_stats_interval`` > 0) over ``chunks`` (this rank's model chunks) and
+    their alarms."""
 
-    def __init__(self, args: argparse.Namespace, chunks: list[torch.nn.Module], world: Collectives,
+    def __init__(self, stats: StatsConfig, chunks: list[torch.nn.Module], world: Collectives,
                  global_names: list[Callable[[str], str]], log: bool) -> None:
         """``global_names[i]``: chunk ``i``'s module names -> the single-process model's (the layers' global numbers,
         as the start-up selection and ``--fp8-precision-config`` name them)."""
-        self.args = args
+        self.config = stats
         self.world = world
         self.global_names = global_names
         self.log = log
-        self.stats = [FP8Statistics(c, args.fp8_stats_interval) for c in chunks]
+        self.stats = [FP8Statistics(c, stats.fp8_stats_interval) for c in chunks]
         self.losses: list[float] = []
 
     def begin_step(self, iteration: int) -> None:
@@ -96,26 +97,26 @@ class NumericsMonitor:
         for s, global_name in zip(self.stats, self.global_names):
             local.update({global_name(name): values for name, values in s.read().items()})
         merged = merge_rank_stats(self.world.all_gather_object(local, "fp8 statistics"))
-        args = self.args
+        cfg = self.config
         found = []
         if merged and records:
             records[-1]["fp8_stats"] = merged
-            found += alarms(merged, records[-1]["iteration"], args.fp8_stats_saturation_alarm,
-                            args.fp8_stats_flush_alarm)
+            found += alarms(merged, records[-1]["iteration"], cfg.fp8_stats_saturation_alarm,
+                            cfg.fp8_stats_flush_alarm)
         for record in records:
             loss = record.get("loss")
             if loss is None:
                 continue
             previous = self.losses[-10:]
-            if args.fp8_stats_loss_spike and len(previous) >= 3 and loss > args.fp8_stats_loss_spike * (
+            if cfg.fp8_stats_loss_spike and len(previous) >= 3 and loss > cfg.fp8_stats_loss_spike * (
                     sum(previous) / len(previous)):
                 found.append(f"iteration {record['iteration']}: loss {loss:.4f} spikes above "
-                             f"{args.fp8_stats_loss_spike} x the mean of the previous {len(previous)} logged losses "
+                             f"{cfg.fp8_stats_loss_spike} x the mean of the previous {len(previous)} logged losses "
                              f"({sum(previous) / len(previous):.4f})")
             self.losses.append(loss)
         if found and self.log:
             for line in found:
                 _LOG.warning("FP8 alarm, %s", line)
-        if found and args.fp8_stats_stop:
+        if found and cfg.fp8_stats_stop:
             raise RunHealthError(f"--fp8-stats-stop: {found[0]}" + (f" (and {len(found) - 1} more alarms)"
                                                                      if len(found) > 1 else ""))

@@ -4,13 +4,13 @@ side-by-side summary and loss-curve PNG of the levels trained."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
 
+from .config import RunConfig
 from .scalar_writers import scalar_writers
 
 __all__ = ["TrainingLogger", "plot_loss_curves", "format_summary"]
@@ -124,19 +124,19 @@ def plot_loss_curves(histories: list[dict], path: str, title: str = "") -> str:
 class TrainingLogger:
     """Terminal and JSON output of a run; only the logging rank writes (the last stage's first rank)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, is_logging_rank: bool) -> None:
-        self.args = args
+    def __init__(self, cfg: RunConfig, rank: int, is_logging_rank: bool) -> None:
+        self.cfg = cfg
         self.active = is_logging_rank
-        self.tty = sys.stdout.isatty() and not args.no_progress
+        self.tty = sys.stdout.isatty() and not cfg.logging.no_progress
         self.json = None
-        if self.active and args.log_json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
-            self.json = open(args.log_json, "w", encoding="utf-8")
+        if self.active and cfg.logging.log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.logging.log_json)), exist_ok=True)
+            self.json = open(cfg.logging.log_json, "w", encoding="utf-8")
         self.level = None
         self.total = 0
         self.t_start = time.perf_counter()
         # --tensorboard-dir / --wandb-project: the same records as scalars (megatron/training/scalar_writers.py)
-        self.writers = (scalar_writers(getattr(args, "tensorboard_dir", None), getattr(args, "wandb_project", None))
+        self.writers = (scalar_writers(cfg.logging.tensorboard_dir, cfg.logging.wandb_project)
                         if self.active else [])
 
     def _print(self, text: str) -> None:
@@ -144,14 +144,14 @@ class TrainingLogger:
             print(text, flush=True)
 
     def banner(self, datasets, world_size: int) -> None:
-        a = self.args
+        m, par, t, data = self.cfg.model, self.cfg.parallel, self.cfg.training, datasets.data
         self._print(
-            f"fp8lm pretrain_gpt: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads, seq "
-            f"{a.seq_length}, vocab {datasets.vocab_size}; world {world_size} = TP {a.tensor_model_parallel_size} x PP "
-            f"{a.pipeline_model_parallel_size} x DP {a.data_parallel_size}"
-            f"{' + SP' if a.sequence_parallel else ''}; global batch {a.global_batch_size} "
-            f"({a.num_microbatches} micro-batches of {a.micro_batch_size}); data: "
-            f"{'mock' if a.mock_data else a.data_path}"
+            f"fp8lm pretrain_gpt: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq "
+            f"{m.seq_length}, vocab {datasets.vocab_size}; world {world_size} = TP {par.tensor_model_parallel_size} x PP "
+            f"{par.pipeline_model_parallel_size} x DP {par.data_parallel_size}"
+            f"{' + SP' if par.sequence_parallel else ''}; global batch {t.global_batch_size} "
+            f"({t.num_microbatches} micro-batches of {t.micro_batch_size}); data: "
+            f"{'mock' if data.mock_data else data.data_path}"
         )
 
     def start_level(self, level: str, total: int, start: int) -> None:
@@ -184,7 +184,7 @@ class TrainingLogger:
             end = "\n" if "val_loss" in record or it == self.total else ""
             sys.stdout.write(f"\r[{bar}] {line}\x1b[K{end}")
             sys.stdout.flush()
-        elif it % self.args.log_interval == 0 or "val_loss" in record or it == self.total:
+        elif it % self.cfg.training.log_interval == 0 or "val_loss" in record or it == self.total:
             print(line, flush=True)
 
     def end_level(self, summary: dict) -> None:
@@ -204,11 +204,12 @@ class TrainingLogger:
             self.json.close()
         for writer in self.writers:
             writer.close()
-        if getattr(self.args, "tensorboard_dir", None):
-            self._print(f"TensorBoard: tensorboard --logdir {self.args.tensorboard_dir}")
-        if len(histories) > 1 or self.args.plot:
-            path = self.args.plot or (os.path.join(os.path.dirname(os.path.abspath(self.args.log_json)), "loss_curves.png")
-                                      if self.args.log_json else os.path.join("runs", "loss_curves.png"))
+        if self.cfg.logging.tensorboard_dir:
+            self._print(f"TensorBoard: tensorboard --logdir {self.cfg.logging.tensorboard_dir}")
+        if len(histories) > 1 or self.cfg.logging.plot:
+            log = self.cfg.logging
+            path = log.plot or (os.path.join(os.path.dirname(os.path.abspath(log.log_json)), "loss_curves.png")
+                                if log.log_json else os.path.join("runs", "loss_curves.png"))
             plot_loss_curves(histories, path)
             self._print(f"loss curves: {path}")
         self._print(f"total time {time.perf_counter() - self.t_start:.1f} s")
@@ -218,7 +219,7 @@ class TrainingLogger:
             stopped = history.get("stopped")
             if stopped is not None:
                 why = f"it stopped after iteration {stopped['iteration']} ({stopped['reason']}) before an evaluation"
-            elif not self.args.eval_interval:
+            elif not self.cfg.training.eval_interval:
                 why = "--eval-interval is 0 (no evaluation asked for)"
             else:
                 why = "no evaluation ran"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 
@@ -21,43 +20,44 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from fp8.parallel.init import reinitialize_named_
 
+from .config import RunConfig
 from .config_rules import ConfigurationError, high_precision_layers
 from .gpt_layer_specs import get_gpt_block_fp8_spec, get_gpt_layer_fp8_spec, layer_init_seed
 
 __all__ = ["transformer_config_from_args", "fp8_recipe_from_args", "build_model", "padded_vocab_size",
-           "resolved_min_fp8_dim", "announce_layer_selection", "FP8LinearShape", "fp8_linear_shapes", "gemm_target",
+           "resolved_min_fp8_dim", "kept_layers", "announce_layer_selection", "FP8LinearShape", "fp8_linear_shapes", "gemm_target",
            "gemm_backend_problems", "check_gemm_backend", "compile_layers", "check_compile_layers"]
 
 
-def resolved_min_fp8_dim(args: argparse.Namespace) -> int:
+def resolved_min_fp8_dim(cfg: RunConfig) -> int:
     """``--fp8-min-dim``, or its default: :data:`fp8.convert.CUDA_MIN_FP8_DIM` on CUDA (the measured
     crossover below which an FP8 GEMM is slower than BF16), 0 on CPU (no FP8 units: every eligible linear
     is converted, as in ``fp8.initialize``)."""
     from fp8.convert import CUDA_MIN_FP8_DIM
 
-    value = getattr(args, "fp8_min_dim", None)
+    value = cfg.precision.fp8_min_dim
     if value is None:
         return CUDA_MIN_FP8_DIM if torch.cuda.is_available() else 0
     return value
 
 
-def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+def padded_vocab_size(vocab_size: int, cfg: RunConfig) -> int:
     """``vocab_size`` padded to a multiple of ``--make-vocab-size-divisible-by`` x TP (Megatron's rule)."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
-def fp8_recipe_from_args(args: argparse.Namespace) -> Float8LinearConfig | None:
+def fp8_recipe_from_args(cfg: RunConfig) -> Float8LinearConfig | None:
     """The FP8 recipe of the linears (None for ``--fp8-opt-level none``)."""
-    if args.fp8_opt_level == "none":
+    if cfg.precision.fp8_opt_level == "none":
         return None
-    history, margin = args.fp8_amax_history_len, args.fp8_margin
+    history, margin = cfg.precision.fp8_amax_history_len, cfg.precision.fp8_margin
     return Float8LinearConfig(
         input=ScalingConfig("e4m3", "delayed", history, margin),
         grad_output=ScalingConfig("e5m2", "delayed", history, margin),
-        grad_accumulation=getattr(args, "fp8_grad_accumulation", "fp16"),
-        recipe=getattr(args, "fp8_recipe", "tensorwise"),
-        gemm_backend=getattr(args, "fp8_gemm_backend", "auto"),
+        grad_accumulation=cfg.precision.fp8_grad_accumulation,
+        recipe=cfg.precision.fp8_recipe,
+        gemm_backend=cfg.precision.fp8_gemm_backend,
     )
 
 
@@ -66,59 +66,59 @@ _UNFUSED = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fus
             "batch_p2p_sync")
 
 
-def transformer_config_from_args(args: argparse.Namespace, pipeline_dtype: torch.dtype) -> TransformerConfig:
-    """megatron-core's ``TransformerConfig`` for ``args`` (CPU-friendly: no fusions, CPU initialisation)."""
-    vp = args.virtual_pipeline_model_parallel_size
+def transformer_config_from_args(cfg: RunConfig, pipeline_dtype: torch.dtype) -> TransformerConfig:
+    """megatron-core's ``TransformerConfig`` for ``cfg`` (CPU-friendly: no fusions, CPU initialisation)."""
+    vp = cfg.parallel.virtual_pipeline_model_parallel_size
     recompute = {}
-    if args.recompute_activations:
+    if cfg.parallel.recompute_activations:
         recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers=cfg.model.num_layers,
+        hidden_size=cfg.model.hidden_size,
+        ffn_hidden_size=cfg.model.ffn_hidden_size,
+        num_attention_heads=cfg.model.num_attention_heads,
+        num_query_groups=cfg.model.num_query_groups,
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
-        sequence_parallel=args.sequence_parallel,
-        params_dtype=getattr(args, "params_dtype", torch.float32),
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        params_dtype=cfg.precision.params_dtype,
         pipeline_dtype=pipeline_dtype,
         use_cpu_initialization=True,
         perform_initialization=True,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=cfg.model.init_method_std,
+        hidden_dropout=cfg.model.hidden_dropout,
+        attention_dropout=cfg.model.attention_dropout,
+        normalization=cfg.model.normalization,
+        gated_linear_unit=cfg.model.swiglu,
+        activation_func=F.silu if cfg.model.swiglu else F.gelu,
+        add_bias_linear=not cfg.model.disable_bias_linear,
         # megatron-core's fused kernels (Apex/TE/CUDA) off, and its own batched P2P off (pipeline_p2p batches).
         **dict.fromkeys(_UNFUSED, False),
         # The interleaved schedule overlaps its pipeline sends/receives with compute (Megatron-LM's default
         # there); megatron.training.compat.pipeline_p2p hands it asynchronous requests.
         overlap_p2p_comm=vp is not None,
         **recompute,
-        **moe_config_from_args(args),
+        **moe_config_from_args(cfg),
     )
 
 
-def moe_config_from_args(args: argparse.Namespace) -> dict:
-    """megatron-core's mixture-of-experts fields of ``TransformerConfig`` for ``args`` (none for dense MLPs). The
+def moe_config_from_args(cfg: RunConfig) -> dict:
+    """megatron-core's mixture-of-experts fields of ``TransformerConfig`` for ``cfg`` (none for dense MLPs). The
     router runs in FP32; a rank's experts are fp8lm's linears (``--moe-grouped-gemm``: one grouped FP8 GEMM, built
     by the layer spec, so megatron-core's own grouped GEMM stays off)."""
-    if getattr(args, "num_experts", None) is None:
+    if cfg.moe.num_experts is None:
         return {}
-    return {"num_moe_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
-            "moe_ffn_hidden_size": args.moe_ffn_hidden_size, "expert_model_parallel_size":
-            args.expert_model_parallel_size, "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
-            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_router_load_balancing_type":
-            args.moe_router_load_balancing_type, "moe_shared_expert_intermediate_size":
-            args.moe_shared_expert_intermediate_size, "moe_router_dtype": "fp32", "moe_grouped_gemm": False,
+    return {"num_moe_experts": cfg.moe.num_experts, "moe_router_topk": cfg.moe.moe_router_topk,
+            "moe_ffn_hidden_size": cfg.moe.moe_ffn_hidden_size, "expert_model_parallel_size":
+            cfg.parallel.expert_model_parallel_size, "moe_token_dispatcher_type": cfg.moe.moe_token_dispatcher_type,
+            "moe_aux_loss_coeff": cfg.moe.moe_aux_loss_coeff, "moe_router_load_balancing_type":
+            cfg.moe.moe_router_load_balancing_type, "moe_shared_expert_intermediate_size":
+            cfg.moe.moe_shared_expert_intermediate_size, "moe_router_dtype": "fp32", "moe_grouped_gemm": False,
             "moe_permute_fusion": False, "moe_router_fusion": False}
 
 
-def _initialize_megatron_weights(model: GPTModel, args: argparse.Namespace, config: TransformerConfig) -> None:
+def _initialize_megatron_weights(model: GPTModel, cfg: RunConfig, config: TransformerConfig) -> None:
     """Embeddings and output layer (built by megatron-core, which initialises each shard from the
     rank's RNG) re-initialised by name, shard-wise: identical for every layout (fp8.parallel.init)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -131,10 +131,10 @@ def _initialize_megatron_weights(model: GPTModel, args: argparse.Namespace, conf
     if model.post_process and model.output_layer.weight is not None:
         tied = model.share_embeddings_and_output_weights  # the last stage's copy of the embedding
         params["embedding.word_embeddings.weight" if tied else "output_layer.weight"] = model.output_layer.weight
-    reinitialize_named_(params, args.seed, config.init_method_std, tp_rank, tp_size)
+    reinitialize_named_(params, cfg.training.seed, config.init_method_std, tp_rank, tp_size)
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
                 counter: CommBytesCounter | None = None) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialised independently of the layout,
     each rank generating only its shards (:mod:`fp8.parallel.init`) on its device: the current CUDA device
@@ -150,18 +150,18 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
     # allocates nothing), then they are re-initialised layout-independently (_initialize_megatron_weights).
     config.use_cpu_initialization = device.type == "meta"
     with torch.device(device):
-        return _build_chunks(args, config, vocab_size, counter)
+        return _build_chunks(cfg, config, vocab_size, counter)
 
 
-def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+def _build_chunks(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
                   counter: CommBytesCounter | None) -> list[GPTModel]:
-    fp8 = fp8_recipe_from_args(args)
-    common = {"init_seed": args.seed, "min_fp8_dim": resolved_min_fp8_dim(args), "counter": counter,
-              "num_experts": getattr(args, "num_experts", None),
-              "moe_fp8_dispatch": bool(getattr(args, "moe_fp8_dispatch", False)),
-              "moe_grouped_gemm": bool(getattr(args, "moe_grouped_gemm", False))}
+    fp8 = fp8_recipe_from_args(cfg)
+    common = {"init_seed": cfg.training.seed, "min_fp8_dim": resolved_min_fp8_dim(cfg), "counter": counter,
+              "num_experts": cfg.moe.num_experts,
+              "moe_fp8_dispatch": bool(cfg.moe.moe_fp8_dispatch),
+              "moe_grouped_gemm": bool(cfg.moe.moe_grouped_gemm)}
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, **common)
-    spec_for_layer = _spec_for_layer(args, fp8, common)
+    spec_for_layer = _spec_for_layer(cfg, fp8, common)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     vp_size = config.virtual_pipeline_model_parallel_size or 1
@@ -173,22 +173,22 @@ def _build_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_siz
         post_process = pp_rank == pp_size - 1 and vp_stage == vp_size - 1
         # Embedding and output layer draw from the generator at the point the single-process model would.
         if pre_process:
-            torch.manual_seed(layer_init_seed(args.seed, 0))
+            torch.manual_seed(layer_init_seed(cfg.training.seed, 0))
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
             vocab_size=vocab_size,
-            max_sequence_length=args.max_position_embeddings,
+            max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.model.position_embedding_type,
             vp_stage=vp_stage if vp_size > 1 else None,
         )
-        _initialize_megatron_weights(model, args, config)
-        if getattr(args, "fp8_activations", False):
+        _initialize_megatron_weights(model, cfg, config)
+        if cfg.precision.fp8_activations:
             model.fp8_activation_compressor = compress_activations(model)
-        if getattr(args, "compile_layers", False):
+        if cfg.parallel.compile_layers:
             compile_layers(model)
         chunks.append(model)
     return chunks
@@ -207,33 +207,33 @@ def compile_layers(model: GPTModel) -> int:
     return len(layers)
 
 
-def _layer_linears(args: argparse.Namespace, number: int) -> dict[str, list[str]]:
+def _layer_linears(cfg: RunConfig, number: int) -> dict[str, list[str]]:
     """Global layer ``number``'s linears: place in the layer spec -> the module names (in the single-process model)
     of the linears built there (every expert for an expert's place)."""
     prefix = f"decoder.layers.{number - 1}."
     places = {p: [prefix + p] for p in ("self_attention.linear_qkv", "self_attention.linear_proj")}
-    if getattr(args, "num_experts", None) is None:
+    if cfg.moe.num_experts is None:
         places.update({p: [prefix + p] for p in ("mlp.linear_fc1", "mlp.linear_fc2")})
         return places
     for fc in ("linear_fc1", "linear_fc2"):
-        places[f"mlp.experts.{fc}"] = [f"{prefix}mlp.experts.local_experts.{j}.{fc}" for j in range(args.num_experts)]
-        if args.moe_shared_expert_intermediate_size:
+        places[f"mlp.experts.{fc}"] = [f"{prefix}mlp.experts.local_experts.{j}.{fc}" for j in range(cfg.moe.num_experts)]
+        if cfg.moe.moe_shared_expert_intermediate_size:
             places[f"mlp.shared_experts.{fc}"] = [f"{prefix}mlp.shared_experts.{fc}"]
     return places
 
 
-def precision_plan(args: argparse.Namespace) -> tuple[PrecisionPlan, dict[tuple[int, str], PrecisionRule]] | None:
+def precision_plan(cfg: RunConfig) -> tuple[PrecisionPlan, dict[tuple[int, str], PrecisionRule]] | None:
     """``--fp8-precision-config``'s rules applied to every linear of the model (global names, so every rank sees
     the same plan and checks the patterns without communicating): the plan (matches per rule) and the rule of each
     (global layer number, place). None without the flag. Patterns matching nothing, and rules telling experts of
     one layer apart, are refused."""
-    path = getattr(args, "fp8_precision_config", None)
+    path = cfg.precision.fp8_precision_config
     if not path:
         return None
     plan = PrecisionPlan(load_precision_file(path))
     decided: dict[tuple[int, str], PrecisionRule] = {}
-    for number in range(1, args.num_layers + 1):
-        for place, names in _layer_linears(args, number).items():
+    for number in range(1, cfg.model.num_layers + 1):
+        for place, names in _layer_linears(cfg, number).items():
             rules = {plan.rule_for(name) for name in names}
             if len(rules) > 1:
                 raise ConfigurationError(
@@ -250,22 +250,22 @@ def precision_plan(args: argparse.Namespace) -> tuple[PrecisionPlan, dict[tuple[
     return plan, decided
 
 
-def _spec_for_layer(args: argparse.Namespace, fp8, common: dict):
+def _spec_for_layer(cfg: RunConfig, fp8, common: dict):
     """The layer spec of each global layer number when some layers differ (``--first-last-layers-bf16``,
     ``--fp8-precision-config``), else None (one spec for every layer)."""
     if fp8 is None:
         return None
-    kept = high_precision_layers(args)
-    planned = precision_plan(args)
+    kept = kept_layers(cfg)
+    planned = precision_plan(cfg)
     if not kept and planned is None:
         return None
-    kept_reason = (f"first {args.num_layers_at_start_in_bf16} / last {args.num_layers_at_end_in_bf16} layers kept out "
+    kept_reason = (f"first {cfg.precision.num_layers_at_start_in_bf16} / last {cfg.precision.num_layers_at_end_in_bf16} layers kept out "
                    f"of FP8 (--first-last-layers-bf16)")
     if planned is not None:
         plan, decided = planned
         if not dist.is_initialized() or dist.get_rank() == 0:
             logging.getLogger("megatron.training").warning(
-                "pretrain_gpt.py --fp8-precision-config %s:\n%s", args.fp8_precision_config, plan.summary())
+                "pretrain_gpt.py --fp8-precision-config %s:\n%s", cfg.precision.fp8_precision_config, plan.summary())
         rule_index = {rule: i + 1 for i, rule in enumerate(plan.rules)}
     else:
         decided, rule_index = {}, {}
@@ -287,7 +287,7 @@ def _spec_for_layer(args: argparse.Namespace, fp8, common: dict):
     return spec_for
 
 
-def announce_layer_selection(args: argparse.Namespace, chunks: list, log: bool = True) -> tuple[int, list]:
+def announce_layer_selection(cfg: RunConfig, chunks: list, log: bool = True) -> tuple[int, list]:
     """How many of this rank's linears run in FP8 and which stay in high precision, and why; logged at
     WARNING (by the caller's choice of rank) for the FP8 levels. Returns ``(n_fp8, kept)``."""
     import logging
@@ -297,11 +297,11 @@ def announce_layer_selection(args: argparse.Namespace, chunks: list, log: bool =
     from .gpt_layer_specs import fp8_layer_selection
 
     n_fp8, kept = fp8_layer_selection(chunks)
-    if log and args.fp8_opt_level != "none":
+    if log and cfg.precision.fp8_opt_level != "none":
         stage = parallel_state.get_pipeline_model_parallel_rank()
         logger = logging.getLogger("megatron.training")
-        message = fp8_selection_message(n_fp8, kept, resolved_min_fp8_dim(args))
-        logger.warning("pretrain_gpt.py --fp8-opt-level %s, pipeline stage %d: %s", args.fp8_opt_level, stage,
+        message = fp8_selection_message(n_fp8, kept, resolved_min_fp8_dim(cfg))
+        logger.warning("pretrain_gpt.py --fp8-opt-level %s, pipeline stage %d: %s", cfg.precision.fp8_opt_level, stage,
                        message.removeprefix("fp8: "))
     return n_fp8, kept
 
@@ -320,43 +320,43 @@ class FP8LinearShape:
     config: Float8LinearConfig
 
 
-def _place_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+def _place_shapes(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of the GEMM one rank runs for each place of a layer (:data:`LINEAR_PLACES`): column-parallel linears
     split their output over TP, row-parallel ones their input; the experts over the expert tensor-parallel group
     (TP, megatron-core's default)."""
-    h, f, tp = args.hidden_size, args.ffn_hidden_size, args.tensor_model_parallel_size
-    heads = args.num_attention_heads
-    groups = args.num_query_groups or heads
-    gated = 2 if args.swiglu else 1
+    h, f, tp = cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.parallel.tensor_model_parallel_size
+    heads = cfg.model.num_attention_heads
+    groups = cfg.model.num_query_groups or heads
+    gated = 2 if cfg.model.swiglu else 1
     shapes = {"self_attention.linear_qkv": (h, (h + 2 * groups * (h // heads)) // tp),
               "self_attention.linear_proj": (h // tp, h),
               "mlp.linear_fc1": (h, gated * f // tp), "mlp.linear_fc2": (f // tp, h)}
-    for place, size in (("mlp.experts", getattr(args, "moe_ffn_hidden_size", None) or f),
-                        ("mlp.shared_experts", getattr(args, "moe_shared_expert_intermediate_size", None))):
+    for place, size in (("mlp.experts", cfg.moe.moe_ffn_hidden_size or f),
+                        ("mlp.shared_experts", cfg.moe.moe_shared_expert_intermediate_size)):
         if size:
             shapes[f"{place}.linear_fc1"] = (h, gated * size // tp)
             shapes[f"{place}.linear_fc2"] = (size // tp, h)
     return shapes
 
 
-def fp8_linear_shapes(args: argparse.Namespace) -> list[FP8LinearShape]:
+def fp8_linear_shapes(cfg: RunConfig) -> list[FP8LinearShape]:
     """Every linear of the model that runs in FP8 (all global layers, whatever the pipeline split), with its
-    per-rank shape and configuration, from ``args`` alone (validated): the selection the layer spec makes when the
+    per-rank shape and configuration, from ``cfg`` alone (validated): the selection the layer spec makes when the
     model is built (``--fp8-min-dim`` on the local shard, ``--first-last-layers-bf16``, ``--fp8-precision-config``,
     blockwise falling back to tensorwise where a shard does not tile in 128s). Empty at ``--fp8-opt-level none``."""
-    fp8 = fp8_recipe_from_args(args)
+    fp8 = fp8_recipe_from_args(cfg)
     if fp8 is None:
         return []
-    kept = high_precision_layers(args)
-    planned = precision_plan(args)
+    kept = kept_layers(cfg)
+    planned = precision_plan(cfg)
     decided = planned[1] if planned is not None else {}
-    min_dim = resolved_min_fp8_dim(args)
-    shapes = _place_shapes(args)
+    min_dim = resolved_min_fp8_dim(cfg)
+    shapes = _place_shapes(cfg)
     out = []
-    for number in range(1, args.num_layers + 1):
+    for number in range(1, cfg.model.num_layers + 1):
         if number in kept:
             continue
-        for place, names in _layer_linears(args, number).items():
+        for place, names in _layer_linears(cfg, number).items():
             rule = decided.get((number, place))
             config = fp8 if rule is None else (None if rule.high_precision else rule.config(fp8))
             n_in, n_out = shapes[place]
@@ -406,19 +406,19 @@ def _linear_gemms(linear: FP8LinearShape, tokens: int, dtype: torch.dtype):
     ]
 
 
-def gemm_backend_problems(args: argparse.Namespace, target=None, backend: str | None = None) -> list[str]:
+def gemm_backend_problems(cfg: RunConfig, target=None, backend: str | None = None) -> list[str]:
     """Why the FP8 GEMMs of the run cannot run on the hardware GEMM with ``backend`` (default
     ``--fp8-gemm-backend``) on ``target`` (default :func:`gemm_target`): one line per place and GEMM that
     :func:`fp8.gemm.gemm_path` decides to emulate, naming the linear(s) (layers with the same shape and reason
     together), the shape (M x K x N), the scale blocks and the reason. Empty when every GEMM runs on the hardware."""
     from fp8.gemm import gemm_path
 
-    backend = backend or getattr(args, "fp8_gemm_backend", "auto")
+    backend = backend or cfg.precision.fp8_gemm_backend
     target = target or gemm_target()
-    tokens = args.micro_batch_size * args.seq_length
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    tokens = cfg.training.micro_batch_size * cfg.model.seq_length
+    dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
     found: dict[tuple, list[str]] = {}
-    for linear in fp8_linear_shapes(args):
+    for linear in fp8_linear_shapes(cfg):
         for gemm, a, a_block, b, b_block, out_dtype in _linear_gemms(linear, tokens, dtype):
             choice = gemm_path(a, b, out_dtype, target, backend, a_block, b_block)
             if choice.hardware:
@@ -437,18 +437,18 @@ def gemm_backend_problems(args: argparse.Namespace, target=None, backend: str | 
     return lines
 
 
-def check_gemm_backend(args: argparse.Namespace, target=None) -> None:
+def check_gemm_backend(cfg: RunConfig, target=None) -> None:
     """``--fp8-gemm-backend scaled_mm``: raise :class:`ConfigurationError` at start-up (and in ``--dry-run``) when any
     FP8 GEMM of the run cannot run on the hardware GEMM, naming each linear, GEMM, shape and reason and the fix;
     nothing for ``auto``/``emulated`` or a run without FP8 levels."""
-    if getattr(args, "fp8_gemm_backend", "auto") != "scaled_mm":
+    if cfg.precision.fp8_gemm_backend != "scaled_mm":
         return
-    levels = {args.fp8_opt_level, *getattr(args, "compare_levels", [])}
+    levels = {cfg.precision.fp8_opt_level, *cfg.precision.compare_levels}
     fp8_levels = sorted(level for level in levels if level != "none")
     if not fp8_levels:
         return
     target = target or gemm_target()
-    problems = gemm_backend_problems(_at_level(args, fp8_levels[0]), target, "scaled_mm")
+    problems = gemm_backend_problems(_at_level(cfg, fp8_levels[0]), target, "scaled_mm")
     if problems:
         where = (f"a CUDA GPU of compute capability {target.capability}"
                  + ("" if target.triton else " without Triton") if target.kind == "cuda" else target.kind)
@@ -459,14 +459,19 @@ def check_gemm_backend(args: argparse.Namespace, target=None) -> None:
               "emulated, or change the recipe (--fp8-recipe) or the shapes named above")
 
 
-def _at_level(args: argparse.Namespace, level: str) -> argparse.Namespace:
-    """``args`` with ``--fp8-opt-level level`` (the linears' shapes and precision are the same at every FP8 level)."""
-    copy = argparse.Namespace(**vars(args))
-    copy.fp8_opt_level = level
-    return copy
+def _at_level(cfg: RunConfig, level: str) -> RunConfig:
+    """``cfg`` with ``--fp8-opt-level level`` (the linears' shapes and precision are the same at every FP8 level)."""
+    return cfg.replace(precision={"fp8_opt_level": level})
 
 
-def check_compile_layers(args: argparse.Namespace) -> None:
+def kept_layers(cfg: RunConfig) -> frozenset[int]:
+    """The global layer numbers ``--first-last-layers-bf16`` keeps out of FP8 (empty without it)."""
+    p = cfg.precision
+    return high_precision_layers(p.first_last_layers_bf16, p.num_layers_at_start_in_bf16, p.num_layers_at_end_in_bf16,
+                                 cfg.model.num_layers)
+
+
+def check_compile_layers(cfg: RunConfig) -> None:
     """``--compile-layers``: raise :class:`ConfigurationError` at start-up, naming the fix, for what does not compile
     into one graph per layer (measured on CPU, torch 2.13): tensor parallelism (the FP8 layers' collectives, e.g. the
     asynchronous amax all-reduce of agreed scales, and the baseline's, do not trace), megatron-core's mixture-of-experts
@@ -474,21 +479,21 @@ def check_compile_layers(args: argparse.Namespace) -> None:
     holding its scaled FP16 gradient (``--fp8-grad-accumulation fp16``): torch.compile fails creating the fake of a
     block-scaled :class:`fp8.Float8Tensor` whose gradient's scale has another shape, at any recompilation after the
     first backward (evaluation included)."""
-    if not getattr(args, "compile_layers", False):
+    if not cfg.parallel.compile_layers:
         return
-    if args.tensor_model_parallel_size > 1:
+    if cfg.parallel.tensor_model_parallel_size > 1:
         raise ConfigurationError(
             f"--compile-layers compiles each transformer layer into one graph, but the tensor-parallel collectives inside "
-            f"the layers (--tensor-model-parallel-size {args.tensor_model_parallel_size}) do not trace: drop "
+            f"the layers (--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size}) do not trace: drop "
             f"--compile-layers, or use --tensor-model-parallel-size 1 (pipeline and data parallelism compile)")
-    if getattr(args, "num_experts", None) is not None:
+    if cfg.moe.num_experts is not None:
         raise ConfigurationError(
             "--compile-layers compiles each transformer layer into one graph, but megatron-core's mixture-of-experts "
             "layer routes tokens by data-dependent counts read on the host (a graph break): drop --compile-layers with "
             "--num-experts")
-    levels = {args.fp8_opt_level, *getattr(args, "compare_levels", [])} - {"none"}
-    if levels and getattr(args, "fp8_grad_accumulation", "fp16") == "fp16":
-        blocked = sorted({linear.config.recipe for linear in fp8_linear_shapes(_at_level(args, min(levels)))} - {
+    levels = {cfg.precision.fp8_opt_level, *cfg.precision.compare_levels} - {"none"}
+    if levels and cfg.precision.fp8_grad_accumulation == "fp16":
+        blocked = sorted({linear.config.recipe for linear in fp8_linear_shapes(_at_level(cfg, min(levels)))} - {
             "tensorwise"})
         if blocked:
             raise ConfigurationError(

@@ -14,7 +14,6 @@ applies to matrices, not to biases and norm gains (Megatron's rule).
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -28,36 +27,36 @@ from fp8.optim.sharded import ShardedFP8Optimizer, convert_to_sharded
 from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
+from .config import OptimizerConfig, RunConfig
 from .mixed_precision import BF16MasterOptimizer, MainGrads, bf16_params
 
 __all__ = ["build_optimizer", "owner_optimizer", "step_optimizer"]
 
 
-def _torch_optimizer(args: argparse.Namespace, groups: list[dict]) -> torch.optim.Optimizer:
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
+def _torch_optimizer(opt: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=0.9)
     # The fused kernel (CUDA and CPU): one launch, `step` kept on device, and a skip decided on device through
     # its `found_inf` input (the training loop's, or O1's wrapper's): no host synchronisation per step.
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             fused=True)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, fused=True)
 
 
 def build_optimizer(
-    args: argparse.Namespace, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None,
+    cfg: RunConfig, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None,
     expert_params: list[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None,
     counter: CommBytesCounter | None = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer of ``args.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
+    """The optimizer of ``cfg.precision.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
     the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it). ``expert_params``: this
     rank's experts under expert parallelism, whose gradients are reduced (and, sharded, owned) over ``expert_group``
     (the expert-data-parallel group). ``counter`` counts the bytes of the optimizer's own collectives (a sharded
     optimizer's weight all-gather and agreement, the BF16 baseline's main-gradient reduction)."""
-    level = args.fp8_opt_level
+    level = cfg.precision.fp8_opt_level
     masters: dict[nn.Parameter, nn.Parameter] = {}
     for chunk in chunks:
         for weight, initial in take_initial_masters(chunk).items():
             masters[weight] = nn.Parameter(initial.to(weight.device), requires_grad=weight.requires_grad)
-    if getattr(args, "bf16", False) and level in ("none", "O1"):
+    if cfg.precision.bf16 and level in ("none", "O1"):
         # --bf16: FP32 masters of the BF16 parameters (O2/O3's fp8.optim keeps FP32 masters of 16-bit
         # parameters itself).
         for p in bf16_params(chunks):
@@ -73,16 +72,16 @@ def build_optimizer(
                 raise RuntimeError("an FP8 weight has no initial master; build the optimizer once, right after the model")
             target = masters.get(p, p)
             (decay if p.dim() >= 2 else no_decay).append(target)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    base = _torch_optimizer(args, groups)
+    base = _torch_optimizer(cfg.optimizer, groups)
     scaling_module = nn.ModuleList(chunks)
     experts = {"expert_params": list(expert_params), "expert_process_group": expert_group, "counter": counter}
-    if level == "none" and getattr(args, "bf16", False):
-        return _bf16_baseline(args, base, masters, scaling_module, dp_group, list(expert_params), expert_group,
+    if level == "none" and cfg.precision.bf16:
+        return _bf16_baseline(cfg, base, masters, scaling_module, dp_group, list(expert_params), expert_group,
                               counter)
     if level == "none":
-        if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        if cfg.optimizer.use_distributed_optimizer and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
             return convert_to_sharded(base, {}, "O1", {}, dp_group, **experts)
         return base
@@ -101,14 +100,14 @@ def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | N
     return optimizer if isinstance(optimizer, ShardedFP8Optimizer) else None
 
 
-def _bf16_baseline(args, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
+def _bf16_baseline(cfg: RunConfig, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
                    dp_group, expert_params: list[nn.Parameter], expert_group,
                    counter: CommBytesCounter | None) -> BF16MasterOptimizer:
     """Megatron's ``--bf16`` baseline: FP32 masters (sharded over data parallel with
     ``--use-distributed-optimizer``) stepped on FP32 main gradients, copied back into the BF16 parameters."""
     inner = base
     owns = None
-    if getattr(args, "use_distributed_optimizer", False) and dp_group is not None and dist.get_world_size(dp_group) > 1:
+    if cfg.optimizer.use_distributed_optimizer and dp_group is not None and dist.get_world_size(dp_group) > 1:
         # ZeRO-1 as Megatron's distributed optimizer: each rank keeps the FP32 masters and Adam states of the
         # tensors it owns (whole tensors); the updated BF16 parameters, not the masters, are all-gathered.
         # BF16MasterOptimizer gathers the BF16 parameters from the owners, not the FP32 masters.

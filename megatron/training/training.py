@@ -7,8 +7,8 @@ One call of :func:`pretrain` sets up the process groups (``torch.distributed`` +
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from .config import OptimizerConfig, ParallelConfig, RunConfig
 from .config_rules import ConfigurationError
 from .compat import cpu as cpu_compat
 from .distributed.core_collective_bytes import record_core_collectives, record_core_construction
@@ -54,7 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize_distributed(args: argparse.Namespace) -> None:
+def initialize_distributed(cfg: RunConfig) -> None:
     """``torch.distributed`` (from torchrun's environment, or a 1-process group) and megatron-core's
     model-parallel groups; on machines without CUDA, the CPU compatibility layer."""
     cuda = torch.cuda.is_available()
@@ -69,19 +70,19 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if not cuda:
         cpu_compat.enable()  # also when the groups were set up by the caller
     if not parallel_state.model_parallel_is_initialized():
-        initialize_model_parallel(args)
+        initialize_model_parallel(cfg.parallel)
 
 
-def initialize_model_parallel(args: argparse.Namespace, **kwargs) -> None:
-    """megatron-core's model-parallel groups for ``args``'s layout (``kwargs`` go to
+def initialize_model_parallel(parallel: ParallelConfig, **kwargs) -> None:
+    """megatron-core's model-parallel groups for the layout ``parallel`` (``kwargs`` go to
     ``parallel_state.initialize_model_parallel``); on machines without CUDA, the CPU compatibility layer first."""
     if not torch.cuda.is_available():
         cpu_compat.enable()
-    kwargs.setdefault("expert_model_parallel_size", getattr(args, "expert_model_parallel_size", 1) or 1)
+    kwargs.setdefault("expert_model_parallel_size", parallel.expert_model_parallel_size)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         **kwargs,
     )
 
@@ -91,16 +92,16 @@ class RunHistory(dict):
     ``"summary"``: dict)."""
 
 
-def _lr_at(args: argparse.Namespace, it: int) -> float:
-    if args.lr_warmup_iters and it < args.lr_warmup_iters:
-        return args.lr * (it + 1) / args.lr_warmup_iters
-    if args.lr_decay_style == "constant":
-        return args.lr
-    span = max(1, args.lr_decay_iters - args.lr_warmup_iters)
-    progress = min(1.0, (it - args.lr_warmup_iters) / span)
-    if args.lr_decay_style == "linear":
-        return args.min_lr + (args.lr - args.min_lr) * (1 - progress)
-    return args.min_lr + (args.lr - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+def _lr_at(opt: OptimizerConfig, it: int) -> float:
+    if opt.lr_warmup_iters and it < opt.lr_warmup_iters:
+        return opt.lr * (it + 1) / opt.lr_warmup_iters
+    if opt.lr_decay_style == "constant":
+        return opt.lr
+    span = max(1, opt.lr_decay_iters - opt.lr_warmup_iters)
+    progress = min(1.0, (it - opt.lr_warmup_iters) / span)
+    if opt.lr_decay_style == "linear":
+        return opt.min_lr + (opt.lr - opt.min_lr) * (1 - progress)
+    return opt.min_lr + (opt.lr - opt.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def gpt_forward_step(data_iterator, model):
@@ -130,44 +131,47 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 class Datasets:
-    """Train/valid datasets of the run (real data through megatron-core, or mock)."""
+    """Train/valid datasets of the run (real data through megatron-core, or mock). ``data``: ``cfg.data`` with the
+    default corpus's paths filled in when it is used (the run's config is then ``cfg.replace(data=...)``)."""
 
-    def __init__(self, args: argparse.Namespace, counter: CommBytesCounter | None = None) -> None:
-        needed = args.train_iters * args.global_batch_size
+    def __init__(self, cfg: RunConfig, counter: CommBytesCounter | None = None) -> None:
+        needed = cfg.training.train_iters * cfg.training.global_batch_size
         # No evaluation asked for: no validation samples needed (a corpus too small for a validation split trains).
-        eval_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
-        if args.mock_data:
+        eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size if cfg.training.eval_interval else 0
+        if cfg.data.mock_data:
             from .data.mock_data import MockGPTDataset
 
-            self.vocab_size = args.vocab_size
-            self.train = MockGPTDataset(args.vocab_size, args.seq_length, needed, args.seed)
-            self.valid = MockGPTDataset(args.vocab_size, args.seq_length, max(eval_samples, args.global_batch_size),
-                                        args.seed + 1)
+            self.vocab_size = cfg.model.vocab_size
+            self.train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, needed, cfg.training.seed)
+            self.valid = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, max(eval_samples, cfg.training.global_batch_size),
+                                        cfg.training.seed + 1)
             self.tokenizer = None
+            self.data = cfg.data
             return
         from .data.datasets import build_gpt_datasets, check_data_files, prepare_default_corpus
         from .data.tokenizer import SentencePieceTokenizer
 
-        if args.data_path is None:
-            rank0 = dist.get_rank() == 0
-            if rank0:
-                args.data_path, args.tokenizer_model = prepare_default_corpus(log=print)
-            paths = Collectives(counter=counter).broadcast_object([args.data_path, args.tokenizer_model], "start-up")
-            args.data_path, args.tokenizer_model = paths
-        if args.tokenizer_model is None:
+        data = cfg.data
+        if data.data_path is None:
+            paths = prepare_default_corpus(log=print) if dist.get_rank() == 0 else None
+            paths = Collectives(counter=counter).broadcast_object(list(paths or (None, None)), "start-up")
+            data = dataclasses.replace(data, data_path=paths[0], tokenizer_model=paths[1])
+        if data.tokenizer_model is None:
             raise ValueError("--data-path needs --tokenizer-model (the PREFIX.model written by tools/preprocess_data.py)")
-        check_data_files(args.data_path, args.tokenizer_model)
-        self.tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+        check_data_files(data.data_path, data.tokenizer_model)
+        self.data = data
+        self.tokenizer = SentencePieceTokenizer(data.tokenizer_model)
         self.vocab_size = self.tokenizer.vocab_size
         self.train, self.valid, _ = build_gpt_datasets(
-            args.data_path, self.tokenizer, args.seq_length, args.split, (needed, eval_samples, 0), args.seed,
+            data.data_path, self.tokenizer, cfg.model.seq_length, data.split, (needed, eval_samples, 0),
+            cfg.training.seed,
         )
 
 
-def _batches(dataset, args, dp_rank: int, dp_size: int, consumed: int = 0, cycle: bool = True):
+def _batches(dataset, cfg, dp_rank: int, dp_size: int, consumed: int = 0, cycle: bool = True):
     from .data.datasets import gpt_batch_iterator
 
-    return gpt_batch_iterator(dataset, args.micro_batch_size, consumed_samples=consumed, data_parallel_rank=dp_rank,
+    return gpt_batch_iterator(dataset, cfg.training.micro_batch_size, consumed_samples=consumed, data_parallel_rank=dp_rank,
                               data_parallel_size=dp_size, cycle=cycle)
 
 
@@ -193,14 +197,14 @@ def _to_device(chunk: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 class TrainingRun:
     """Everything one level's training needs on this rank."""
 
-    def __init__(self, args: argparse.Namespace, datasets: Datasets, counter: CommBytesCounter | None = None) -> None:
+    def __init__(self, cfg: RunConfig, datasets: Datasets, counter: CommBytesCounter | None = None) -> None:
         """Built in order: the model chunks on this rank's device (:meth:`_build_model`), the optimizer of the opt
         level (:meth:`_build_optimizer`), the data-parallel wrappers (:meth:`_wrap_data_parallel`), the collectives
         of the step (:meth:`_build_collectives`), the pipeline schedule (:meth:`_build_schedule`) and the FP8
         statistics (:meth:`_build_monitoring`)."""
-        self.args = args
+        self.cfg = cfg
         self.counter = counter if counter is not None else CommBytesCounter()
-        cpu_compat.seed(args.seed, parallel_state.get_tensor_model_parallel_rank(),
+        cpu_compat.seed(cfg.training.seed, parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank())
         chunks = self._build_model(datasets)
         self._build_optimizer(chunks)
@@ -212,24 +216,24 @@ class TrainingRun:
     def _build_model(self, datasets: Datasets) -> list[torch.nn.Module]:
         """This rank's model chunks on its device (BF16 with --bf16), the data-parallel group, and the FP8 layer
         selection announced once per pipeline stage (its first tensor- and data-parallel rank)."""
-        args = self.args
+        cfg = self.cfg
         # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
         # masters in the optimizer (megatron/training/mixed_precision.py).
         self.autocast = False
-        pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.config = transformer_config_from_args(args, pipeline_dtype)
-        self.vocab_size = padded_vocab_size(datasets.vocab_size, args)
+        pipeline_dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
+        self.config = transformer_config_from_args(cfg, pipeline_dtype)
+        self.vocab_size = padded_vocab_size(datasets.vocab_size, cfg)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
-        chunks = build_model(args, self.config, self.vocab_size, counter=self.counter)
-        if args.bf16:
+        chunks = build_model(cfg, self.config, self.vocab_size, counter=self.counter)
+        if cfg.precision.bf16:
             cast_to_bf16_(chunks)
         chunks = [_to_device(c, device) for c in chunks]
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.fp8_selection = announce_layer_selection(
-            args, chunks, log=self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0)
+            cfg, chunks, log=self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0)
         self.bare_chunks = chunks
         self.params = sum(p.numel() for c in chunks for p in c.parameters())
         return chunks
@@ -237,21 +241,21 @@ class TrainingRun:
     def _build_optimizer(self, chunks: list[torch.nn.Module]) -> None:
         """The optimizer of the opt level over ``chunks``; under expert parallelism the experts' gradients are reduced
         (and at O3 owned) over the expert-data-parallel group, the rest over data parallelism."""
-        args = self.args
+        cfg = self.cfg
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.expert_params = ([p for p in unique_parameters(chunks) if is_routed_expert_param(p)]
                               if self.ep_size > 1 else [])
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
-        self.optimizer = build_optimizer(args, chunks, self.dp_group, self.expert_params, self.expert_dp_group,
+        self.optimizer = build_optimizer(cfg, chunks, self.dp_group, self.expert_params, self.expert_dp_group,
                                          counter=self.counter)  # O3: its weight all-gather and agreement counted
         self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
         # A sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism: the two copies of
         # tied embeddings may have different owners on their stages, so their gradients are summed over the
         # embedding group before the data-parallel reduction (megatron-core's order), outside DDP's buckets.
-        self.sharded = args.fp8_opt_level == "O3" or args.use_distributed_optimizer
+        self.sharded = cfg.precision.fp8_opt_level == "O3" or cfg.optimizer.use_distributed_optimizer
         pp_world = parallel_state.get_pipeline_model_parallel_world_size()
         tie_first = (self.sharded and self.dp_size > 1 and pp_world > 1
-                     and not args.untie_embeddings_and_output_weights)
+                     and not cfg.model.untie_embeddings_and_output_weights)
         self.tied_weights = tied_embedding_weights(chunks) if tie_first else []
 
     def _wrap_data_parallel(self, chunks: list[torch.nn.Module]) -> None:
@@ -284,7 +288,7 @@ class TrainingRun:
     def _build_collectives(self, chunks: list[torch.nn.Module]) -> None:
         """The groups of the step and one ``Collectives`` per group, built once: the step's gradient sums and norm go
         through these; megatron-core's construction-time collectives recorded in the byte counter."""
-        args = self.args
+        cfg = self.cfg
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = dist.get_world_size(self.pp_group)
@@ -293,7 +297,7 @@ class TrainingRun:
         self.first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.embd_group = parallel_state.get_embedding_group(check_initialized=False)
-        self.tied = not args.untie_embeddings_and_output_weights
+        self.tied = not cfg.model.untie_embeddings_and_output_weights
         record_core_construction(self.counter, chunks,
                                  dist.get_world_size(self.embd_group) if self.embd_group is not None else 1)
         norm_group = parallel_state.get_model_parallel_group()
@@ -314,13 +318,13 @@ class TrainingRun:
     def _build_schedule(self) -> None:
         """megatron-core's forward-backward schedule; with pipeline parallelism its communicator, FP8 messages at FP8
         levels (``--fp8-pipeline``)."""
-        args = self.args
-        fp8_pipeline = args.fp8_pipeline == "on" or (args.fp8_pipeline == "auto" and args.fp8_opt_level != "none")
+        cfg = self.cfg
+        fp8_pipeline = cfg.precision.fp8_pipeline == "on" or (cfg.precision.fp8_pipeline == "auto" and cfg.precision.fp8_opt_level != "none")
         self.schedule_kwargs = {}
         if self.pp_size > 1:
             p2p = FP8P2PCommunicator(self.pp_group, self.config, fp8=fp8_pipeline, device=self.device,
                                      counter=self.counter,
-                                     recipe=args.fp8_recipe if args.fp8_opt_level != "none" else "tensorwise")
+                                     recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_opt_level != "none" else "tensorwise")
             pgs = ProcessGroupCollection()
             pgs.tp, pgs.cp, pgs.pp = self.tp_group, parallel_state.get_context_parallel_group(), self.pp_group
             pgs.embd = self.embd_group
@@ -332,21 +336,21 @@ class TrainingRun:
 
     def _build_monitoring(self, chunks: list[torch.nn.Module]) -> None:
         """--fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)."""
-        args = self.args
+        cfg = self.cfg
         self.numerics = None
-        if args.fp8_stats_interval and args.fp8_opt_level != "none":
-            self.numerics = NumericsMonitor(args, chunks, self.world, [global_module_names(c) for c in chunks],
+        if cfg.stats.fp8_stats_interval and cfg.precision.fp8_opt_level != "none":
+            self.numerics = NumericsMonitor(cfg.stats, chunks, self.world, [global_module_names(c) for c in chunks],
                                             log=_is_logging_rank())
 
     def forward_step(self, data_iterator, model):
         """The schedule's forward step: :func:`gpt_forward_step`, and the micro-batch's megatron-core collectives
         (embedding, output layer, loss) recorded in the byte counter."""
         out = gpt_forward_step(data_iterator, model)
-        args = self.args
+        cfg = self.cfg
         record_core_collectives(
             self.counter, getattr(model, "module", model), tp_size=self.tp_size,
-            sequence_parallel=args.sequence_parallel, tokens=args.seq_length * args.micro_batch_size,
-            hidden_size=args.hidden_size, activation_bytes=self.config.pipeline_dtype.itemsize,
+            sequence_parallel=cfg.parallel.sequence_parallel, tokens=cfg.model.seq_length * cfg.training.micro_batch_size,
+            hidden_size=cfg.model.hidden_size, activation_bytes=self.config.pipeline_dtype.itemsize,
             backward=torch.is_grad_enabled())
         return out
 
@@ -356,7 +360,7 @@ class TrainingRun:
     def data_iterators(self, dataset, consumed: int = 0):
         """The schedule's data iterator(s): with virtual pipeline stages, one identical iterator per model
         chunk (each chunk's forward step reads the micro-batch it is working on)."""
-        its = [_batches(dataset, self.args, self.dp_rank, self.dp_size, consumed=consumed) for _ in self.chunks]
+        its = [_batches(dataset, self.cfg, self.dp_rank, self.dp_size, consumed=consumed) for _ in self.chunks]
         return its if len(its) > 1 else its[0]
 
     def loss_sum_count(self, losses: list[dict]) -> torch.Tensor:
@@ -391,23 +395,23 @@ class TrainingRun:
         return contextlib.nullcontext()
 
     def train_step(self, data_iterator, it: int) -> dict:
-        args = self.args
-        lr = _lr_at(args, it)
+        cfg = self.cfg
+        lr = _lr_at(cfg.optimizer, it)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         with self._context():
             losses = self.forward_backward(
                 forward_step_func=self.forward_step, data_iterator=data_iterator,
-                model=self._model_arg(), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=False, **self.schedule_kwargs,
+                model=self._model_arg(), num_microbatches=cfg.training.num_microbatches, seq_length=cfg.model.seq_length,
+                micro_batch_size=cfg.training.micro_batch_size, forward_only=False, **self.schedule_kwargs,
             )
         self._reduce_grads()
         norm = global_grad_norm(self.bare_chunks, self.tp_rank, self.norm_comm, self.first_stage, self.device,
                                 self.expert_norm_comm)
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
-        finite = clip_and_poison_(model_grads(self.bare_chunks), norm, args.clip_grad)
+        finite = clip_and_poison_(model_grads(self.bare_chunks), norm, cfg.optimizer.clip_grad)
         step_optimizer(self.optimizer, finite)
         self.skipped_counter += (~finite).to(torch.int64)
         return {"loss": self._mean(self.loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
@@ -438,17 +442,17 @@ class TrainingRun:
 
     @torch.no_grad()
     def evaluate(self, dataset) -> float:
-        args = self.args
+        cfg = self.cfg
         it = self.data_iterators(dataset)
         losses = []
         for chunk in self.chunks:
             chunk.eval()
         with self._context():
-            for _ in range(args.eval_iters):
+            for _ in range(cfg.training.eval_iters):
                 losses += self.forward_backward(
                     forward_step_func=self.forward_step, data_iterator=it, model=self._model_arg(),
-                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size, forward_only=True, **self.schedule_kwargs,
+                    num_microbatches=cfg.training.num_microbatches, seq_length=cfg.model.seq_length,
+                    micro_batch_size=cfg.training.micro_batch_size, forward_only=True, **self.schedule_kwargs,
                 )
         for chunk in self.chunks:
             chunk.train()
@@ -456,31 +460,31 @@ class TrainingRun:
 
     def mu(self) -> torch.Tensor | None:
         """The data-parallel gradient scaling factor mu after this step (a device value, or None)."""
-        if self.dp_size > 1 and self.args.fp8_opt_level != "none" and hasattr(self.chunks[0], "grad_scaling"):
+        if self.dp_size > 1 and self.cfg.precision.fp8_opt_level != "none" and hasattr(self.chunks[0], "grad_scaling"):
             mu = self.chunks[0].grad_scaling.mu
             return mu.detach().clone() if isinstance(mu, torch.Tensor) else torch.tensor(float(mu))
         return None
 
 
-def train_level(args: argparse.Namespace, datasets: Datasets, logger: TrainingLogger,
+def train_level(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
                 counter: CommBytesCounter | None = None) -> RunHistory:
-    """Train ``args.fp8_opt_level`` for ``args.train_iters`` iterations; returns its history. ``counter``
+    """Train ``cfg.precision.fp8_opt_level`` for ``cfg.training.train_iters`` iterations; returns its history. ``counter``
     (default: a new one) counts every byte this rank sends, start-up and evaluation included."""
     from .checkpointing.checkpoint import load_checkpoint
     from .exit import ExitPolicy
 
-    run = TrainingRun(args, datasets, counter)
+    run = TrainingRun(cfg, datasets, counter)
     start = 0
     run.consumed_samples = 0
-    if args.load:
-        start = load_checkpoint(args.load, run, getattr(args, "ckpt_step", None))
-        if start >= args.train_iters:
+    if cfg.checkpoint.load:
+        start = load_checkpoint(cfg.checkpoint.load, run, cfg.checkpoint.ckpt_step)
+        if start >= cfg.training.train_iters:
             raise ConfigurationError(
-                f"--load {args.load} holds iteration {start}, at or past --train-iters {args.train_iters}: raise "
+                f"--load {cfg.checkpoint.load} holds iteration {start}, at or past --train-iters {cfg.training.train_iters}: raise "
                 f"--train-iters to train on (nothing was trained or saved)")
-    exit_policy = ExitPolicy(args, run.device, run.world)
+    exit_policy = ExitPolicy(cfg.checkpoint, run.device, run.world)
     try:
-        history = train_iterations(args, datasets, logger, run, start, exit_policy)
+        history = train_iterations(cfg, datasets, logger, run, start, exit_policy)
     finally:
         exit_policy.close()
     history["summary"] = _summary(history, run)
@@ -488,26 +492,27 @@ def train_level(args: argparse.Namespace, datasets: Datasets, logger: TrainingLo
     return history
 
 
-def train_iterations(args, datasets, logger, run, start: int, exit_policy) -> RunHistory:
+def train_iterations(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger, run: TrainingRun, start: int,
+                     exit_policy) -> RunHistory:
     from .checkpointing.checkpoint import save_checkpoint
 
-    health = SkipMonitor(args.max_skipped_steps, args.skipped_steps_window, announce=dist.get_rank() == 0)
-    history = RunHistory(level=args.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
+    health = SkipMonitor(cfg.training.max_skipped_steps, cfg.training.skipped_steps_window, announce=dist.get_rank() == 0)
+    history = RunHistory(level=cfg.precision.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
     data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
-    logger.start_level(args.fp8_opt_level, args.train_iters, start)
-    pending = PendingRecords(args, run)
+    logger.start_level(cfg.precision.fp8_opt_level, cfg.training.train_iters, start)
+    pending = PendingRecords(cfg, run)
     sent = BytesSince(run.counter)
-    for it in range(start, args.train_iters):
+    for it in range(start, cfg.training.train_iters):
         if run.numerics is not None:
             run.numerics.begin_step(it + 1)
         step = run.train_step(data, it)
         pending.add(it + 1, step, *sent.take(), run.mu())
-        evaluate = bool(args.eval_interval) and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters)
+        evaluate = bool(cfg.training.eval_interval) and ((it + 1) % cfg.training.eval_interval == 0 or it + 1 == cfg.training.train_iters)
         stop = exit_policy.reason(it + 1)
-        save = bool(args.save) and (stop is not None or it + 1 == args.train_iters
-                                    or bool(args.save_interval and (it + 1) % args.save_interval == 0))
-        if (evaluate or save or stop or (it + 1) % max(1, args.log_interval) == 0
-                or it + 1 == args.train_iters):
+        save = bool(cfg.checkpoint.save) and (stop is not None or it + 1 == cfg.training.train_iters
+                                    or bool(cfg.checkpoint.save_interval and (it + 1) % cfg.checkpoint.save_interval == 0))
+        if (evaluate or save or stop or (it + 1) % max(1, cfg.training.log_interval) == 0
+                or it + 1 == cfg.training.train_iters):
             records = pending.flush()  # the one host read of the interval (every rank at the same iterations)
             if run.numerics is not None:
                 run.numerics.read(records)  # FP8 statistics into the last record; alarms (every rank the same)
@@ -519,12 +524,12 @@ def train_iterations(args, datasets, logger, run, start: int, exit_policy) -> Ru
                 logger.log_iteration(record)
             health.observe(records)  # before any save: a run that is not training stops here
         if save:
-            save_checkpoint(args.save, run, it + 1)
+            save_checkpoint(cfg.checkpoint.save, run, it + 1)
         if stop:
-            history["stopped"] = {"iteration": it + 1, "reason": stop, "saved": bool(args.save)}
+            history["stopped"] = {"iteration": it + 1, "reason": stop, "saved": bool(cfg.checkpoint.save)}
             if dist.get_rank() == 0:
                 print(f"stopping after iteration {it + 1} ({stop})"
-                      + (f"; checkpoint saved in {args.save}" if args.save else ""), flush=True)
+                      + (f"; checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""), flush=True)
             break
     return history
 
@@ -540,8 +545,8 @@ class PendingRecords:
 
     _KEYS = ("loss", "grad_norm", "skipped", "skipped_steps", "mu")
 
-    def __init__(self, args: argparse.Namespace, run: TrainingRun) -> None:
-        self.args, self.run = args, run
+    def __init__(self, cfg: RunConfig, run: TrainingRun) -> None:
+        self.cfg, self.run = cfg, run
         self.items: list[dict] = []
         self.t_last = time.perf_counter()
 
@@ -554,14 +559,14 @@ class PendingRecords:
     def flush(self) -> list[dict]:
         if not self.items:
             return []
-        run, args = self.run, self.args
+        run, cfg = self.run, self.cfg
         device_values = [item["values"][k] for item in self.items for k in self._KEYS if item["values"][k] is not None]
         host = torch.stack([v.detach().reshape(()).to(run.device, torch.float64) for v in device_values]).tolist()
         now = time.perf_counter()
         per_iteration = (now - self.t_last) / len(self.items)
         self.t_last = now
         all_ranks = _sum_over_ranks_per_iteration(run.world, [item["comm_bytes"] for item in self.items])
-        tokens = args.global_batch_size * args.seq_length
+        tokens = cfg.training.global_batch_size * cfg.model.seq_length
         records = []
         cursor = 0
         for item, summed in zip(self.items, all_ranks):
@@ -573,7 +578,7 @@ class PendingRecords:
                     values[key] = host[cursor]
                     cursor += 1
             records.append({
-                "level": args.fp8_opt_level, "iteration": item["iteration"], "loss": values["loss"], "lr": item["lr"],
+                "level": cfg.precision.fp8_opt_level, "iteration": item["iteration"], "loss": values["loss"], "lr": item["lr"],
                 "grad_norm": values["grad_norm"], "skipped": bool(values["skipped"]),
                 "iteration_time_s": per_iteration, "tokens_per_s": tokens / max(per_iteration, 1e-12),
                 "skipped_steps": int(values["skipped_steps"]), "mu": values["mu"], "comm_bytes": item["comm_bytes"],
@@ -647,27 +652,27 @@ def _summary(history: RunHistory, run: TrainingRun) -> dict:
     }
 
 
-def pretrain(args: argparse.Namespace) -> list[RunHistory]:
+def pretrain(cfg: RunConfig) -> list[RunHistory]:
     """Train ``--fp8-opt-level`` and every ``--compare`` level (baseline first) at the same seed and data; with
     ``--compare``, ``--save DIR``/``--load DIR`` use ``DIR/<level>`` for each level. With ``--collective-trace DIR``
     every rank's collectives are recorded and checked against NCCL's rules at the end (:func:`traced`)."""
-    initialize_distributed(args)
-    with traced(args.collective_trace) as trace:
-        logger = TrainingLogger(args, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
-        datasets = Datasets(args, CommBytesCounter(trace=trace))
+    initialize_distributed(cfg)
+    with traced(cfg.logging.collective_trace) as trace:
+        logger = TrainingLogger(cfg, rank=dist.get_rank(), is_logging_rank=_is_logging_rank())
+        datasets = Datasets(cfg, CommBytesCounter(trace=trace))
+        cfg = cfg.replace(data=vars(datasets.data))  # the default corpus's paths, as checkpoints record them
         logger.banner(datasets, dist.get_world_size())
-        levels = list(args.compare_levels) + [args.fp8_opt_level]
+        levels = list(cfg.precision.trained_levels)
         levels.sort(key=lambda lvl: ("none", "O1", "O2", "O3").index(lvl))
         histories = []
         for level in levels:
-            # each level's own arguments (``args`` itself is never changed): with --compare, its checkpoints in its
-            # own subdirectory
+            # each level's own config (``cfg`` is never changed): with --compare, its checkpoints in its own subdirectory
             subdir = len(levels) > 1
-            level_args = argparse.Namespace(**{
-                **vars(args), "fp8_opt_level": level,
-                "save": os.path.join(args.save, level) if subdir and args.save is not None else args.save,
-                "load": os.path.join(args.load, level) if subdir and args.load is not None else args.load})
-            histories.append(train_level(level_args, datasets, logger, CommBytesCounter(trace=trace)))
+            save, load = cfg.checkpoint.save, cfg.checkpoint.load
+            level_cfg = cfg.replace(precision={"fp8_opt_level": level}, checkpoint={
+                "save": os.path.join(save, level) if subdir and save is not None else save,
+                "load": os.path.join(load, level) if subdir and load is not None else load})
+            histories.append(train_level(level_cfg, datasets, logger, CommBytesCounter(trace=trace)))
     logger.finish(histories)
     return histories
 

@@ -34,7 +34,6 @@ optimizer stops with a message naming each difference; corrupted files are found
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
@@ -60,6 +59,8 @@ from fp8.scaling import ScalingState
 from fp8.blocks import dequantize_blocks
 from fp8.tensor import Float8Tensor, to_float8
 
+from ..config import RESUME_MATCH, RESUME_SCHEDULE, RunConfig
+
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
            "check_step", "describe_no_checkpoint", "CheckpointMismatchError", "CheckpointNotFoundError", "FORMAT",
            "LATEST"]
@@ -73,22 +74,14 @@ PROGRESS = "progress.txt"
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
-# Arguments that fix the model's parameters (shapes, kinds) and the precision of the states: a checkpoint
-# loads only into a run with the same values. The parallel layout may differ.
-_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "max_position_embeddings", "normalization", "swiglu", "disable_bias_linear",
-               "untie_embeddings_and_output_weights", "position_embedding_type", "fp8_opt_level", "optimizer",
-               "use_distributed_optimizer", "make_vocab_size_divisible_by", "fp8_amax_history_len", "fp8_margin",
-               "fp8_grad_accumulation", "fp8_recipe", "num_experts", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_router_topk", "first_last_layers_bf16",
-               "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_precision_rules")
+# What a checkpoint loads only into a run with the same values of (the model's shapes and kinds, the precision of
+# its states; the parallel layout may differ) is declared on the fields of megatron.training.config: RESUME_MATCH,
+# and RESUME_SCHEDULE for the schedule that --override-opt-param-scheduler lets differ.
 # --fp8-precision-config's rules as validate_args read them: compared by content (a moved file is the same rules).
 _PRECISION_RULES = "fp8_precision_rules"
 # Parameters whose first dimension is the (padded) vocabulary: the padding depends on the TP size, and
 # resharding pads or cuts the rows beyond the vocabulary (never read: token ids are below it).
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "global_batch_size",
-                  "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 
 
 # -- paths ----------------------------------------------------------------------------------------
@@ -180,7 +173,7 @@ def _entries(run) -> list[_Entry]:
     masters = {}
     if isinstance(run.optimizer, MasterWeightOptimizer):
         masters = {id(weight): master for master, weight in run.optimizer.pairs}
-    tied = not run.args.untie_embeddings_and_output_weights
+    tied = not run.cfg.model.untie_embeddings_and_output_weights
     out, seen = [], set()
     for chunk in run.bare_chunks:
         namer = _global_namer(chunk, tied and getattr(chunk, "post_process", False)
@@ -221,17 +214,10 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _run_args(args: argparse.Namespace) -> dict:
-    out = {}
-    for key, value in vars(args).items():
-        if key == "explicit_flags":  # how the command line was spelled, not the run
-            continue
-        try:
-            json.dumps(value)
-            out[key] = value
-        except TypeError:
-            out[key] = _jsonable(value)
-    return out
+def _run_args(cfg: RunConfig) -> dict:
+    """Every field of ``cfg`` by its flag's name, as JSON holds it (tuples as lists, dtypes by name): what the
+    checkpoint records and what a resumed run is compared by."""
+    return json.loads(json.dumps(cfg.flat(), default=_jsonable))
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -240,7 +226,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     ``DIR/latest_checkpointed_iteration.txt`` at it. An interrupted save leaves the previous checkpoint
     the latest one. Returns the checkpoint's directory."""
     directory = Path(directory)
-    args = run.args
+    cfg = run.cfg
     ranks = _ranks()
     optimizer = run.optimizer
     state: dict[str, Any] = {}
@@ -278,17 +264,17 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     skipped_opt = getattr(optimizer, "skipped_steps", None)
     meta = {
         "format": FORMAT, "iteration": iteration,
-        "consumed_samples": iteration * args.global_batch_size if consumed_samples is None else consumed_samples,
+        "consumed_samples": iteration * cfg.training.global_batch_size if consumed_samples is None else consumed_samples,
         "skipped_steps": run.skipped_steps, "optimizer_skipped_steps": skipped_opt,
         "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"], "ep": ranks["ep_size"],
-                   "vp": args.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
-        "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(args), "args": _run_args(args), "params": dict(sorted(params.items())),
+                   "vp": cfg.parallel.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
+        "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(cfg), "args": _run_args(cfg), "params": dict(sorted(params.items())),
     }
     state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
     path = checkpoint_dir(directory, iteration)
     write_atomically(path, state, counter=run.counter)
     if dist.get_rank() == 0:
-        _write_latest(directory, iteration, args.train_iters)
+        _write_latest(directory, iteration, cfg.training.train_iters)
     run.world.barrier("checkpoint")
     return path
 
@@ -343,34 +329,34 @@ def _difference(key: str, saved: dict, this: dict) -> str:
     return f"{_flag(key)} {saved.get(key)!r} (checkpoint) vs {this.get(key)!r} (this run)"
 
 
-def _raw_vocab(args: argparse.Namespace) -> int | None:
+def _raw_vocab(cfg: RunConfig) -> int | None:
     """The vocabulary before padding: ``--vocab-size`` (mock data) or the tokenizer's."""
-    if getattr(args, "mock_data", False) or not getattr(args, "tokenizer_model", None):
-        return args.vocab_size
+    if cfg.data.mock_data or not cfg.data.tokenizer_model:
+        return cfg.model.vocab_size
     from ..data.tokenizer import SentencePieceTokenizer
 
-    return SentencePieceTokenizer(args.tokenizer_model).vocab_size
+    return SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size
 
 
-def _check_compatible(path: Path, meta: dict, args: argparse.Namespace, vocab_size: int) -> None:
+def _check_compatible(path: Path, meta: dict, cfg: RunConfig, vocab_size: int) -> None:
     saved = meta["args"]
-    this = vars(args)
+    this = _run_args(cfg)
     # A flag absent from an older checkpoint's arguments is not compared (it did not exist when it was saved).
-    diffs = [_difference(k, saved, this) for k in _MODEL_ARGS if k in saved and saved[k] != this.get(k)]
-    raw = _raw_vocab(args)
+    diffs = [_difference(k, saved, this) for k in RESUME_MATCH if k in saved and saved[k] != this.get(k)]
+    raw = _raw_vocab(cfg)
     if meta.get("raw_vocab_size") != raw:
         diffs.append(f"vocabulary {meta.get('raw_vocab_size')} (checkpoint) vs {raw} (this run: --vocab-size or the "
                      f"tokenizer's)")
-    elif meta["layout"]["tp"] == getattr(args, "tensor_model_parallel_size", 1) and meta["vocab_size"] != vocab_size:
+    elif meta["layout"]["tp"] == cfg.parallel.tensor_model_parallel_size and meta["vocab_size"] != vocab_size:
         diffs.append(f"padded vocabulary {meta['vocab_size']} (checkpoint) vs {vocab_size} (this run)")
     if diffs:
         raise CheckpointMismatchError(
             f"checkpoint {path} does not fit this run: " + "; ".join(diffs)
             + ". Load it with the model flags, --fp8-opt-level and optimizer it was saved with (the parallel "
               "layout may differ)")
-    if not getattr(args, "override_opt_param_scheduler", False):
-        sched = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {getattr(args, k, None)!r} (this run)"
-                 for k in _SCHEDULE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
+    if not cfg.checkpoint.override_opt_param_scheduler:
+        sched = [f"{_flag(k)} {saved.get(k)!r} (checkpoint) vs {this.get(k)!r} (this run)"
+                 for k in RESUME_SCHEDULE if k in saved and saved[k] != this.get(k)]
         if sched:
             raise CheckpointMismatchError(
                 f"checkpoint {path} was trained with another learning-rate schedule, batch or optimizer "
@@ -506,7 +492,7 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
         return 0
     path = resolved
     meta = _read_meta(path, distributed)
-    _check_compatible(path, meta, run.args, run.vocab_size)
+    _check_compatible(path, meta, run.cfg, run.vocab_size)
     plan = _plan(path, meta, run)
     _read(plan, run, distributed)
     _apply(plan, run, meta, path)
@@ -519,7 +505,7 @@ def _resolve(directory: Path, run, iteration: int | None) -> Path | None:
     """The checkpoint to load, verified (``--load-fallback``: the newest earlier one that verifies), or None: no
     checkpoint yet in the run's own ``--save`` directory (a requeued job starts from scratch)."""
     rank0 = dist.get_rank() == 0
-    save = run.args.save
+    save = run.cfg.checkpoint.save
     own_save = save is not None and Path(save).resolve() == directory.resolve()
     if rank0 and own_save:
         _remove_stale_tmp(directory)
@@ -552,7 +538,7 @@ def _resolve(directory: Path, run, iteration: int | None) -> Path | None:
     except CheckpointCorruptedError as error:
         if iteration is None:  # a checkpoint directory outside a --save directory: nothing earlier to fall back to
             raise
-        if not getattr(run.args, "load_fallback", False):
+        if not run.cfg.checkpoint.load_fallback:
             raise CheckpointCorruptedError(f"{error}; or pass --load-fallback to load the newest earlier iteration "
                                            f"that verifies") from error
         path, iteration = _earlier_good_checkpoint(directory, iteration, run, error, rank0)
@@ -599,7 +585,7 @@ def _plan(path: Path, meta: dict, run) -> _LoadPlan:
     ranks = _ranks()
     saved = meta["layout"]
     same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("vp"), saved.get("ep", 1)) == (
-        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], run.args.virtual_pipeline_model_parallel_size,
+        ranks["tp_size"], ranks["pp_size"], ranks["dp_size"], run.cfg.parallel.virtual_pipeline_model_parallel_size,
         ranks["ep_size"])
     reader = dcp.FileSystemReader(str(path))
     saved_tp = int(saved["tp"])

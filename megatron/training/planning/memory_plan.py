@@ -433,6 +433,12 @@ class PlannerConfig:
                 ("linear_fc1", h, fc1_out // tp), ("linear_fc2", f // tp, h)]
 
     @classmethod
+    def from_run_config(cls, cfg, **overrides) -> PlannerConfig:
+        """The plan of a ``pretrain_gpt.py`` run (:class:`megatron.training.config.RunConfig`): its fields by their
+        flags' names, through :meth:`from_args`'s one mapping of flags to planner fields."""
+        return cls.from_args(argparse.Namespace(**cfg.flat()), **overrides)
+
+    @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> PlannerConfig:
         """Build from pretrain_gpt.py's argparse namespace (missing optional attributes take defaults).
 
