@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.checkpointing.checkpoint import CheckpointMismatchError
     from megatron.training.compat.core_trace import CollectiveTraceError
     from megatron.training.data.datasets import DataError
-    from megatron.training.health import RunHealthError
+    from megatron.training.monitoring.health import RunHealthError
     from megatron.training.training import pretrain
 
     try:

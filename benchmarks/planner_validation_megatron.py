@@ -50,7 +50,7 @@ from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import baseline_argv, parse_args, parse_config  # noqa: E402
-from megatron.training.mixed_precision import main_grad_bytes  # noqa: E402
+from megatron.training.optimizer import main_grad_bytes  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",

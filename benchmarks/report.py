@@ -232,7 +232,7 @@ def _loss_parity_block() -> str:
                f"ranks (FP8 levels: FP8 gradient all-reduce; O3: sharded optimizer), same seed and data per level, "
                f"CPU (baseline FP32):\n")
     out.append(_parity_table(parity))
-    from megatron.training.log import plot_loss_curves
+    from megatron.training.monitoring.log import plot_loss_curves
 
     histories = [{"level": level, "train": [{"iteration": i, "loss": l} for i, l in zip(c["iteration"], c["loss"])],
                   "valid": [{"iteration": i, "val_loss": l} for i, l in zip(c["val_iteration"], c["val_loss"])]}

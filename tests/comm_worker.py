@@ -165,7 +165,7 @@ from fp8.comm import CommBytesCounter  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import parse_args, parse_config  # noqa: E402
-from megatron.training.log import TrainingLogger  # noqa: E402
+from megatron.training.monitoring.log import TrainingLogger  # noqa: E402
 
 
 def main() -> None:

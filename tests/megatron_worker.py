@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import baseline_argv, parse_args, parse_config  # noqa: E402
-from megatron.training.log import TrainingLogger  # noqa: E402
+from megatron.training.monitoring.log import TrainingLogger  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16", "--mock-data",

@@ -26,7 +26,7 @@ CASES = {
 def test_main_grads_accumulate_micro_batches_in_fp32(gen):
     """Two micro-batches: the main gradient is the FP32 sum of the two BF16 gradients (not their BF16 sum),
     and the BF16 gradient is freed after each accumulation."""
-    from megatron.training.mixed_precision import MainGrads
+    from megatron.training.optimizer import MainGrads
 
     layer = torch.nn.Linear(64, 64).to(torch.bfloat16)
     xs = [torch.randn(8, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]

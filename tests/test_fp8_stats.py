@@ -16,7 +16,7 @@ from torch import nn
 import fp8
 from fp8.formats import E4M3, E5M2
 from fp8.stats import FP8Statistics, flush_and_saturation_counts
-from megatron.training.fp8_numerics import alarms, merge_rank_stats
+from megatron.training.monitoring.fp8_numerics import alarms, merge_rank_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 

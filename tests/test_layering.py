@@ -391,3 +391,10 @@ def test_nothing_imports_the_examples():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             hits += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "examples"]
     assert hits == [], hits
+
+
+def test_the_training_side_has_at_most_ten_top_level_modules():
+    """megatron/training/ by concern: at most 10 modules at its top, the rest in subpackages (model building and
+    the loop at the top; monitoring/, data/, checkpointing/, planning/, distributed/, compat/, finetune/)."""
+    top = sorted(p.name for p in (ROOT / "megatron/training").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 10, top

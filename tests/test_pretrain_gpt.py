@@ -157,7 +157,7 @@ def _summary(level, val_loss):
 
 
 def test_summary_compares_only_with_a_baseline_that_was_trained():
-    from megatron.training.log import format_summary
+    from megatron.training.monitoring.log import format_summary
 
     with_base = format_summary([_summary("none", 4.0), _summary("O2", 4.2)])
     assert "+5.00%" in with_base and "no baseline" not in with_base
@@ -181,7 +181,7 @@ def test_a_level_stopped_before_evaluating_shows_no_nan_and_says_why(capsys):
     """After a SIGTERM (or --exit-interval) before the first evaluation: no 'nan' nor '+nan%' in the summary, and the
     note names the stop, not --eval-interval."""
     from megatron.training.config import LoggingConfig, RunConfig
-    from megatron.training.log import TrainingLogger, format_summary
+    from megatron.training.monitoring.log import TrainingLogger, format_summary
 
     stopped = [{**_summary(level, 4.0), "final_val_loss": float("nan")} for level in ("none", "O2")]
     table = format_summary(stopped)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import ConfigurationError, parse_args, validate_args
-from megatron.training.health import RunHealthError, SkipMonitor
+from megatron.training.monitoring.health import RunHealthError, SkipMonitor
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

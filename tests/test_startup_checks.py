@@ -3,7 +3,7 @@ traceback), and the --load rules:
 
 - every output path (pretrain_gpt.py ``--save``, ``--log-json``, ``--plot``, ``--collective-trace``;
   ``tools/convert_checkpoint.py --format hf OUTDIR``; the fine-tuning scripts' ``--output`` and ``--log-json``)
-  is checked for writability before any training (one helper: megatron/training/output_paths.py);
+  is checked for writability before any training (one helper: megatron/training/monitoring/output_paths.py);
 - ``--split``: up to three non-negative numbers with a positive sum;
 - ``--load`` of a directory without a checkpoint is an error naming what is there (unless it is also
   ``--save``: a fresh job that resumes itself later); an ``iter_XXXXXXX`` directory is loaded, or refused

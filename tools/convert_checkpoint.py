@@ -182,7 +182,7 @@ def _main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if Path(args.output).exists() and not Path(args.output).is_dir():
             raise ValueError(f"output {args.output!r} is a file: --format hf writes a directory (config.json, "
                              "model.safetensors, tokenizer): name a directory")
-        from megatron.training.output_paths import check_output_path
+        from megatron.training.monitoring.output_paths import check_output_path
 
         check_output_path(args.output, "--format hf output", directory=True)  # writable, before reading anything
         from megatron.training.checkpointing.checkpoint import check_step, is_megatron_checkpoint

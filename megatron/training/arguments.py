@@ -21,7 +21,7 @@ from .compat import MegatronCoreVersionError, check_megatron_core_version
 from .config import RunConfig, config_from_args
 from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_config, check_expert_fp8_shapes,
                            check_split, high_precision_layers, normalize_opt_level, opt_level_arg)
-from .output_paths import check_output_path
+from .monitoring.output_paths import check_output_path
 
 __all__ = ["parse_args", "validate_args", "parse_config", "config_from_args", "RunConfig", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
            "FP8_ONLY_FLAGS", "baseline_argv"]
@@ -405,7 +405,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             )
     args.data_parallel_size = dp
     check_split(args.split)
-    # Every output path, before any training (megatron/training/output_paths.py).
+    # Every output path, before any training (megatron/training/monitoring/output_paths.py).
     for flag, path, is_dir in (("--save", args.save, True), ("--log-json", args.log_json, False),
                                ("--plot", args.plot, False), ("--collective-trace", args.collective_trace, True),
                                ("--tensorboard-dir", args.tensorboard_dir, True)):

@@ -10,16 +10,40 @@
 
 Masters start from the exact initial weights (:func:`fp8.parallel.take_initial_masters`). Weight decay
 applies to matrices, not to biases and norm gains (Megatron's rule).
+
+Megatron's ``--bf16`` (the high-precision parameters in BF16) is here too. BF16 parameters and activations, FP32 main gradients and FP32
+master weights in the optimizer.
+
+- Every high-precision parameter (all of them at level ``none``; embeddings, norms, biases and the output
+  layer at the FP8 levels) is stored in BF16, so activations are BF16 without autocast. FP8 weights keep
+  their own recipe (E4M3 payload; the FP8 optimizers' masters).
+- Level ``none`` (the baseline, as Megatron-LM's ``--bf16``): a post-accumulate-grad hook adds each
+  micro-batch's BF16 gradient into an FP32 ``param.main_grad`` and frees the BF16 one (Megatron's
+  ``accumulate_allreduce_grads_in_fp32``); :meth:`MainGrads.finish` averages the main gradients over
+  data parallel in FP32 after the backward passes (one flat all-reduce per step, not overlapped with
+  backward, as Megatron without ``--overlap-grad-reduce``); :class:`BF16MasterOptimizer` steps FP32
+  masters on them (fused AdamW, skipping on device) and copies the masters back into the BF16
+  parameters. With ``--use-distributed-optimizer`` the masters and their Adam states are sharded over
+  data parallel by whole tensors (the ZeRO-1 optimizer of :mod:`fp8.optim.sharded` at FP32 precision):
+  each rank keeps the masters, states and main gradients of the tensors it owns (the main gradients are
+  all-reduced, then the others freed), and the step all-gathers the updated BF16 parameters.
+- Levels O1/O2/O3: the BF16 parameters' gradients accumulate in BF16 and are reduced by fp8lm's DDP
+  wrapper; O1 steps FP32 masters of them (:class:`fp8.optim.MasterWeightOptimizer`), O2/O3's
+  :mod:`fp8.optim` keeps FP32 masters of 16-bit parameters by design.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8.comm import CommBytesCounter
+from fp8.cast import payload_and_scale
+from fp8.comm import Collectives, CommBytesCounter
+from fp8.distributed.gather import start_owner_gather
 from fp8.optim.base import FP8Optimizer
 from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
@@ -28,11 +52,183 @@ from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
 from .config import OptimizerConfig, RunConfig
-from .mixed_precision import BF16MasterOptimizer, MainGrads, bf16_params
 
-__all__ = ["build_optimizer", "owner_optimizer", "step_optimizer"]
+__all__ = ["build_optimizer", "owner_optimizer", "step_optimizer", "cast_to_bf16_", "MainGrads", "BF16MasterOptimizer",
+           "main_grad_bytes", "bf16_params"]
 
 
+
+@torch.no_grad()
+def cast_to_bf16_(chunks: list[nn.Module]) -> int:
+    """Store every floating-point parameter that is not an FP8 weight in BF16, in place (the parameter
+    objects and their megatron attributes stay). Returns how many were cast."""
+    n = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if isinstance(p, Float8Tensor) or not p.is_floating_point() or p.dtype == torch.bfloat16:
+                continue
+            p.data = p.data.to(torch.bfloat16)
+            n += 1
+    return n
+
+
+def bf16_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """The trainable BF16 parameters of ``chunks``, each once."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) in seen or not p.requires_grad or isinstance(p, Float8Tensor) or p.dtype != torch.bfloat16:
+                continue
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class MainGrads:
+    """FP32 main gradients of BF16 parameters, accumulated across micro-batches and averaged over data
+    parallel in FP32.
+
+    ``params``: the BF16 parameters; ``dp_group``: the data-parallel group; ``owns(p)`` (with a sharded
+    optimizer): whether this rank keeps ``p``'s main gradient after the reduction. ``expert_params`` (a subset of
+    ``params``: this rank's experts under expert parallelism) are summed over ``expert_group`` (the
+    expert-data-parallel group) instead, and divided by the data-parallel size like the others (each expert saw
+    the tokens of every data-parallel rank routed to it).
+    """
+
+    def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup | None,
+                 owns: Callable[[nn.Parameter], bool] | None = None, expert_params=(),
+                 expert_group: dist.ProcessGroup | None = None, counter: CommBytesCounter | None = None) -> None:
+        self.params = list(params)
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.owns = owns
+        experts = {id(p) for p in expert_params}
+        self.comm = Collectives(dp_group, counter) if self.dp_size > 1 else None  # built once
+        self._groups = [([p for p in self.params if id(p) not in experts], self.comm)]
+        if experts:
+            if expert_group is None:
+                raise ValueError("expert_params need their expert_group (the expert-data-parallel group)")
+            self.expert_comm = Collectives(expert_group, counter)
+            self._groups.append(([p for p in self.params if id(p) in experts], self.expert_comm))
+        else:
+            self.expert_comm = None
+        for p in self.params:
+            p.main_grad = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+
+    @staticmethod
+    @torch.no_grad()
+    def _accumulate(p: nn.Parameter) -> None:
+        if p.main_grad is None:
+            p.main_grad = p.grad.to(torch.float32)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    def zero(self) -> None:
+        """Free the main gradients (start of a step)."""
+        for p in self.params:
+            p.main_grad = None
+
+    @property
+    def counter(self) -> CommBytesCounter | None:
+        """The byte counter of the data-parallel reduction (given at construction)."""
+        return None if self.comm is None else self.comm.counter
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the step's backward passes: average the main gradients over data parallel (one flat FP32
+        all-reduce; a parameter without a gradient on some rank counts as zeros), then keep only the
+        owned ones under a sharded optimizer."""
+        for params, comm in self._groups if self.dp_size > 1 else ():
+            if not params:
+                continue
+            grads = [p.main_grad if p.main_grad is not None else torch.zeros(p.shape, dtype=torch.float32,
+                                                                               device=p.device)
+                     for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if comm.world_size > 1:
+                comm.all_reduce(flat, tag="bf16 main grads").wait()
+            flat.div_(self.dp_size)
+            offset = 0
+            for p, g in zip(params, grads):
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                p.main_grad = g
+                offset += g.numel()
+        if self.owns is not None and self.dp_size > 1:
+            for p in self.params:
+                if not self.owns(p):
+                    p.main_grad = None
+
+    def nbytes(self) -> int:
+        """Bytes the main gradients hold now."""
+        return sum(p.main_grad.numel() * 4 for p in self.params if p.main_grad is not None)
+
+
+class BF16MasterOptimizer(MasterWeightOptimizer):
+    """Steps FP32 masters of BF16 parameters on their FP32 main gradients, then copies the masters back.
+
+    ``optimizer``: over the masters (a fused ``torch.optim.AdamW``, which skips a non-finite step on device
+    through ``found_inf``; or fp8lm's sharded optimizer at FP32 precision for ``--use-distributed-optimizer``,
+    which skips on device and all-gathers the updated masters itself). ``pairs``: ``(master, param)``;
+    parameters without a ``main_grad`` attribute (FP8 weights at O1) use their own gradient, dequantized.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pairs: list[tuple[nn.Parameter, nn.Parameter]],
+                 model: nn.Module, main_grads: MainGrads | None = None) -> None:
+        super().__init__(optimizer, pairs, model)
+        self.main_grads = main_grads
+
+    opt_level = "none (--bf16: FP32 masters of BF16 parameters)"
+
+    @torch.no_grad()
+    def _load_master_grads(self) -> None:
+        sharded = isinstance(self.optimizer, FP8Optimizer) and hasattr(self.optimizer, "owns")
+        for master, param in self.pairs:
+            if sharded and not self.optimizer.owns(master):
+                master.grad = None
+                continue
+            if hasattr(param, "main_grad"):
+                master.grad = param.main_grad
+            elif param.grad is None:
+                master.grad = None
+            elif payload_and_scale(param.grad) is not None:  # a scaled gradient: E4M3 or the FP16 sum
+                master.grad = param.grad.dequantize(master.dtype)
+            else:
+                master.grad = param.grad.to(master.dtype)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        super().zero_grad(set_to_none=set_to_none)
+        if self.main_grads is not None:
+            self.main_grads.zero()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        self._load_master_grads()  # before the finiteness check, which reads the masters' gradients
+        if isinstance(self.optimizer, FP8Optimizer):
+            # The sharded FP32 optimizer: steps the owned masters, skipping on device (agreed over its ranks);
+            # the owners copy them into their BF16 parameters, which are then all-gathered (BF16 on the wire).
+            optimizer = self.optimizer
+            loss = optimizer.step(closure)
+            owners = []
+            for master, param in self.pairs:
+                if optimizer.owns(master):
+                    param.copy_(master)
+                owners.append(optimizer.owner(master))
+                master.grad = None
+            start_owner_gather([p for _, p in self.pairs], owners, optimizer.comm, "weights")()
+            return loss
+        return super().step(closure)
+
+
+def main_grad_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of FP32 main gradients held by ``optimizer``'s :class:`MainGrads` (0 without)."""
+    main_grads = getattr(optimizer, "main_grads", None)
+    return main_grads.nbytes() if isinstance(main_grads, MainGrads) else 0
+
+
+# -- the optimizer of each level ----------------------------------------------------------------------
 def _torch_optimizer(opt: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     if opt.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=opt.lr, momentum=0.9)

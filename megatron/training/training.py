@@ -36,14 +36,13 @@ from .distributed.grads import (clip_and_poison_, finalize_model_grads, global_g
                                 unique_parameters,
                                 reduce_tied_embedding_grads, tied_embedding_weights)
 from .compat.pipeline_p2p import FP8P2PCommunicator
-from .fp8_numerics import NumericsMonitor
+from .monitoring.fp8_numerics import NumericsMonitor
 from .gpt_layer_specs import global_module_names
 from .moe import is_routed_expert_param
-from .health import SkipMonitor
-from .log import TrainingLogger
-from .mixed_precision import cast_to_bf16_, main_grad_bytes
+from .monitoring.health import SkipMonitor
+from .monitoring.log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
-from .optimizer import build_optimizer, owner_optimizer, step_optimizer
+from .optimizer import build_optimizer, cast_to_bf16_, main_grad_bytes, owner_optimizer, step_optimizer
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory", "TrainingRun",
            "Datasets", "traced", "train_iterations", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
@@ -218,7 +217,7 @@ class TrainingRun:
         selection announced once per pipeline stage (its first tensor- and data-parallel rank)."""
         cfg = self.cfg
         # --bf16 is Megatron's: BF16 parameters (so BF16 activations, no autocast), FP32 main gradients and
-        # masters in the optimizer (megatron/training/mixed_precision.py).
+        # masters in the optimizer (megatron/training/optimizer.py).
         self.autocast = False
         pipeline_dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
         self.config = transformer_config_from_args(cfg, pipeline_dtype)
@@ -335,7 +334,7 @@ class TrainingRun:
         self.skipped_counter = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def _build_monitoring(self, chunks: list[torch.nn.Module]) -> None:
-        """--fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/fp8_numerics.py)."""
+        """--fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/monitoring/fp8_numerics.py)."""
         cfg = self.cfg
         self.numerics = None
         if cfg.stats.fp8_stats_interval and cfg.precision.fp8_opt_level != "none":

@@ -98,7 +98,7 @@ def reduce_tied_embedding_grads(weights: list[nn.Parameter], embd_comm: Collecti
 
 def main_grad(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient the optimizer steps on for parameter ``p``: its FP32 main gradient under ``--bf16``
-    (:mod:`megatron.training.mixed_precision`), otherwise ``p.grad``."""
+    (:mod:`megatron.training.optimizer`), otherwise ``p.grad``."""
     grad = getattr(p, "main_grad", None)
     return grad if grad is not None else p.grad
 

@@ -76,7 +76,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                      f"(save_pretrained output with its tokenizer)")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
-    from megatron.training.output_paths import output_path_problem  # the check pretrain_gpt.py makes
+    from megatron.training.monitoring.output_paths import output_path_problem  # the check pretrain_gpt.py makes
 
     for flag, path, is_dir in (("--output", args.output, True), ("--log-json", args.log_json, False)):
         if (problem := output_path_problem(path, directory=is_dir)) is not None:

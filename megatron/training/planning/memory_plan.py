@@ -485,7 +485,7 @@ class PlannerConfig:
             data_parallel_size=dp, fp8_opt_level=normalize_opt_level(level or "none"),
             bf16=bool(get("bf16", False)),
             # --bf16 is pretrain_gpt.py's (and Megatron's) wherever it is given, the planner's command line
-            # included: FP32 main gradients at level none (megatron/training/mixed_precision.py), stepped by
+            # included: FP32 main gradients at level none (megatron/training/optimizer.py), stepped by
             # torch's fused AdamW: 18 B/param. FP8-LM's 16 B/param accounting (BF16 gradients) is
             # PlannerConfig(bf16=True) without fp32_grads, in Python.
             fp32_grads=bool(get("accumulate_allreduce_grads_in_fp32", False))

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import RunConfig
+from ..config import RunConfig
 from .scalar_writers import scalar_writers
 
 __all__ = ["TrainingLogger", "plot_loss_curves", "format_summary"]
@@ -135,7 +135,7 @@ class TrainingLogger:
         self.level = None
         self.total = 0
         self.t_start = time.perf_counter()
-        # --tensorboard-dir / --wandb-project: the same records as scalars (megatron/training/scalar_writers.py)
+        # --tensorboard-dir / --wandb-project: the same records as scalars (megatron/training/monitoring/scalar_writers.py)
         self.writers = (scalar_writers(cfg.logging.tensorboard_dir, cfg.logging.wandb_project)
                         if self.active else [])
 

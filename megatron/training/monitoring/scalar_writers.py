@@ -1,10 +1,10 @@
 """Scalars of a run for TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
-Each logged iteration record (:class:`megatron.training.log.TrainingLogger`'s, already read to the host at the log
+Each logged iteration record (:class:`megatron.training.monitoring.log.TrainingLogger`'s, already read to the host at the log
 interval) becomes scalars at its iteration: ``loss``, ``val_loss``, ``lr``, ``grad_norm``, ``skipped_steps``,
 ``tokens_per_s``, ``mu``, ``comm_bytes/<what travelled>`` and ``comm_bytes/total``, ``memory/<category>`` (model-state
 bytes by :func:`fp8.memory_report` category) and ``fp8_stats/<layer>/<operand>/<statistic>`` (``--fp8-stats-interval``:
-:mod:`megatron.training.fp8_numerics`). Every opt level trained by one run (``--compare``) is its own run: ``DIR/<level>/`` for TensorBoard, a run named by the level
+:mod:`megatron.training.monitoring.fp8_numerics`). Every opt level trained by one run (``--compare``) is its own run: ``DIR/<level>/`` for TensorBoard, a run named by the level
 for W&B, so their curves overlay.
 """
 

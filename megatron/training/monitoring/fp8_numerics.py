@@ -14,7 +14,7 @@ values, so all agree on an alarm:
 - loss spike: a logged loss above ``--fp8-stats-loss-spike`` times the mean of the previous (up to 10) logged ones.
 
 An alarm is a WARNING naming the layer, operand and iteration; with ``--fp8-stats-stop`` the run stops
-(:class:`megatron.training.health.RunHealthError`, exit status 1).
+(:class:`megatron.training.monitoring.health.RunHealthError`, exit status 1).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from fp8.comm import Collectives
 from fp8.stats import FP8Statistics
 
-from .config import StatsConfig
+from ..config import StatsConfig
 from .health import RunHealthError
 
 __all__ = ["NumericsMonitor", "merge_rank_stats", "alarms"]

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .config_rules import ConfigurationError
+from ..config_rules import ConfigurationError
 
 __all__ = ["check_output_path", "output_path_problem"]
 
