@@ -126,7 +126,7 @@ def split_level(spec: str) -> tuple[str, fp8.optim.OptimizerPrecision | None]:
 def initialize_level(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str):
     """``fp8.initialize`` for a level spec as accepted by ``--levels``."""
     level, precision = split_level(spec)
-    return fp8.initialize(model, optimizer, opt_level=level, precision=precision)
+    return fp8.initialize(model, optimizer, opt_level=level, optimizer_precision=precision)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:

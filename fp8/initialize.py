@@ -15,11 +15,11 @@ from .moe import is_fused_experts
 from .gemm import scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
-from .optim.convert import check_convertible, convert_optimizer
+from .optim.convert import check_convertible
 from .optim.master_weights import MasterWeightOptimizer
 from .optim.precision import OptimizerPrecision
+from .optim.wrap import FP8Weight, wrap_for_level
 from .precision_rules import parse_precision_rules
-from .optim.sharded import convert_to_sharded
 from .recipes import get_recipe
 from .tensor import Float8Tensor
 
@@ -183,6 +183,7 @@ def initialize(
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
     precision=None,
+    optimizer_precision: OptimizerPrecision | str | None = None,
     process_group=None,
     min_fp8_dim: int | None = None,
     require_fp8: bool = False,
@@ -209,7 +210,8 @@ def initialize(
     - ``"O2"``: O1's model, and the given ``torch.optim.Adam``/``AdamW``/``SGD`` is replaced by its
       :mod:`fp8.optim` counterpart (hyper-parameters and param groups carried over) storing the first
       moment in E4M3, the second moment in FP16 and the master weights in FP16, each with a per-tensor
-      scale; ``precision=fp8.optim.OptimizerPrecision(...)`` overrides that (ablations). Other
+      scale; ``optimizer_precision=fp8.optim.OptimizerPrecision(...)`` (or a preset name such as ``"O2"``)
+      overrides that (ablations). Other
       optimizers are refused with a clear error.
     - ``"O3"``: O2 sharded over the data-parallel ``process_group`` (None: the default group; needs an
       initialized process group): each rank owns whole tensors and keeps their master weights and
@@ -218,12 +220,12 @@ def initialize(
       (``DistributedDataParallel(model, o3_optimizer=optimizer)``), reduces each gradient to its owner,
       and the step all-gathers the updated FP8 weights with their scales. With one rank it is O2.
 
-    ``precision`` is also the per-layer precision of the model when given rules (:mod:`fp8.precision_rules`: a
+    ``precision``: the per-layer precision of the model, as rules (:mod:`fp8.precision_rules`: a
     ``{"rules": [{"pattern": ..., "precision": "bf16" | "fp8", "recipe": ..., ...}]}`` dict or a list of rules):
     ordered glob patterns over ``model.named_modules()`` names, first match wins, a rule keeping a layer in high
     precision or converting it with its recipe/formats; a pattern that matches no linear is a ``ValueError`` before
-    anything changes, and each rule's matches are logged (at any FP8 level; with an ``OptimizerPrecision`` it is
-    the optimizer's, as above).
+    anything changes, and each rule's matches are logged (at any FP8 level). The optimizer's storage precision is
+    ``optimizer_precision`` (an ``OptimizerPrecision`` given as ``precision`` is refused, naming it).
 
     ``min_fp8_dim``: linears with ``min(in_features, out_features)`` below it stay in high precision,
     logged (None: 2048 on CUDA, the measured crossover, and 0 on CPU; see :data:`fp8.convert.CUDA_MIN_FP8_DIM`).
@@ -263,11 +265,12 @@ def initialize(
     _check_not_initialized(model)
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
-    layer_rules = None
-    if precision is not None and not isinstance(precision, (OptimizerPrecision, str)):
-        layer_rules, precision = parse_precision_rules(precision, source="precision="), None  # per-layer rules
-    if precision is not None and opt_level not in ("O2", "O3"):
-        raise ValueError(f"precision= applies to opt_levels 'O2' and 'O3', not {opt_level!r}")
+    if isinstance(precision, (OptimizerPrecision, str)):
+        raise TypeError(f"precision= takes per-layer precision rules (a dict or a list, fp8.precision_rules); the "
+                        f"optimizer's storage precision {precision!r} is optimizer_precision=")
+    layer_rules = None if precision is None else parse_precision_rules(precision, source="precision=")
+    if optimizer_precision is not None and opt_level not in ("O2", "O3"):
+        raise ValueError(f"optimizer_precision= applies to opt_levels 'O2' and 'O3', not {opt_level!r}")
     if process_group is not None and opt_level != "O3":
         raise ValueError(f"process_group= applies to opt_level 'O3' (the sharded optimizer), not {opt_level!r}")
     if opt_level == "O3":
@@ -302,17 +305,12 @@ def initialize(
     if optimizer is None:
         return model, None
     _swap_expert_masters(optimizer, converted)
-    if opt_level in ("O2", "O3"):
-        replace = {id(c.optimizer_param): c.module.weight for c in converted}
-        masters = {c.module.weight: c.original_weight for c in converted}
-        if opt_level == "O2":
-            fp8_optimizer = convert_optimizer(optimizer, replace, precision or "O2", masters, scaling_module=model)
-        else:
-            fp8_optimizer = convert_to_sharded(optimizer, replace, precision or "O2", masters, process_group,
-                                               scaling_module=model)
-        return model, fp8_optimizer
-    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    converted = [c for c in converted if id(c.optimizer_param) in in_optimizer]
-    _swap_conv1d_masters(optimizer, converted)
-    pairs = [(c.original_weight, c.module.weight) for c in converted]
-    return model, MasterWeightOptimizer(optimizer, pairs, model)
+    if opt_level == "O1":
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        converted = [c for c in converted if id(c.optimizer_param) in in_optimizer]
+        _swap_conv1d_masters(optimizer, converted)
+        weights = [FP8Weight(c.original_weight, c.module.weight, c.original_weight) for c in converted]
+    else:
+        weights = [FP8Weight(c.optimizer_param, c.module.weight, c.original_weight) for c in converted]
+    return model, wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
+                                 process_group=process_group)

@@ -17,7 +17,7 @@ from fp8.optim.precision import OptimizerPrecision
 def _build(seed: int, hidden: int = 64, optimizer=torch.optim.Adam, precision: OptimizerPrecision | None = None):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 32))
-    return fp8.initialize(model, optimizer(model.parameters(), lr=1e-3), "O2", precision=precision)
+    return fp8.initialize(model, optimizer(model.parameters(), lr=1e-3), "O2", optimizer_precision=precision)
 
 
 def _step(model, optimizer, seed: int) -> None:

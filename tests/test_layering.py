@@ -398,3 +398,19 @@ def test_the_training_side_has_at_most_ten_top_level_modules():
     the loop at the top; monitoring/, data/, checkpointing/, planning/, distributed/, compat/, finetune/)."""
     top = sorted(p.name for p in (ROOT / "megatron/training").glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top
+
+
+def test_the_level_table_is_written_once():
+    """fp8.initialize and pretrain_gpt.py's optimizer build the FP8 levels' optimizers through one table
+    (fp8.optim.wrap.wrap_for_level); only the baseline's ZeRO-1 (convert_to_sharded at FP32 precision, "O1") is
+    the training side's own."""
+    import re
+
+    initialize = (ROOT / "fp8/initialize.py").read_text()
+    training = (ROOT / "megatron/training/optimizer.py").read_text()
+    for source in (initialize, training):
+        assert "wrap_for_level(" in source
+        assert not re.search(r"\b(convert_optimizer|MasterWeightOptimizer)\(", source)
+    assert not re.search(r"\bconvert_to_sharded\(", initialize)
+    assert all(call.startswith('convert_to_sharded(base, {}, "O1"') or call.startswith('convert_to_sharded(base, {}, "O1",')
+               for call in re.findall(r'convert_to_sharded\([^\n]*', training))

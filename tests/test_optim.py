@@ -226,8 +226,10 @@ def test_initialize_o2_refuses_what_it_cannot_convert(gen):
     stepped.step()
     with pytest.raises(ValueError, match="before the first optimizer step"):
         fp8.initialize(model, stepped, "O2")
-    with pytest.raises(ValueError, match="precision= applies"):
-        fp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", precision=OptimizerPrecision())
+    with pytest.raises(ValueError, match="optimizer_precision= applies"):
+        fp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", optimizer_precision=OptimizerPrecision())
+    with pytest.raises(TypeError, match="precision= takes per-layer precision rules.*optimizer_precision="):
+        fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", precision=OptimizerPrecision())
 
 
 def test_o2_state_dict_resume_is_bit_identical(gen):
@@ -288,3 +290,25 @@ def test_kernel_backend_and_scaling_module_are_constructor_arguments():
             cls(model.parameters(), lr=1e-3, scaling_module=[model])
     model, fp8_opt = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2")
     assert fp8_opt.scaling_module is model  # fp8.initialize passes the (converted) model
+
+
+def test_one_level_table_builds_each_levels_optimizer():
+    """fp8.optim.wrap_for_level: O1 wraps the given optimizer over masters, O2 converts it, O3 needs a process group;
+    a level without an FP8 optimizer, and options of another level, are refused naming the level."""
+    from fp8.optim import FP8Weight, MasterWeightOptimizer, ShardedFP8Optimizer, wrap_for_level
+    from fp8.tensor import to_float8
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    master = torch.nn.Parameter(model.weight.detach().clone())
+    weight = torch.nn.Parameter(to_float8(master.detach(), "e4m3"), requires_grad=True)
+    for level, kind in (("O1", MasterWeightOptimizer), ("O2", fp8.optim.AdamW)):
+        base = torch.optim.AdamW([master, model.bias], lr=1e-3)
+        opt = wrap_for_level(level, base, [FP8Weight(master, weight, master)], scaling_module=model)
+        assert isinstance(opt, kind) and not isinstance(opt, ShardedFP8Optimizer)
+    with pytest.raises(ValueError, match="no FP8 optimizer for opt level 'none'"):
+        wrap_for_level("none", torch.optim.AdamW([master]), [], scaling_module=model)
+    with pytest.raises(ValueError, match="apply to opt level 'O3', not 'O2'"):
+        wrap_for_level("O2", torch.optim.AdamW([master]), [], scaling_module=model, process_group=object())
+    with pytest.raises(ValueError, match="applies to opt levels 'O2' and 'O3', not 'O1'"):
+        wrap_for_level("O1", torch.optim.AdamW([master]), [], scaling_module=model, precision="O2")

@@ -81,5 +81,5 @@ def test_an_optimizer_precision_is_still_the_optimizer_s(seed):
 
     model = _llama(seed)
     model, opt = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", min_fp8_dim=0,
-                                precision=OptimizerPrecision(exp_avg="fp16"))
+                                optimizer_precision=OptimizerPrecision(exp_avg="fp16"))
     assert _fp8_layers(model) and opt.precision.exp_avg == "fp16"

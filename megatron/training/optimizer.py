@@ -45,9 +45,9 @@ from fp8.cast import payload_and_scale
 from fp8.comm import Collectives, CommBytesCounter
 from fp8.distributed.gather import start_owner_gather
 from fp8.optim.base import FP8Optimizer
-from fp8.optim.convert import convert_optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.sharded import ShardedFP8Optimizer, convert_to_sharded
+from fp8.optim.wrap import FP8Weight, wrap_for_level
 from fp8.parallel import take_initial_masters
 from fp8.tensor import Float8Tensor
 
@@ -281,13 +281,10 @@ def build_optimizer(
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
             return convert_to_sharded(base, {}, "O1", {}, dp_group, **experts)
         return base
-    if level == "O1":
-        return MasterWeightOptimizer(base, [(master, weight) for weight, master in masters.items()], scaling_module)
-    replace = {id(master): weight for weight, master in masters.items()}
-    initial = {weight: master.detach() for weight, master in masters.items()}
-    if level == "O2":
-        return convert_optimizer(base, replace, "O2", initial, scaling_module=scaling_module)
-    return convert_to_sharded(base, replace, "O2", initial, dp_group, scaling_module=scaling_module, **experts)
+    # the FP8 levels: fp8's one level table (fp8.initialize builds the same optimizers)
+    weights = [FP8Weight(master, weight, master.detach()) for weight, master in masters.items()]
+    return wrap_for_level(level, base, weights, scaling_module=scaling_module,
+                          **({"process_group": dp_group, **experts} if level == "O3" else {}))
 
 
 def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | None:
