@@ -23,7 +23,7 @@ from torch import nn
 
 from .embedding import Float8Embedding, embedding_problem
 from .eligibility import fp8_linear_problem
-from .linear import Float8Linear, Float8LinearConfig
+from .linear import Float8Linear, Float8LinearConfig, InputCasts
 from .moe import Float8Experts, experts_problem, is_fused_experts
 from .precision_rules import PrecisionPlan, parse_precision_rules
 
@@ -128,8 +128,8 @@ def _linear_view(module: nn.Module) -> SimpleNamespace | nn.Linear:
                            bias=module.bias)
 
 
-def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None = None
-                              ) -> tuple[Float8Linear, nn.Parameter]:
+def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None = None,
+                              input_casts: InputCasts | None = None) -> tuple[Float8Linear, nn.Parameter]:
     """``(Float8Linear, master)`` for a transformers ``Conv1D``: in_features = ``weight.shape[0]``,
     out_features = ``weight.shape[1]``, the FP8 weight quantized from ``weight.t()``, the bias the same
     ``Parameter``. ``master`` is a new ``(out_features, in_features)`` Parameter holding ``weight.t()``
@@ -140,7 +140,7 @@ def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None
     master = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
     in_features, out_features = weight.shape
     view = SimpleNamespace(in_features=in_features, out_features=out_features, weight=master, bias=conv.bias)
-    return Float8Linear.from_linear(view, config), master
+    return Float8Linear.from_linear(view, config, input_casts), master
 
 
 def _experts_skip_reason(fqn: str, module: nn.Module, filter_fn: ModuleFilter | None, use_count: Counter,
@@ -226,6 +226,7 @@ def convert_to_float8_linear(
     if min_fp8_dim < 0:
         raise ValueError(f"min_fp8_dim must be >= 0 (0 converts every eligible layer), got {min_fp8_dim}")
     use_count = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    casts = InputCasts()  # the linears of this model share the FP8 casts of the inputs they read alike
     converted: list[ConvertedLinear] = []
     kept: list[tuple[str, str]] = []
     experts: list[tuple[str, str | None]] = []  # (name, reason kept or None)
@@ -263,10 +264,10 @@ def convert_to_float8_linear(
             kept.append((fqn or "<root>", reason))
             continue
         if conv1d:
-            new, master = float8_linear_from_conv1d(module, config)
+            new, master = float8_linear_from_conv1d(module, config, casts)
             converted.append(ConvertedLinear(fqn, master, new, transposed_from=module.weight))
         else:
-            new = Float8Linear.from_linear(module, config)
+            new = Float8Linear.from_linear(module, config, casts)
             converted.append(ConvertedLinear(fqn, module.weight, new))
         if not fqn:
             model = new

@@ -51,7 +51,7 @@ from .tensor import Float8Tensor, to_float8
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "fp8_dims_problem",
+    "Float8LinearConfig", "Float8Linear", "Float8LinearFunction", "LinearHooks", "NO_HOOKS", "InputCasts", "fp8_dims_problem",
     "GRAD_ACCUMULATION", "weight_grad", "group_bounds", "Groups", "linear_forward", "linear_backward",
 ]
 
@@ -209,10 +209,12 @@ def _rows(op: Operand, start: int, end: int) -> Operand:
     return Operand(op.data[start:end], scale, op.block)
 
 
-def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config, record, dtype, hooks, groups):
+def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config, record, dtype, hooks, groups,
+                   input_casts: InputCasts | None = None):
     """The FP8 linear's forward for one weight (``groups`` None) or one weight per group of rows (:class:`Groups`):
     the input quantized once (its column-wise operand too, from the same read, where the weight gradient will need it
-    and the rows are not gathered), one FP8 GEMM per weight."""
+    and the rows are not gathered), one FP8 GEMM per weight; ``input_casts``: the cast shared with the other readers
+    of ``x`` (:class:`InputCasts`)."""
     for w in weights:
         if not isinstance(w, Float8Tensor):
             raise TypeError("an FP8 linear's weight must be a Float8Tensor; assign through fp8.to_float8")
@@ -239,7 +241,8 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
             made.append(True)
             return quantizers.input.quantize(x2d, record, columnwise)
 
-        rows, cols = _shared_cast(x, key, cast, input_state.amax_history if recipe.tensorwise else None)
+        step_guard = input_state.amax_history if recipe.tensorwise else None
+        rows, cols = cast() if input_casts is None else input_casts.cast(x, key, cast, step_guard)
         if not made and recipe.tensorwise and input_state.stats is not None and record:
             # another reader's cast, shared: this reader's statistics still see the input and the scale it used
             input_state.stats.observe(x2d, rows.scale_inv.reciprocal(), input_state.format)
@@ -368,15 +371,16 @@ class Float8LinearFunction(torch.autograd.Function):
     ``hooks`` (:class:`LinearHooks`) add the parallel linears' collectives around the GEMMs. The grouped linear of
     MoE experts (:class:`fp8.grouped_gemm.GroupedLinearFunction`) runs the same core.
 
-    ``apply(x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks)``: ``record``
-    says whether the input's amax enters its scaling history (training passes only).
+    ``apply(x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks, input_casts)``: ``record``
+    says whether the input's amax enters its scaling history (training passes only); ``input_casts`` (or None) the
+    :class:`InputCasts` the linear shares with the other readers of its input.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks):
+    def forward(ctx, x, weight, bias, input_state, grad_output_state, config, record, dtype, hooks, input_casts=None):
         ctx.weight_inputs = (1,)
         out = linear_forward(ctx, x, [weight], bias, input_state, grad_output_state, config, record, dtype, hooks,
-                             None)
+                             None, input_casts)
         if out.shape[0] == math.prod(x.shape[:-1]):
             lead = tuple(x.shape[:-1])
         else:  # gathered or scattered along the first (sequence) dimension
@@ -389,34 +393,61 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_x, grad_ws, grad_b = linear_backward(ctx, grad_out)
-        return grad_x, grad_ws[0], grad_b, None, None, None, None, None, None
+        return grad_x, grad_ws[0], grad_b, None, None, None, None, None, None, None
 
 
-def _shared_cast(x: torch.Tensor, key: tuple, cast, step_guard: torch.Tensor | None = None
-                 ) -> tuple[Operand, Operand | None]:
-    """The FP8 cast of input ``x`` (its operands), ``cast()``, shared by every FP8 linear that reads the same tensor
-    unchanged with the same ``key`` (the q/k/v or gate/up projections of one hidden state), so it is computed and
-    saved for backward once. Memoized on ``x`` itself (its version counter guards in-place changes); freed with it.
+class InputCasts:
+    """The FP8 casts of layer inputs, shared by the FP8 linears that read the same tensor unchanged with the same
+    recipe (the q/k/v or gate/up projections of one hidden state), so each is computed and saved for backward once.
+    Owned by the linears given it at construction (:func:`fp8.convert.convert_to_float8_linear` gives one to every
+    linear of a model; a linear built alone has its own): nothing is stored on the input. Entries are weak in the
+    input (freed with it) and guarded by its version counter (an in-place change casts again).
 
-    Per-block current scales are a function of the values, so the memo is the cast every reader would make.
+    Per-block current scales are a function of the values, so a memo is the cast every reader would make.
     Tensor-wise (``key`` holding the scaling config): the first reader's delayed scale is used by all, and only its
-    history records ``x``'s amax (the cast records it in the same kernel); the readers' histories, fed the same tensors
-    since construction, would hold the same amaxes, and its scale is a valid scale for ``x`` in any case. The memo
-    lasts one scaling step: ``step_guard`` (the first reader's amax history) changes when the step closes
+    history records the input's amax (the cast records it in the same kernel); the readers' histories, fed the same
+    tensors since construction, would hold the same amaxes, and its scale is a valid scale for the input in any case.
+    A memo lasts one scaling step: ``step_guard`` (the first reader's amax history) changes when the step closes
     (:func:`fp8.scaling.update_scales`), so the same tensor read again in a later step is cast again, with the new
     scale, its amax recorded."""
-    if torch.compiler.is_compiling() or x.is_inference():  # traced graphs take no attributes; inference tensors
-        return cast()                                          # have no version counter to guard a memo: cast
-    key = (*key, x._version)
-    memo = getattr(x, "_fp8_input_cast", None)
-    if memo is not None and memo[0] == key and (memo[1] is None or memo[1]._version == memo[2]):
-        return memo[3]
-    value = cast()
-    try:
-        x._fp8_input_cast = (key, step_guard, step_guard._version if step_guard is not None else None, value)
-    except (AttributeError, RuntimeError):  # a tensor that takes no attributes
-        pass
-    return value
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self._memo = WeakTensorKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def __contains__(self, x: torch.Tensor) -> bool:
+        return x in self._memo
+
+    def get(self, x: torch.Tensor) -> tuple[Operand, Operand | None] | None:
+        """The cast memoized for ``x`` (whatever its key), or None."""
+        memo = self._memo.get(x)
+        return None if memo is None else memo[3]
+
+    def cast(self, x: torch.Tensor, key: tuple, cast, step_guard: torch.Tensor | None = None
+             ) -> tuple[Operand, Operand | None]:
+        """The cast of ``x`` for ``key``: the memo's when it is still valid, else ``cast()`` (then memoized)."""
+        if torch.compiler.is_compiling() or x.is_inference():  # traced graphs keep no memo; inference tensors
+            return cast()                                          # have no version counter to guard one: cast
+        key = (*key, x._version)
+        memo = self._memo.get(x)
+        if memo is not None and memo[0] == key and (memo[1] is None or memo[1]._version == memo[2]):
+            return memo[3]
+        value = cast()
+        self._memo[x] = (key, step_guard, step_guard._version if step_guard is not None else None, value)
+        return value
+
+    def __deepcopy__(self, memo: dict) -> InputCasts:
+        return InputCasts()  # a copied model shares casts among its own linears, none with the original's inputs
+
+    def __getstate__(self) -> dict:
+        return {}  # transient: a saved model holds no casts
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
 
 class Float8Linear(nn.Module):
@@ -436,8 +467,10 @@ class Float8Linear(nn.Module):
         config: Float8LinearConfig | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        input_casts: InputCasts | None = None,
     ) -> None:
         super().__init__()
+        self.input_casts = input_casts if input_casts is not None else InputCasts()
         problem = fp8_dims_problem(in_features, out_features)
         if problem:
             raise ValueError(f"Float8Linear: {problem}")
@@ -456,14 +489,17 @@ class Float8Linear(nn.Module):
         self.grad_output_scaling = ScalingState(self.config.grad_output, device=weight.device)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear, config: Float8LinearConfig | None = None,
+                    input_casts: InputCasts | None = None) -> "Float8Linear":
         """An FP8 linear with ``linear``'s weight quantized (current scale) and ``linear``'s own bias
-        ``Parameter`` (so an optimizer holding it keeps stepping it)."""
+        ``Parameter`` (so an optimizer holding it keeps stepping it). ``input_casts``: the :class:`InputCasts` it
+        shares with other linears (default: its own)."""
         problem = fp8_dims_problem(linear.in_features, linear.out_features)
         if problem:
             raise ValueError(f"Float8Linear.from_linear: {problem}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
+        new.input_casts = input_casts if input_casts is not None else InputCasts()
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.config = (config or Float8LinearConfig()).for_dims(linear.in_features, linear.out_features)
         weight = linear.weight
@@ -480,7 +516,7 @@ class Float8Linear(nn.Module):
         record = torch.is_grad_enabled()
         return Float8LinearFunction.apply(
             x, self.weight, self.bias, self.input_scaling, self.grad_output_scaling, self.config, record, x.dtype,
-            NO_HOOKS,
+            NO_HOOKS, self.input_casts,
         )
 
     def extra_repr(self) -> str:

@@ -14,7 +14,7 @@ import fp8
 from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, TILE_T, block_amax, dequantize_blocks, expand_scales, \
     grid_shape, quantize_to_blocks
 from fp8.gemm import fp8_mm_payload
-from fp8.linear import Float8Linear, Float8LinearConfig
+from fp8.linear import Float8Linear, Float8LinearConfig, InputCasts
 from fp8.recipes import RECIPES
 
 E4M3_REL = 2.0**-4  # half an E4M3 ulp relative to a normal value (3 mantissa bits)
@@ -268,7 +268,8 @@ def test_bf16_models_train_with_each_recipe(recipe):
 def test_linears_reading_one_input_share_its_cast(gen, recipe):
     """q/k/v-style projections of one hidden state cast it once (one saved E4M3 copy), every recipe; an in-place
     change of the input makes the next read cast again."""
-    layers = [Float8Linear.from_linear(torch.nn.Linear(256, 256), Float8LinearConfig(recipe=recipe))
+    casts = InputCasts()  # the readers share one cache (fp8.initialize gives one to a model's linears)
+    layers = [Float8Linear.from_linear(torch.nn.Linear(256, 256), Float8LinearConfig(recipe=recipe), casts)
               for _ in range(3)]
     x = torch.randn(64, 256, generator=gen, requires_grad=True)
     h = x * 1  # an intermediate, as a norm's output
@@ -284,11 +285,17 @@ def test_linears_reading_one_input_share_its_cast(gen, recipe):
     assert len(payloads) == 3 and len(set(payloads)) == 1
     alone = [layer(x.detach() * 1) for layer in layers]
     assert all(torch.equal(a, b) for a, b in zip(outs, alone))
-    memo = h._fp8_input_cast
+    assert h in casts and len(casts) == 1 and not any(k.startswith("_fp8") for k in vars(h))  # nothing on the input
+    memo = casts.get(h)
     with torch.no_grad():
         h.mul_(2)
     layers[0](h)
-    assert h._fp8_input_cast is not memo
+    assert casts.get(h) is not memo
+    del outs, h
+    import gc
+
+    gc.collect()
+    assert len(casts) == 0  # freed with its input
     with torch.inference_mode():  # inference tensors have no version counter: cast without the memo
         inference_input = x.detach() * 1
         assert inference_input.is_inference() and torch.equal(layers[0](inference_input), alone[0].detach())

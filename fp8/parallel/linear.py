@@ -308,7 +308,7 @@ class ColumnParallelLinear(ParallelLinearBase):
         else:
             out = Float8LinearFunction.apply(
                 input_, self.weight, bias, self.input_scaling, self.grad_output_scaling, self.fp8,
-                torch.is_grad_enabled(), compute_dtype(input_), self._fp8_hooks(),
+                torch.is_grad_enabled(), compute_dtype(input_), self._fp8_hooks(), None,
             )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
@@ -367,7 +367,7 @@ class RowParallelLinear(ParallelLinearBase):
         else:
             out = Float8LinearFunction.apply(
                 input_, self.weight, None, self.input_scaling, self.grad_output_scaling, self.fp8,
-                torch.is_grad_enabled(), compute_dtype(input_), self._fp8_hooks(),
+                torch.is_grad_enabled(), compute_dtype(input_), self._fp8_hooks(), None,
             )
         if self.skip_bias_add:
             return out, self.bias
