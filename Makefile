@@ -76,9 +76,9 @@ gpu-check:
 	@$(PYTHON) -c "import torchao" 2>/dev/null || $(PIP) torchao || echo "gpu-check: torchao not installable: its rows are skipped"
 	@$(PYTHON) -c "import transformer_engine.pytorch" 2>/dev/null || $(PIP) --no-build-isolation "transformer_engine[pytorch]" \
 		|| echo "gpu-check: Transformer Engine not installable: its rows are skipped"
-	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
-	TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -m gpu tests/test_block_gemm.py
-	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/test_moe_transformers.py
+	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/e2e/test_gpu.py
+	TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -m gpu tests/fp8/test_block_gemm.py
+	env -u TRITON_INTERPRET $(PYTHON) -m pytest -q -m gpu tests/fp8/test_moe_transformers.py
 	rm -f $(GPU_PARALLEL_JSON); status=0; \
 	env -u TRITON_INTERPRET $(PYTHON) benchmarks/gpu_parallel.py --timeout-s $(GPU_PARALLEL_TIMEOUT_S) --json $(GPU_PARALLEL_JSON) \
 		|| status=$$?; \

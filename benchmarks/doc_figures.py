@@ -5,7 +5,7 @@
 
 A generated block sits in a Markdown file between ``<!-- doc-figures: NAME -->`` and ``<!-- /doc-figures: NAME -->``;
 everything between the markers is this script's output for NAME (:data:`FIGURES`), so a changed default that moves
-a figure fails ``tests/test_doc_figures.py`` until the docs are regenerated. Figures that take minutes (loss
+a figure fails ``tests/e2e/test_doc_figures.py`` until the docs are regenerated. Figures that take minutes (loss
 tables, timings) are not generated: the docs label them with the command, settings and date that produced them.
 """
 

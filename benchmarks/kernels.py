@@ -20,7 +20,7 @@ bf16, linears 256 x 256 without bias, 256 tokens, steady state (3 training steps
   no device launch; counted here all the same). O3 runs in a one-rank gloo group.
 
 Counts are deterministic. ``python benchmarks/kernels.py [--megatron] [--json benchmarks/results/kernels.json]``
-prints the tables and writes the JSON; ``tests/test_kernel_launches.py`` holds the targets.
+prints the tables and writes the JSON; ``tests/fp8/test_kernel_launches.py`` holds the targets.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Whether a linear runs in FP8: the one rule, for ``fp8.initialize``'s conversion (:mod:`fp8.convert`), the frozen
 and MoE paths, the parallel linears and Megatron's layer specs (``megatron/training/gpt_layer_specs.py``). The memory
 planner, which imports no torch, mirrors it (``megatron/training/planning/memory_plan.py``: ``fp8_linear_planned``)
-and ``tests/test_eligibility.py`` holds the two equal. Plain Python: importing this module alone needs nothing.
+and ``tests/training/test_eligibility.py`` holds the two equal. Plain Python: importing this module alone needs nothing.
 
 Two reasons keep a linear out of FP8, told apart because callers act differently on them:
 

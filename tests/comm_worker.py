@@ -1,4 +1,4 @@
-"""Worker of tests/test_comm_coverage.py: trains a tiny GPT on TP2 x PP2 x DP2 (8 ranks, sequence parallel) and
+"""Worker of tests/training/test_comm_coverage.py: trains a tiny GPT on TP2 x PP2 x DP2 (8 ranks, sequence parallel) and
 watches every call that reaches ``torch.distributed``.
 
 The watch is this test's own: it wraps the ``torch.distributed`` collectives in this process only and, for

@@ -1,4 +1,4 @@
-"""Worker of tests/test_hf_export.py: the megatron-core model's logits for fixed tokens, with a
+"""Worker of tests/e2e/test_hf_export.py: the megatron-core model's logits for fixed tokens, with a
 ``pretrain_gpt.py`` checkpoint loaded (``--load``, any saved layout, resharded to this launch's), through
 ``pretrain_gpt.py``'s own set-up (``training.TrainingRun``) and ``load_checkpoint``.
 

@@ -1,6 +1,6 @@
-"""Worker of tests/test_host_sync_layouts.py: pretrain_gpt.py's training set-up (``TrainingRun``, megatron-core's
+"""Worker of tests/training/test_host_sync_layouts.py: pretrain_gpt.py's training set-up (``TrainingRun``, megatron-core's
 schedules) for several parallel layouts in one launch, the steady-state iterations under
-:class:`tests.test_no_host_sync.HostSyncDetector`. Each configuration writes ``OUT/<name>_rank<R>.json``: every hit
+:class:`tests.training.test_no_host_sync.HostSyncDetector`. Each configuration writes ``OUT/<name>_rank<R>.json``: every hit
 (what, kind, site, origin, the first lines of its stack), the iterations and micro-batches watched, the MoE layers.
 
     torchrun --nproc_per_node 2 tests/host_sync_worker.py --out DIR --configs '[{"name": ..., "flags": [...]}]'
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.spawn import megatron_run  # noqa: E402
-from tests.test_no_host_sync import HostSyncDetector  # noqa: E402
+from tests.training.test_no_host_sync import HostSyncDetector  # noqa: E402
 
 
 def _host_tensors(chunks) -> list[torch.Tensor]:

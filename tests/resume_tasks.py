@@ -1,4 +1,4 @@
-"""Save-then-resume checks shared by the resume tests (tests/test_resume_matrix.py, tests/test_moe_resume.py): the
+"""Save-then-resume checks shared by the resume tests (tests/training/test_resume_matrix.py, tests/training/test_moe_resume.py): the
 tasks of tests/checkpoint_worker.py that train a reference run saving at iteration 3, resume it at another layout
 (and save the loaded parameters untrained), the launches, and the loss comparison after the resume."""
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_collective_trace.py: two training iterations of pretrain_gpt.py's set-up (megatron-core's
+"""Worker of tests/training/test_collective_trace.py: two training iterations of pretrain_gpt.py's set-up (megatron-core's
 real 1F1B or interleaved schedule) under a collective trace, with the pipeline communicator as it is or
 (``"legacy": true``) with the ordering it had before the fix: unbatched receives posted before the sends on every
 rank, which gloo runs and NCCL deadlocks on. Each case writes ``OUT/<name>/rank<R>.jsonl``.

@@ -23,7 +23,7 @@ OPT_LEVEL_ALIASES = {"O0": "none"}
 
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 """``--fp8-gemm-backend``'s choices: :data:`fp8.gemm.GEMM_BACKENDS` (repeated here so that this module imports no
-torch; ``tests/test_gemm_backend_flag.py`` checks they agree)."""
+torch; ``tests/training/test_gemm_backend_flag.py`` checks they agree)."""
 
 
 class ConfigurationError(ValueError):

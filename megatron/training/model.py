@@ -198,7 +198,7 @@ def compile_layers(model: GPTModel) -> int:
     """``--compile-layers``: each transformer layer of ``model`` compiled in place (``nn.Module.compile``: its forward
     runs through ``torch.compile(fullgraph=True)``, compiled at its first call; module, parameter and state-dict names
     unchanged, so checkpoints, DDP and the optimizers see the same model). ``fullgraph`` refuses a graph break: the FP8
-    linears are built to trace without one (tests/test_no_host_sync.py), so a layer that breaks fails loudly instead of
+    linears are built to trace without one (tests/training/test_no_host_sync.py), so a layer that breaks fails loudly instead of
     running partly eager. Inductor fuses the non-GEMM ops of the layer (norms, activation, casts to FP8, bias and
     residual adds) around the GEMMs. Returns the number of layers compiled."""
     layers = list(model.decoder.layers) if getattr(model, "decoder", None) is not None else []

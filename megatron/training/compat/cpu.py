@@ -19,7 +19,7 @@ What it redirects, and why:
    themselves (``maybe_move_tensor_to_cpu``, which copies only CUDA tensors) are made on the CPU too, by
    :func:`host_copy`: a host tensor of their own, copied without blocking and read after the dispatcher's event
    synchronisation, as on a GPU (what reads them then reads host data on both, one data flow to check:
-   ``tests/test_no_host_sync.py``).
+   ``tests/training/test_no_host_sync.py``).
 2. The RNG tracker (``tensor_parallel.random``): a tracker of named CPU generator states replaces the
    CUDA one (``TransformerBlock`` forks it under sequence parallelism), and the module's CUDA RNG
    state get/set helpers (used by activation recomputation) read and write the CPU generator.

@@ -4,7 +4,7 @@ Every collective of fp8lm goes through :class:`fp8.comm.Collectives` and is coun
 of megatron-core's ``GPTModel`` communicate inside megatron-core, where the counter cannot see them: the
 vocabulary-parallel input embedding, the column-parallel output layer and the vocabulary-parallel
 cross-entropy. :func:`record_core_collectives` records, per micro-batch and pipeline chunk, exactly the
-collectives they issue (megatron-core 0.16; the test ``tests/test_comm_coverage.py`` checks the record
+collectives they issue (megatron-core 0.16; the test ``tests/training/test_comm_coverage.py`` checks the record
 against every call that reaches ``torch.distributed``), for ``S`` tokens per sequence, ``B`` sequences per
 micro-batch, hidden size ``H`` and activations of ``d`` bytes, over tensor-parallel size ``T > 1``:
 

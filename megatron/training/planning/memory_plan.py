@@ -99,7 +99,7 @@ fp32 loss mask. ``recompute_granularity="full"`` keeps only each layer's input (
 at the peak, the larger of the last stage's head and one layer's activations recomputed in backward (whose
 input is already held);
 ``implementation="transformers"`` plans the activations of transformers' ``LlamaForCausalLM`` under ``fp8.initialize``
-instead (one device; exact against the measured bytes, tests/test_memory_planner.py; its model state is planned as
+instead (one device; exact against the measured bytes, tests/training/test_memory_planner.py; its model state is planned as
 the megatron-core GPT's, with the untied lm_head in FP8 where ``fp8.initialize`` converts it): each RMSNorm saves its input upcast to fp32 and the
 normalized value, SwiGLU saves act(gate) besides gate and up, plain linears' inputs are compressible like any saved
 tensor, q/k/v (and gate/up) share one FP8 cast of their input, an untied output layer with dimensions that are
@@ -126,7 +126,7 @@ keeps each rank's count, the expert-TP all-gather multiplies it by TP), each: fc
 recipe's scales), the activation's saves (GELU: its input; SwiGLU: the fc1 output, silu's output and the up half
 plus ``glu_linear_offset``), the activation output and the row's fp32 probability (the probability multiply),
 fc2's input; the shared expert as a dense MLP with the same activation saves. Measured on CPU (megatron-core GPT,
-gloo; tests/test_memory_plan_moe.py): model state byte-exact at TP2 + SP, DP2 EP2 and DP4 EP2 (O3 sharded over
+gloo; tests/training/test_memory_plan_moe.py): model state byte-exact at TP2 + SP, DP2 EP2 and DP4 EP2 (O3 sharded over
 expert-DP); activations within 0.01% where every rank routes the same tokens, each rank within 5% under EP (the
 router does not route uniformly). The expert-parallel all-to-all (``moe_token_dispatcher_type="alltoall"``, EP > 1):
 per MoE layer and micro-batch each rank sends (EP - 1) / EP of its T / SP x topk rows in the dispatch, the combine
@@ -532,7 +532,7 @@ def fp8_linear_planned(n_in: int, n_out: int, min_fp8_dim: int) -> bool:
     """Whether a linear whose per-rank weight is ``n_out x n_in`` runs in FP8: :func:`fp8.eligibility.fp8_linear_problem`
     (the engine's one rule) as Megatron's layer specs apply it: kept in high precision only when too small (a shape
     FP8 GEMMs cannot take is refused at start-up, not planned). Mirrored here because planning imports no torch;
-    ``tests/test_eligibility.py`` holds the two equal."""
+    ``tests/training/test_eligibility.py`` holds the two equal."""
     return min(n_in, n_out) >= min_fp8_dim
 
 
