@@ -114,9 +114,11 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         return op_backend("auto", [w for _, w in self.pairs])
 
     @torch.no_grad()
-    def _load_master_grads(self) -> None:
+    def load_master_grads(self) -> None:
         """Each master's ``.grad``: its FP8 weight's gradient in the master's dtype (one multi-tensor
-        :func:`fp8.optim.ops.dequantize_grads` per master dtype; a plain gradient already in it is taken as it is)."""
+        :func:`fp8.optim.ops.dequantize_grads` per master dtype; a plain gradient already in it is taken as it is).
+        Called by :meth:`step` before the step: the hook a subclass overrides to take gradients from elsewhere
+        (pretrain_gpt.py's ``--bf16`` optimizer: FP32 main gradients)."""
         by_dtype: dict[torch.dtype, list] = {}
         for master, fp8_weight in self.pairs:
             grad = fp8_weight.grad
@@ -206,7 +208,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         device = self._skipped_counter.device
         params = [w for _, w in self.pairs] + [p for g in self.optimizer.param_groups for p in g["params"]]
         ok = grads_finite_flag(params).to(device)  # one multi-tensor check
-        self._load_master_grads()
+        self.load_master_grads()
         stepped = self._stepped()
         if self._fused_found_inf():
             self._found_inf_step(ok)

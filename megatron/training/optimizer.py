@@ -183,7 +183,7 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
     opt_level = "none (--bf16: FP32 masters of BF16 parameters)"
 
     @torch.no_grad()
-    def _load_master_grads(self) -> None:
+    def load_master_grads(self) -> None:
         sharded = isinstance(self.optimizer, FP8Optimizer) and hasattr(self.optimizer, "owns")
         for master, param in self.pairs:
             if sharded and not self.optimizer.owns(master):
@@ -205,7 +205,7 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        self._load_master_grads()  # before the finiteness check, which reads the masters' gradients
+        self.load_master_grads()  # before the finiteness check, which reads the masters' gradients
         if isinstance(self.optimizer, FP8Optimizer):
             # The sharded FP32 optimizer: steps the owned masters, skipping on device (agreed over its ranks);
             # the owners copy them into their BF16 parameters, which are then all-gathered (BF16 on the wire).

@@ -142,7 +142,7 @@ def _in_non_syncing_read() -> bool:
 
 
 def _short(filename: str) -> str:
-    for marker in ("site-packages" + os.sep, os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep):
+    for marker in ("site-packages" + os.sep, os.path.dirname(os.path.dirname(os.path.dirname(_THIS_FILE))) + os.sep):
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename
