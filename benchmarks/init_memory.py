@@ -83,7 +83,7 @@ def worker(a: argparse.Namespace) -> None:
         row["peak_bytes"] = _status("VmHWM")
         row["step_peak_bytes"] = row["peak_bytes"] - before
         row["rss_after_step_bytes"] = _status("VmRSS") - before
-        row["model_state_bytes"] = memory_report(torch.nn.ModuleList(run.bare_chunks), run.optimizer)["total"]
+        row["model_state_bytes"] = memory_report(torch.nn.ModuleList(run.bare_chunks), run.optimizer.inner)["total"]
     rows = Collectives().all_gather_object(row, "benchmark")
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(rows))

@@ -50,7 +50,6 @@ from fp8.comm import Collectives  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.training.arguments import baseline_argv, parse_args, parse_config  # noqa: E402
-from megatron.training.optimizer import main_grad_bytes  # noqa: E402
 from megatron.training.planning.memory_plan import PlannerConfig, plan_memory  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
@@ -123,8 +122,8 @@ def run_case(case: dict, level: str, recompute: bool) -> list[dict]:
 
     def step(*a, **kw):  # the report the optimizer step sees: after backward, reduction and clipping
         model = run.bare_chunks[0] if len(run.bare_chunks) == 1 else torch.nn.ModuleList(run.bare_chunks)
-        report = memory_report(model, run.optimizer)
-        main = main_grad_bytes(run.optimizer)  # --bf16's FP32 main gradients (level none)
+        report = memory_report(model, run.optimizer.inner)
+        main = run.optimizer.main_grad_bytes()  # --bf16's FP32 main gradients (level none)
         report["weight gradients"] += main
         report["total"] += main
         reports.append(report)

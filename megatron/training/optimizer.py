@@ -53,8 +53,7 @@ from fp8.tensor import Float8Tensor
 
 from .config import OptimizerConfig, RunConfig
 
-__all__ = ["build_optimizer", "owner_optimizer", "step_optimizer", "cast_to_bf16_", "MainGrads", "BF16MasterOptimizer",
-           "main_grad_bytes", "bf16_params"]
+__all__ = ["build_optimizer", "TrainingOptimizer", "cast_to_bf16_", "MainGrads", "BF16MasterOptimizer", "bf16_params"]
 
 
 
@@ -184,7 +183,7 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
 
     @torch.no_grad()
     def load_master_grads(self) -> None:
-        sharded = isinstance(self.optimizer, FP8Optimizer) and hasattr(self.optimizer, "owns")
+        sharded = isinstance(self.optimizer, ShardedFP8Optimizer)
         for master, param in self.pairs:
             if sharded and not self.optimizer.owns(master):
                 master.grad = None
@@ -222,12 +221,6 @@ class BF16MasterOptimizer(MasterWeightOptimizer):
         return super().step(closure)
 
 
-def main_grad_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of FP32 main gradients held by ``optimizer``'s :class:`MainGrads` (0 without)."""
-    main_grads = getattr(optimizer, "main_grads", None)
-    return main_grads.nbytes() if isinstance(main_grads, MainGrads) else 0
-
-
 # -- the optimizer of each level ----------------------------------------------------------------------
 def _torch_optimizer(opt: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     if opt.optimizer == "sgd":
@@ -241,9 +234,9 @@ def build_optimizer(
     cfg: RunConfig, chunks: list[nn.Module], dp_group: dist.ProcessGroup | None,
     expert_params: list[nn.Parameter] = (), expert_group: dist.ProcessGroup | None = None,
     counter: CommBytesCounter | None = None,
-) -> torch.optim.Optimizer:
+) -> TrainingOptimizer:
     """The optimizer of ``cfg.precision.fp8_opt_level`` over every parameter of ``chunks`` (call before wrapping
-    the chunks for data parallelism, and give the wrapper :func:`owner_optimizer` of it). ``expert_params``: this
+    the chunks for data parallelism, and give the wrapper its :attr:`TrainingOptimizer.owner`). ``expert_params``: this
     rank's experts under expert parallelism, whose gradients are reduced (and, sharded, owned) over ``expert_group``
     (the expert-data-parallel group). ``counter`` counts the bytes of the optimizer's own collectives (a sharded
     optimizer's weight all-gather and agreement, the BF16 baseline's main-gradient reduction)."""
@@ -274,23 +267,18 @@ def build_optimizer(
     scaling_module = nn.ModuleList(chunks)
     experts = {"expert_params": list(expert_params), "expert_process_group": expert_group, "counter": counter}
     if level == "none" and cfg.precision.bf16:
-        return _bf16_baseline(cfg, base, masters, scaling_module, dp_group, list(expert_params), expert_group,
+        bf16 = _bf16_baseline(cfg, base, masters, scaling_module, dp_group, list(expert_params), expert_group,
                               counter)
+        return TrainingOptimizer(bf16, bf16.main_grads)
     if level == "none":
         if cfg.optimizer.use_distributed_optimizer and dp_group is not None and dist.get_world_size(dp_group) > 1:
             # ZeRO-1 baseline: FP32 Adam states sharded by whole tensors (the O3 machinery at FP32 precision).
-            return convert_to_sharded(base, {}, "O1", {}, dp_group, **experts)
-        return base
+            return TrainingOptimizer(convert_to_sharded(base, {}, "O1", {}, dp_group, **experts))
+        return TrainingOptimizer(base)
     # the FP8 levels: fp8's one level table (fp8.initialize builds the same optimizers)
     weights = [FP8Weight(master, weight, master.detach()) for weight, master in masters.items()]
-    return wrap_for_level(level, base, weights, scaling_module=scaling_module,
-                          **({"process_group": dp_group, **experts} if level == "O3" else {}))
-
-
-def owner_optimizer(optimizer: torch.optim.Optimizer) -> ShardedFP8Optimizer | None:
-    """The sharded optimizer (O3, or the ZeRO-1 baseline) whose owners receive the gradients through
-    ``fp8.distributed.DistributedDataParallel(..., o3_optimizer=...)``, else None (all-reduce)."""
-    return optimizer if isinstance(optimizer, ShardedFP8Optimizer) else None
+    return TrainingOptimizer(wrap_for_level(level, base, weights, scaling_module=scaling_module,
+                                            **({"process_group": dp_group, **experts} if level == "O3" else {})))
 
 
 def _bf16_baseline(cfg: RunConfig, base: torch.optim.Optimizer, masters: dict, scaling_module: nn.Module,
@@ -318,26 +306,80 @@ def _bf16_baseline(cfg: RunConfig, base: torch.optim.Optimizer, masters: dict, s
     return BF16MasterOptimizer(inner, [(master, p) for p, master in masters.items()], scaling_module, main_grads)
 
 
-@torch.no_grad()
-def step_optimizer(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """One optimizer step, skipped on device when the 0-d bool ``finite`` is not set.
+class TrainingOptimizer:
+    """The one interface the training loop and the checkpoints use for the optimizer of every level: ``none``
+    (torch's AdamW/SGD; ZeRO-1 with ``--use-distributed-optimizer``; Megatron's ``--bf16`` masters), O1
+    (:class:`~fp8.optim.MasterWeightOptimizer`), O2 (:class:`~fp8.optim.FP8Optimizer`) and O3
+    (:class:`~fp8.optim.ShardedFP8Optimizer`), experts included. ``inner`` is the level's optimizer (what
+    :func:`fp8.memory_report` reads); ``main_grads`` the ``--bf16`` baseline's FP32 main gradients (else None)."""
 
-    The FP8 optimizers (O1's master-weight wrapper, O2, O3, the ZeRO-1 baseline) skip a step whose
-    gradients are not finite by themselves, on device (the training loop turns every gradient into NaN
-    when the global norm is not finite, :func:`megatron.training.distributed.grads.clip_and_poison_`); a fused
-    ``torch.optim`` optimizer (the baseline's AdamW) gets ``found_inf``, as torch's GradScaler passes it.
-    Only a non-fused optimizer (``--optimizer sgd`` at level ``none``: torch's fused SGD mis-initialises
-    its momentum when its first step is skipped) decides on the host.
-    """
-    if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)) or getattr(optimizer, "skips_on_device", False):
-        optimizer.step()
-        return
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = (~finite).to(torch.float32)
-        try:
+    def __init__(self, inner: torch.optim.Optimizer, main_grads: MainGrads | None = None) -> None:
+        self.inner = inner
+        self.main_grads = main_grads
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The states by the tensor the optimizer steps (O1 and ``--bf16``: the masters)."""
+        return self.inner.state
+
+    @property
+    def owner(self) -> ShardedFP8Optimizer | None:
+        """The sharded optimizer (O3, or the ZeRO-1 baseline) whose owners receive the gradients through
+        ``fp8.distributed.DistributedDataParallel(..., o3_optimizer=...)``, else None (all-reduce)."""
+        return self.inner if isinstance(self.inner, ShardedFP8Optimizer) else None
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank holds ``p``'s optimizer state (always, unsharded)."""
+        return True if self.owner is None else self.owner.owns(p)
+
+    @property
+    def masters(self) -> dict[int, nn.Parameter]:
+        """``id(weight) -> master`` of the parameters stepped through a high-precision master (O1; ``--bf16``)."""
+        if isinstance(self.inner, MasterWeightOptimizer):
+            return {id(weight): master for master, weight in self.inner.pairs}
+        return {}
+
+    @property
+    def skipped_steps(self) -> torch.Tensor | int | None:
+        """The steps the optimizer skipped for non-finite gradients, as it counts them (None: torch's)."""
+        return self.inner.skipped_steps if isinstance(self.inner, (MasterWeightOptimizer, FP8Optimizer)) else None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=True)
+
+    def main_grad_bytes(self) -> int:
+        """Bytes of FP32 main gradients held across the step (``--bf16`` at level none; else 0)."""
+        return self.main_grads.nbytes() if self.main_grads is not None else 0
+
+    @torch.no_grad()
+    def step(self, finite: torch.Tensor) -> None:
+        """One optimizer step, skipped on device when the 0-d bool ``finite`` is not set.
+
+        The FP8 optimizers (O1's master-weight wrapper, O2, O3, the ZeRO-1 baseline) skip a step whose
+        gradients are not finite by themselves, on device (the training loop turns every gradient into NaN
+        when the global norm is not finite, :func:`megatron.training.distributed.grads.clip_and_poison_`); a fused
+        ``torch.optim`` optimizer (the baseline's AdamW) gets ``found_inf``, as torch's GradScaler passes it.
+        Only a non-fused optimizer (``--optimizer sgd`` at level ``none``: torch's fused SGD mis-initialises
+        its momentum when its first step is skipped) decides on the host.
+        """
+        optimizer = self.inner
+        if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
             optimizer.step()
-        finally:
-            del optimizer.found_inf
-        return
-    if bool(finite):  # host read (non-fused baseline optimizer only)
-        optimizer.step()
+            return
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = (~finite).to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            return
+        if bool(finite):  # host read (non-fused baseline optimizer only)
+            optimizer.step()

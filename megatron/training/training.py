@@ -42,10 +42,10 @@ from .moe import is_routed_expert_param
 from .monitoring.health import SkipMonitor
 from .monitoring.log import TrainingLogger
 from .model import announce_layer_selection, build_model, padded_vocab_size, transformer_config_from_args
-from .optimizer import build_optimizer, cast_to_bf16_, main_grad_bytes, owner_optimizer, step_optimizer
+from .optimizer import build_optimizer, cast_to_bf16_
 
 __all__ = ["pretrain", "initialize_distributed", "initialize_model_parallel", "train_level", "RunHistory", "TrainingRun",
-           "Datasets", "traced", "train_iterations", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
+           "Datasets", "TrainState", "traced", "train_iterations", "gpt_forward_step", "loss_func", "PendingRecords", "BytesSince"]
 
 
 def _free_port() -> int:
@@ -84,6 +84,18 @@ def initialize_model_parallel(parallel: ParallelConfig, **kwargs) -> None:
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         **kwargs,
     )
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What one level's training has done so far, besides the model and optimizer: what a checkpoint saves with them
+    and a resume restores. ``iteration``: finished training iterations; ``consumed_samples``: the data position (the
+    samples the finished iterations read); ``skipped``: the steps skipped for non-finite gradients, a 0-d int64 counter
+    on the run's device (read only at log and save points)."""
+
+    iteration: int
+    consumed_samples: int
+    skipped: torch.Tensor
 
 
 class RunHistory(dict):
@@ -247,7 +259,7 @@ class TrainingRun:
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if self.expert_params else None
         self.optimizer = build_optimizer(cfg, chunks, self.dp_group, self.expert_params, self.expert_dp_group,
                                          counter=self.counter)  # O3: its weight all-gather and agreement counted
-        self.main_grads = getattr(self.optimizer, "main_grads", None)  # --bf16 baseline: FP32 main gradients
+        self.main_grads = self.optimizer.main_grads  # --bf16 baseline: FP32 main gradients (else None)
         # A sharded optimizer (O3, --use-distributed-optimizer) with pipeline and data parallelism: the two copies of
         # tied embeddings may have different owners on their stages, so their gradients are summed over the
         # embedding group before the data-parallel reduction (megatron-core's order), outside DDP's buckets.
@@ -265,7 +277,7 @@ class TrainingRun:
         if not (self.dp_size > 1 and self.main_grads is None):
             self.chunks = chunks
             return
-        owners = owner_optimizer(self.optimizer)
+        owners = self.optimizer.owner
         self.tied_owner = owners.owner if owners is not None else None
         experts = {id(p) for p in self.expert_params}
         self.chunks = [DistributedDataParallel(c, process_group=self.dp_group, counter=self.counter, o3_optimizer=owners,
@@ -331,7 +343,7 @@ class TrainingRun:
             pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
             self.schedule_kwargs = {"p2p_communicator": p2p, "pg_collection": pgs}
         self.forward_backward = get_forward_backward_func()
-        self.skipped_counter = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.state = TrainState(0, 0, torch.zeros((), dtype=torch.int64, device=self.device))
 
     def _build_monitoring(self, chunks: list[torch.nn.Module]) -> None:
         """--fp8-stats-interval: FP8 numerics statistics, read at the log points (megatron/training/monitoring/fp8_numerics.py)."""
@@ -382,11 +394,7 @@ class TrainingRun:
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (reads the device counter: call at log/save time only)."""
-        return int(self.skipped_counter)
-
-    @skipped_steps.setter
-    def skipped_steps(self, value) -> None:
-        self.skipped_counter = torch.as_tensor(value, dtype=torch.int64).to(self.device).clone()
+        return int(self.state.skipped)
 
     def _context(self):
         if self.autocast:
@@ -396,9 +404,8 @@ class TrainingRun:
     def train_step(self, data_iterator, it: int) -> dict:
         cfg = self.cfg
         lr = _lr_at(cfg.optimizer, it)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.set_lr(lr)
+        self.optimizer.zero_grad()
         with self._context():
             losses = self.forward_backward(
                 forward_step_func=self.forward_step, data_iterator=data_iterator,
@@ -411,8 +418,10 @@ class TrainingRun:
         # Clipping, and the skip decision on device: a non-finite global norm turns every gradient into NaN,
         # and every opt level's optimizer skips a step with non-finite gradients on device (no host read).
         finite = clip_and_poison_(model_grads(self.bare_chunks), norm, cfg.optimizer.clip_grad)
-        step_optimizer(self.optimizer, finite)
-        self.skipped_counter += (~finite).to(torch.int64)
+        self.optimizer.step(finite)
+        self.state.skipped += (~finite).to(torch.int64)
+        self.state.iteration = it + 1
+        self.state.consumed_samples += cfg.training.global_batch_size
         return {"loss": self._mean(self.loss_sum_count(losses)), "lr": lr, "grad_norm": norm,
                 "skipped": ~finite}
 
@@ -474,9 +483,8 @@ def train_level(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
 
     run = TrainingRun(cfg, datasets, counter)
     start = 0
-    run.consumed_samples = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, run, cfg.checkpoint.ckpt_step)
+        start = load_checkpoint(cfg.checkpoint.load, run, cfg.checkpoint.ckpt_step)  # restores run.state
         if start >= cfg.training.train_iters:
             raise ConfigurationError(
                 f"--load {cfg.checkpoint.load} holds iteration {start}, at or past --train-iters {cfg.training.train_iters}: raise "
@@ -497,7 +505,7 @@ def train_iterations(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
 
     health = SkipMonitor(cfg.training.max_skipped_steps, cfg.training.skipped_steps_window, announce=dist.get_rank() == 0)
     history = RunHistory(level=cfg.precision.fp8_opt_level, train=[], valid=[], params_on_rank=run.params)
-    data = run.data_iterators(datasets.train, consumed=run.consumed_samples)
+    data = run.data_iterators(datasets.train, consumed=run.state.consumed_samples)
     logger.start_level(cfg.precision.fp8_opt_level, cfg.training.train_iters, start)
     pending = PendingRecords(cfg, run)
     sent = BytesSince(run.counter)
@@ -551,7 +559,7 @@ class PendingRecords:
 
     def add(self, iteration: int, step: dict, comm_bytes: dict, comm_total: float, mu) -> None:
         values = {"loss": step["loss"], "grad_norm": step["grad_norm"], "skipped": step["skipped"],
-                  "skipped_steps": self.run.skipped_counter.clone(), "mu": mu}
+                  "skipped_steps": self.run.state.skipped.clone(), "mu": mu}
         self.items.append({"iteration": iteration, "lr": step["lr"], "values": values, "comm_bytes": comm_bytes,
                            "comm_bytes_total": comm_total})
 
@@ -584,8 +592,8 @@ class PendingRecords:
                 "comm_bytes_total": item["comm_bytes_total"], "comm_bytes_all_ranks": summed,
             })
         memory = memory_report(run.bare_chunks[0] if len(run.bare_chunks) == 1 else
-                               torch.nn.ModuleList(run.bare_chunks), run.optimizer)
-        main = main_grad_bytes(run.optimizer)  # --bf16's FP32 main gradients, held across the step
+                               torch.nn.ModuleList(run.bare_chunks), run.optimizer.inner)
+        main = run.optimizer.main_grad_bytes()  # --bf16's FP32 main gradients, held across the step
         memory["weight gradients"] += main
         memory["total"] += main
         records[-1]["memory"] = memory

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
 
             run.optimizer.step = step
             losses = [float(run.train_step(data, it)["loss"]) for it in range(cfg.training.train_iters)]
-            masters = list(getattr(run.optimizer, "master_weights", []))
+            masters = list(getattr(run.optimizer.inner, "master_weights", []))
             results[name] = {
                 "losses": losses, **seen,
                 "master_dtypes": sorted({str(m.dtype) for m in masters}),

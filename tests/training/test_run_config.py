@@ -133,3 +133,42 @@ def test_run_config_defaults_are_the_parsers():
         for f in dataclasses.fields(cls):
             if f.name in {a.dest for a in parser._actions}:
                 assert getattr(section, f.name) == parser.get_default(f.name), (name, f.name)
+
+
+@pytest.mark.parametrize("flags,inner", [
+    (["--fp8-opt-level", "none"], "AdamW"), (["--fp8-opt-level", "none", "--bf16"], "BF16MasterOptimizer"),
+    (["--fp8-opt-level", "O1"], "MasterWeightOptimizer"), (["--fp8-opt-level", "O2"], "AdamW"),
+    (["--fp8-opt-level", "O2", "--optimizer", "sgd"], "SGD"),
+])
+def test_every_level_has_the_one_optimizer_interface(flags, inner):
+    """build_optimizer returns a TrainingOptimizer at every level: the loop and the checkpoints call its methods,
+    never the level's own types."""
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.training.compat import cpu as cpu_compat
+    from megatron.training.model import build_model, transformer_config_from_args
+    from megatron.training.optimizer import TrainingOptimizer, build_optimizer
+    from megatron.training.training import initialize_distributed
+
+    cfg = parse_config([*SMALL, *flags], world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize_distributed(cfg)
+    cpu_compat.seed(cfg.training.seed)
+    chunks = build_model(cfg, transformer_config_from_args(cfg, torch.float32), 256)
+    optimizer = build_optimizer(cfg, chunks, None)
+    assert isinstance(optimizer, TrainingOptimizer) and type(optimizer.inner).__name__ == inner
+    assert optimizer.owner is None and all(optimizer.owns(p) for c in chunks for p in c.parameters())
+    assert (optimizer.main_grads is not None) == ("--bf16" in flags)
+    fp8_masters = bool(optimizer.masters)
+    assert fp8_masters == (flags[1] == "O1" or "--bf16" in flags)
+    optimizer.set_lr(0.5)
+    assert all(g["lr"] == 0.5 for g in optimizer.param_groups)
+    optimizer.zero_grad()
+    optimizer.step(torch.tensor(True))  # no gradient: a step that changes nothing, at every level
+    skipped = optimizer.skipped_steps
+    assert (skipped is None) == (flags[1] == "none" and "--bf16" not in flags)
+    source = (ROOT / "megatron/training/training.py").read_text() + (
+        ROOT / "megatron/training/checkpointing/checkpoint.py").read_text()
+    assert 'getattr(optimizer, "' not in source and 'getattr(self.optimizer, "' not in source

@@ -170,9 +170,7 @@ class _Entry:
 
 def _entries(run) -> list[_Entry]:
     ranks = _ranks()
-    masters = {}
-    if isinstance(run.optimizer, MasterWeightOptimizer):
-        masters = {id(weight): master for master, weight in run.optimizer.pairs}
+    masters = run.optimizer.masters
     tied = not run.cfg.model.untie_embeddings_and_output_weights
     out, seen = [], set()
     for chunk in run.bare_chunks:
@@ -199,11 +197,6 @@ def _buffers(run) -> list[tuple[str, torch.Tensor, bool]]:
                 fqn = namer(f"{mod_name}.{buf_name}" if mod_name else buf_name)
                 out.append((fqn, buf, isinstance(mod, ScalingState)))
     return out
-
-
-def _owns(optimizer, p: torch.Tensor) -> bool:
-    owns = getattr(optimizer, "owns", None)
-    return True if owns is None else owns(p)
 
 
 def _jsonable(value: Any) -> Any:
@@ -238,7 +231,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
             state[f"model/{e.key}/scale"] = p.scale
         else:
             state[f"model/{e.key}"] = p.detach()
-        if not (e.opt_param.requires_grad and _owns(optimizer, e.opt_param)):
+        if not (e.opt_param.requires_grad and optimizer.owns(e.opt_param)):
             continue
         for key, value in optimizer.state.get(e.opt_param, {}).items():
             if isinstance(value, torch.Tensor):
@@ -261,10 +254,10 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
     params = {}
     for part in infos:
         params.update(part)
-    skipped_opt = getattr(optimizer, "skipped_steps", None)
+    skipped_opt = optimizer.skipped_steps
     meta = {
         "format": FORMAT, "iteration": iteration,
-        "consumed_samples": iteration * cfg.training.global_batch_size if consumed_samples is None else consumed_samples,
+        "consumed_samples": run.state.consumed_samples if consumed_samples is None else consumed_samples,
         "skipped_steps": run.skipped_steps, "optimizer_skipped_steps": skipped_opt,
         "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"], "ep": ranks["ep_size"],
                    "vp": cfg.parallel.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
@@ -480,7 +473,7 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     parallel layout (every rank calls it); returns its iteration. ``directory`` may also be one checkpoint
     (``DIR/iter_XXXXXXX``). Without a checkpoint there: 0 (start from scratch) when ``directory`` is also
     ``--save`` (a requeued job), else :class:`CheckpointNotFoundError` naming what is there.
-    Sets ``run.consumed_samples``.
+    Restores ``run.state`` (:class:`~megatron.training.training.TrainState`: iteration, data position, skipped steps).
 
     Four steps: :func:`_resolve` (which checkpoint: verified, or the newest earlier good one with
     ``--load-fallback``), :func:`_plan` (what to read for every tensor this rank holds, and what is missing),
@@ -616,7 +609,7 @@ def _plan(path: Path, meta: dict, run) -> _LoadPlan:
         else:
             model_bufs = [(plan.need(f"model/{k}"), None) for k in keys]
         optim_bufs: dict[str, list] = {}
-        if e.opt_param.requires_grad and _owns(optimizer, e.opt_param):
+        if e.opt_param.requires_grad and optimizer.owns(e.opt_param):
             live = optimizer.state.get(e.opt_param, {})
             prefix = f"optim/{keys[0]}/"
             for full in (k for k in md if k.startswith(prefix)):
@@ -675,9 +668,10 @@ def _apply(plan: _LoadPlan, run, meta: dict, path: Path) -> None:
                 masters[id(e.opt_param)] = state.pop("master")
             if state:
                 state_by_param[id(e.opt_param)] = state
-        _load_optimizer(optimizer, state_by_param, masters, meta)
-    run.skipped_steps = int(meta["skipped_steps"])
-    run.consumed_samples = int(meta["consumed_samples"])
+        _load_optimizer(optimizer.inner, state_by_param, masters, meta)
+    run.state.iteration = int(meta["iteration"])
+    run.state.consumed_samples = int(meta["consumed_samples"])
+    run.state.skipped.fill_(int(meta["skipped_steps"]))
     if plan.rng_key is not None:
         _set_rng(plan.request[plan.rng_key].getvalue())
     elif dist.get_rank() == 0:
