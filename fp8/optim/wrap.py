@@ -32,8 +32,8 @@ FP8_LEVELS = ("O1", "O2", "O3")
 
 class FP8Weight(NamedTuple):
     """One FP8 weight as the optimizer of a level sees it: ``optimizer_param``, the tensor the given optimizer holds
-    for it; ``weight``, the FP8 weight (:class:`fp8.Float8Tensor`) the model computes with; ``master``, its
-    high-precision values (O1 steps it; O2/O3 start their FP16 masters from it)."""
+    for it (O1 steps it: the high-precision master); ``weight``, the FP8 weight (:class:`fp8.Float8Tensor`) the model
+    computes with; ``master``, its high-precision values (O2/O3 start their FP16 masters from them)."""
 
     optimizer_param: torch.Tensor
     weight: torch.Tensor
@@ -54,7 +54,7 @@ def wrap_for_level(level: str, optimizer: torch.optim.Optimizer, weights: Sequen
         if precision is not None:
             raise ValueError("precision= (the optimizer's storage precision) applies to opt levels 'O2' and 'O3', "
                              "not 'O1' (whose optimizer is the given one, over high-precision masters)")
-        return MasterWeightOptimizer(optimizer, [(w.master, w.weight) for w in weights], scaling_module)
+        return MasterWeightOptimizer(optimizer, [(w.optimizer_param, w.weight) for w in weights], scaling_module)
     replace = {id(w.optimizer_param): w.weight for w in weights}
     initial = {w.weight: w.master for w in weights}
     if level == "O2":

@@ -304,8 +304,10 @@ def test_one_level_table_builds_each_levels_optimizer():
     weight = torch.nn.Parameter(to_float8(master.detach(), "e4m3"), requires_grad=True)
     for level, kind in (("O1", MasterWeightOptimizer), ("O2", fp8.optim.AdamW)):
         base = torch.optim.AdamW([master, model.bias], lr=1e-3)
-        opt = wrap_for_level(level, base, [FP8Weight(master, weight, master)], scaling_module=model)
+        opt = wrap_for_level(level, base, [FP8Weight(master, weight, master.detach())], scaling_module=model)
         assert isinstance(opt, kind) and not isinstance(opt, ShardedFP8Optimizer)
+        if level == "O1":  # the master O1 steps is the parameter the given optimizer holds
+            assert opt.pairs[0][0] is master and opt.optimizer is base
     with pytest.raises(ValueError, match="no FP8 optimizer for opt level 'none'"):
         wrap_for_level("none", torch.optim.AdamW([master]), [], scaling_module=model)
     with pytest.raises(ValueError, match="apply to opt level 'O3', not 'O2'"):
