@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fp8.activations import compress_activations
 from fp8.comm import CommBytesCounter
 from fp8.linear import Float8LinearConfig
-from fp8.precision_rules import PrecisionPlan, PrecisionRule, load_precision_file
+from fp8.precision_rules import PrecisionPlan, PrecisionRule
 from fp8.scaling import ScalingConfig
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -230,7 +230,9 @@ def precision_plan(cfg: RunConfig) -> tuple[PrecisionPlan, dict[tuple[int, str],
     path = cfg.precision.fp8_precision_config
     if not path:
         return None
-    plan = PrecisionPlan(load_precision_file(path))
+    # the rules as validate_args read them (what checkpoints record), not the file read a second time
+    plan = PrecisionPlan(tuple(PrecisionRule(pattern, precision, tuple(tuple(pair) for pair in overrides))
+                               for pattern, precision, overrides in cfg.precision.fp8_precision_rules))
     decided: dict[tuple[int, str], PrecisionRule] = {}
     for number in range(1, cfg.model.num_layers + 1):
         for place, names in _layer_linears(cfg, number).items():
