@@ -13,12 +13,14 @@ summed over 64 backward passes before the FP8 all-reduce; results in ``loss_pari
 
     python benchmarks/loss_parity.py --accumulate 64 --iters 80
 
-Scaling recipes (``--recipes``): O2 with each recipe (tensorwise, rowwise, blockwise), each with and without
-``--fp8-activations``, against the baseline (``none``), one single-process run each on the same data and
-seed; final train loss (mean of the last 10 logged iterations) and final validation loss, their relative
-difference to the baseline; results in ``loss_parity_recipes.json``::
+Scaling recipes (``--recipes``): O2 with each recipe (tensorwise, rowwise, blockwise, mxfp8), each with and without
+``--fp8-activations``, and O1 with mxfp8, against the baseline (``none``), one single-process run each on the same
+data and seed; final train loss (mean of the last 10 logged iterations) and final validation loss, their relative
+difference to the baseline; results in ``loss_parity_recipes.json`` (``--recipe-names``: only those recipes and the
+baseline)::
 
     python benchmarks/loss_parity.py --recipes --iters 300
+    python benchmarks/loss_parity.py --recipes --recipe-names mxfp8 --iters 300
 
 Mixture of experts (``--moe``): the demo GPT with each MLP a megatron-core MoE layer of 8 experts (each the demo's
 FFN, 128 -> 512 -> 128), top-2 routing, load-balancing loss 0.01, experts replicated over the data-parallel ranks
@@ -60,6 +62,8 @@ def main() -> None:
                         "0: the demo's batch of 16 split over the ranks in one micro-batch each")
     p.add_argument("--out", default=None, help="path stem (default: benchmarks/results/loss_parity[_accum])")
     p.add_argument("--recipes", action="store_true", help="O2 per scaling recipe, with and without --fp8-activations")
+    p.add_argument("--recipe-names", nargs="+", default=None,
+                   help="with --recipes: only these recipes (and the baseline), e.g. --recipe-names mxfp8")
     p.add_argument("--moe", action="store_true", help="each MLP a mixture of 8 experts, top-2")
     p.add_argument("--expert-parallel", type=int, default=1, help="with --moe: expert-parallel size (all-to-all)")
     p.add_argument("--moe-fp8-dispatch", action="store_true", help="with --expert-parallel: tokens in FP8")
@@ -170,7 +174,8 @@ def dispatch_bytes(a) -> None:
 
 
 RECIPE_VARIANTS = [("none", "tensorwise", False)] + [
-    ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise") for act in (False, True)]
+    ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8") for act in (False, True)] + [
+    ("O1", "mxfp8", False)]
 
 
 def recipes(a) -> None:
@@ -178,7 +183,8 @@ def recipes(a) -> None:
     out = Path(a.out or ROOT / "benchmarks" / "results" / "loss_parity_recipes")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for level, recipe, act in RECIPE_VARIANTS:
+    variants = [v for v in RECIPE_VARIANTS if v[0] == "none" or not a.recipe_names or v[1] in a.recipe_names]
+    for level, recipe, act in variants:
         log = out.parent / f"{out.name}_{level}_{recipe}{'_act' if act else ''}.jsonl"
         log.unlink(missing_ok=True)
         cmd = [sys.executable, "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",

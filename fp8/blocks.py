@@ -10,6 +10,9 @@ A block is ``(rows, cols)``; ``0`` stands for the whole dimension. The granulari
 - ``TILE = (1, 128)`` and ``TILE_T = (128, 1)``: DeepSeek-V3's activation/gradient tiles, along a row
   and along a column.
 - ``BLOCK = (128, 128)``: DeepSeek-V3's weight blocks.
+- ``MX_TILE = (1, 32)``, ``MX_TILE_T = (32, 1)`` and ``MX_BLOCK = (32, 32)``: MXFP8's blocks (:mod:`fp8.mxfp8`): one
+  scale per 32 elements along a GEMM's K; a weight's 32x32 blocks give both of its GEMMs (``W`` and ``W^T``) one scale
+  per 32 along their K from one payload.
 
 A tensor of shape ``(M, N)`` quantized with block ``(r, c)`` has a scale grid of shape
 ``(ceil(M / r), ceil(N / c))`` (fp32): ``payload = cast(value * scale of its block)``, so
@@ -30,7 +33,8 @@ from .formats import FP8Format, get_format
 from .scaling import power_of_two_scale
 
 __all__ = [
-    "Block", "TENSORWISE", "ROWWISE", "COLWISE", "TILE", "TILE_T", "BLOCK", "block_size", "grid_shape",
+    "Block", "TENSORWISE", "ROWWISE", "COLWISE", "TILE", "TILE_T", "BLOCK", "MX_TILE", "MX_TILE_T", "MX_BLOCK",
+    "block_size", "grid_shape",
     "is_tensorwise", "transpose_block", "block_amax", "block_scales", "expand_scales", "quantize_blocks",
     "dequantize_blocks", "quantize_to_blocks", "scales_constant_along",
 ]
@@ -42,6 +46,9 @@ COLWISE: Block = (0, 1)
 TILE: Block = (1, 128)
 TILE_T: Block = (128, 1)
 BLOCK: Block = (128, 128)
+MX_TILE: Block = (1, 32)
+MX_TILE_T: Block = (32, 1)
+MX_BLOCK: Block = (32, 32)
 
 
 def is_tensorwise(block: Block | None) -> bool:

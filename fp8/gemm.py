@@ -24,6 +24,10 @@ what it decides (:data:`GEMM_PATHS`):
   one more elementwise pass over the (M, N) fp32 output.
 - ``triton_block``: scales that vary along K in 128-element blocks (DeepSeek-style ``1x128`` x ``128x128`` or
   ``128x1``) run the Triton block GEMM on CUDA (:mod:`fp8.kernels.triton_block_gemm`).
+- ``scaled_mm_mx``: MXFP8 operands (E4M3 payloads, one power-of-two scale per 32 elements along K: ``1x32`` or
+  ``32x32`` blocks of ``a``, ``32x1`` or ``32x32`` of ``b``) run ``torch.nn.functional.scaled_mm`` with E8M0 scales in
+  cuBLAS's swizzled layout (:mod:`fp8.microscaling`) on NVIDIA Blackwell (compute capability >= 10.0); an operand may
+  carry its scales already in that layout (:attr:`Operand.hw_scale`: a weight's, made once per optimizer step).
 - ``emulated``: dequantize to fp32 and run an fp32 matmul: on CPU it equals ``_scaled_mm`` bit for bit, and
   ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU ``_scaled_mm`` is orders of magnitude slower);
   elsewhere it is the fallback, logged once per reason, for what no hardware path takes.
@@ -49,10 +53,12 @@ from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scal
 from .cast import payload_and_scale
 from .formats import E5M2
 from .kernels.backend import triton_available
+from .microscaling import MX_K_BLOCK, microscaling_problem, rows_by_k_blocks, swizzle, swizzled_numel, to_e8m0
 
 __all__ = [
     "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
-    "scaled_mm_problem", "scaled_mm_call_problem", "GEMM_BACKENDS",
+    "scaled_mm_problem", "scaled_mm_call_problem", "mx_call_problem", "mx_blocks", "mx_scale", "GEMM_BACKENDS",
+    "SCALED_MM_MX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,8 +72,9 @@ SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"
 SCALED_MM_ROWWISE = "scaled_mm_rowwise"
 SCALED_MM_ROWWISE_EPILOGUE = "scaled_mm_rowwise_epilogue"
 TRITON_BLOCK = "triton_block"
+SCALED_MM_MX = "scaled_mm_mx"
 EMULATED = "emulated"
-GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, EMULATED)
+GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, SCALED_MM_MX, EMULATED)
 """The paths :func:`gemm_path` chooses from (module docstring); all but ``emulated`` run on FP8 hardware."""
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -180,6 +187,11 @@ def gemm_path(
     if backend == "auto" and target.kind == "cpu":
         return GemmPath(EMULATED, "backend='auto' on the CPU: the emulation is bit-identical to CPU torch._scaled_mm "
                                   "and 300-1,300x faster")
+    if mx_blocks(a_block, b_block):
+        problem = _mx_problem(a, b, out_dtype, target)
+        if problem is None:
+            return GemmPath(SCALED_MM_MX, "MXFP8: one E8M0 scale per 32 elements along K (F.scaled_mm)")
+        return GemmPath(EMULATED, problem)
     tensorwise = is_tensorwise(a_block) and is_tensorwise(b_block)
     if tensorwise or (scales_constant_along(a_block, tuple(a.shape), 1)
                       and scales_constant_along(b_block, tuple(b.shape), 0)):
@@ -209,6 +221,63 @@ def gemm_path(
         problem = (f"block scales that vary along K ({a_block} x {b_block}) have no torch._scaled_mm path on "
                    f"{target.kind}")
     return GemmPath(EMULATED, problem)
+
+
+def mx_blocks(a_block: Block | None, b_block: Block | None) -> bool:
+    """Whether operands scaled in these blocks are MXFP8's: ``a`` (M x K) in ``1x32`` or ``32x32`` blocks and ``b``
+    (K x N) in ``32x1`` or ``32x32`` (one scale per 32 elements along K, :mod:`fp8.mxfp8`)."""
+    return (a_block is not None and b_block is not None and tuple(a_block) in ((1, MX_K_BLOCK), (MX_K_BLOCK, MX_K_BLOCK))
+            and tuple(b_block) in ((MX_K_BLOCK, 1), (MX_K_BLOCK, MX_K_BLOCK)))
+
+
+_MX_OUT = (torch.bfloat16, torch.float32)
+
+
+def _mx_problem(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, target: GemmTarget) -> str | None:
+    """Why the MXFP8 GEMM ``a @ b`` has no hardware path on ``target``, or None."""
+    k = a.shape[1]
+    if k % MX_K_BLOCK:
+        return f"MXFP8 GEMM {tuple(a.shape)} @ {tuple(b.shape)}: K must be a multiple of {MX_K_BLOCK}"
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        return f"MXFP8 operands are E4M3 here, got {a.dtype} and {b.dtype}"
+    problem = scaled_mm_problem(a, b)
+    if problem is not None:
+        return problem
+    if out_dtype not in _MX_OUT:
+        return f"the MXFP8 GEMM writes {_MX_OUT}, not {out_dtype}"
+    if target.kind == "cpu":
+        return "the CPU's torch._scaled_mm rejects MX scales (no MXFP8 GEMM on the CPU); use gemm_backend='auto'"
+    return microscaling_problem(target.kind, target.capability, "MXFP8")
+
+
+def mx_scale(op: "Operand", k_dim: int) -> torch.Tensor:
+    """The swizzled E8M0 scales the MXFP8 GEMM reads for operand ``op`` (its ``k_dim``: 1 for ``a``, M x K; 0 for
+    ``b``, K x N): :attr:`Operand.hw_scale` when it carries them, else made from its ``scale_inv`` grid."""
+    if op.hw_scale is not None:
+        return op.hw_scale
+    rows = op.data.shape[0] if k_dim == 1 else op.data.shape[1]
+    k = op.data.shape[k_dim]
+    return swizzle(to_e8m0(rows_by_k_blocks(op.scale_inv, op.block, rows, k, k_dim, MX_K_BLOCK)))
+
+
+def mx_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    out_dtype: torch.dtype, target: GemmTarget) -> str | None:
+    """Why the MXFP8 ``F.scaled_mm(mat_a, mat_b, scale_a, BlockWise1x32, scale_b, BlockWise1x32, SWIZZLE_32_4_4, ...)``
+    would fail on ``target`` (any device, ``meta`` included), or None: the rules :func:`_mx_problem` decides on plus
+    layouts (``mat_a`` row-major, ``mat_b`` column-major) and the swizzled scales' dtype and padded size."""
+    problem = _mx_problem(mat_a, mat_b, out_dtype, target)
+    if problem is not None:
+        return problem
+    if not _row_major(mat_a):
+        return f"mat_a must be row-major, got stride {mat_a.stride()} for shape {tuple(mat_a.shape)}"
+    if not _col_major(mat_b):
+        return f"mat_b must be column-major, got stride {mat_b.stride()} for shape {tuple(mat_b.shape)}"
+    (m, k), n = mat_a.shape, mat_b.shape[1]
+    for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        want = swizzled_numel(rows, k // MX_K_BLOCK)
+        if scale.dtype != torch.float8_e8m0fnu or scale.numel() != want:
+            return f"{name} must be {want} float8_e8m0fnu scales (swizzled), got {scale.numel()} {scale.dtype}"
+    return None
 
 
 def scaled_mm_call_problem(
@@ -267,10 +336,13 @@ class Operand:
     data: torch.Tensor
     scale_inv: torch.Tensor
     block: Block | None = None
+    hw_scale: torch.Tensor | None = None
+    """The scales already in the hardware GEMM's layout (an MXFP8 weight's swizzled E8M0 scales, made once per
+    optimizer step), or None: made from ``scale_inv`` by the GEMM. Dropped by :attr:`t`."""
 
     @property
     def t(self) -> "Operand":
-        """The transposed operand (views only)."""
+        """The transposed operand (views only; without :attr:`hw_scale`, which is for one orientation)."""
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
         return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]))
 
@@ -323,6 +395,10 @@ def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, d
         if backend == "auto" and target.kind != "cpu":
             _log_fallback(choice.reason)
         return torch.mm(_dequantized(a), _dequantized(b)).to(out_dtype), None, None
+    if choice.path == SCALED_MM_MX:
+        lhs = a.data if _row_major(a.data) else a.data.contiguous()
+        rhs = b.data if _col_major(b.data) else b.data.t().contiguous().t()
+        return _scaled_mm_mx(lhs, rhs, mx_scale(a, 1), mx_scale(b, 0), out_dtype, target), None, None
     if choice.path == TRITON_BLOCK:
         return ops.block_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype), None, None
     lhs = a.data if _row_major(a.data) else a.data.contiguous()
@@ -345,6 +421,17 @@ def _scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, target: GemmTarget) -> t
     if problem is not None:  # gemm_path ruled this out: a bug here, not a user error
         raise RuntimeError(f"fp8_mm: internal error, the torch._scaled_mm call breaks the GPU's rules: {problem}")
     return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _scaled_mm_mx(mat_a, mat_b, scale_a, scale_b, out_dtype, target: GemmTarget) -> torch.Tensor:
+    """The MXFP8 ``F.scaled_mm`` call, checked first (:func:`mx_call_problem`)."""
+    problem = mx_call_problem(mat_a, mat_b, scale_a, scale_b, out_dtype, target)
+    if problem is not None:
+        raise RuntimeError(f"fp8_mm: internal error, the MXFP8 F.scaled_mm call breaks the GPU's rules: {problem}")
+    F = torch.nn.functional
+    swz = F.SwizzleType.SWIZZLE_32_4_4
+    return F.scaled_mm(mat_a, mat_b, scale_a, F.ScalingType.BlockWise1x32, scale_b, F.ScalingType.BlockWise1x32,
+                       swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype)
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:

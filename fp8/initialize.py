@@ -12,7 +12,7 @@ from torch import nn
 from .activations import compress_activations
 from .convert import ModuleFilter, convert_embeddings_to_float8, convert_to_float8_linear, is_conv1d
 from .moe import is_fused_experts
-from .gemm import scaled_mm_supported
+from .gemm import GemmTarget, scaled_mm_supported
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible
@@ -158,6 +158,9 @@ def _swap_conv1d_masters(optimizer: torch.optim.Optimizer, converted: list) -> N
 def _check_hardware(model: nn.Module, config: Float8LinearConfig) -> None:
     devices = {p.device for p in model.parameters()}
     for device in devices:
+        problem = config.recipe_spec.hardware_problem(GemmTarget.of(device), config.gemm_backend)
+        if problem is not None:  # e.g. mxfp8 on a Hopper GPU: refused, not emulated silently
+            raise RuntimeError(f"fp8.initialize(recipe={config.recipe!r}): {problem}")
         if scaled_mm_supported(device):
             continue
         message = (

@@ -43,7 +43,7 @@ from .formats import get_format
 from .eligibility import fp8_dims_problem
 from .gemm import GEMM_BACKENDS, Operand, mm
 from .kernels.backend import KERNEL_BACKENDS
-from .recipes import BLOCKWISE_TILE, RECIPES, Recipe, get_recipe
+from .recipes import RECIPES, Recipe, get_recipe
 from .scaled_fp16 import ScaledFloat16Tensor
 from .scaling import ScalingConfig, ScalingState
 from .tensor import Float8Tensor, to_float8
@@ -109,12 +109,12 @@ class Float8LinearConfig:
                          accumulate_backend=self.accumulate_backend, block=self.recipe_spec.weight)
 
     def for_dims(self, in_features: int, out_features: int, name: str = "") -> "Float8LinearConfig":
-        """This config for a linear of these dimensions: ``blockwise`` on dimensions that are not multiples of
-        :data:`fp8.recipes.BLOCKWISE_TILE` falls back to ``tensorwise`` for that layer (logged)."""
-        if self.recipe_spec.blockwise and (in_features % BLOCKWISE_TILE or out_features % BLOCKWISE_TILE):
-            logger.info("fp8: %s (in_features=%d, out_features=%d) cannot tile in %dx%d blocks; it runs the "
-                        "tensorwise recipe", name or "a linear", in_features, out_features, BLOCKWISE_TILE,
-                        BLOCKWISE_TILE)
+        """This config for a linear of these dimensions: ``blockwise`` / ``mxfp8`` on dimensions that are not multiples
+        of their blocks (:data:`fp8.recipes.BLOCKWISE_TILE`, 32) falls back to ``tensorwise`` for that layer
+        (logged)."""
+        problem = self.recipe_spec.dims_problem(in_features, out_features)
+        if problem is not None:
+            logger.info("fp8: %s: %s; it runs the tensorwise recipe", name or "a linear", problem)
             return dataclasses.replace(self, recipe="tensorwise")
         return self
 
@@ -128,7 +128,8 @@ class Float8LinearConfig:
         if self.recipe not in RECIPES:
             raise ValueError(
                 f"recipe must be one of {RECIPES}, got {self.recipe!r} ('tensorwise': one scale per tensor; 'rowwise': "
-                f"per token and per output channel; 'blockwise': 1x128 activation tiles, 128x128 weight blocks)"
+                f"per token and per output channel; 'blockwise': 1x128 activation tiles, 128x128 weight blocks; 'mxfp8': "
+                f"1x32 tiles and 32x32 weight blocks with E8M0 scales, NVIDIA Blackwell)"
             )
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise ValueError(

@@ -16,7 +16,8 @@ written as NaN (``0x7F``), never saturated, so a non-finite value reaches the gr
   the transpose (padded), the amax recorded into the history slot in place.
 - :func:`cast_transpose_from_amax`: current scaling's second pass: the scale computed from :func:`amax`'s result.
 - :func:`quantize_rows`, :func:`quantize_cols_t`: per-row and per-column power-of-two scales (one pass each).
-- :func:`quantize_tiles`: 1x128 tiles and, from the same 128x128 tile read, 128x1 tiles (the blockwise recipe).
+- :func:`quantize_tiles`: 1x128 tiles and, from the same 128x128 tile read, 128x1 tiles (the blockwise recipe); 1x32 and
+  32x1 from one 32x32 read with ``tile=32`` (MXFP8).
 - :func:`transpose_fp8`: an FP8 payload's padded transpose and ``1 / scale`` (a weight's input-gradient operand);
   :func:`transpose_fp8_into_` the same for many weights at once, in place (the optimizer step's refresh).
 - :func:`scaled_fp16`: a weight gradient's fp32 GEMM output as a scaled FP16 buffer (scale from :func:`amax`).
@@ -226,25 +227,26 @@ def _tile_scales(values: Tensor, rows: int, cols: int, fmax: float) -> Tensor:
 
 
 @custom_op("fp8lm::quantize_tiles", mutates_args=())
-def quantize_tiles(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv: Tensor | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(data, scale_inv, data_c, scale_inv_c)`` of 2-D ``x`` (N a multiple of 128) in the blockwise recipe's tiles:
-    1x128 (``scale_inv`` ``(M, N/128)``) and, with ``columnwise``, 128x1 along the rows from the same read
-    (``data_c`` ``(M padded to pad, N)`` with zero rows past ``M``, ``scale_inv_c`` ``(ceil(M/128), N)``); else those
-    two are empty. ``x_scale_inv`` (a 1x128 tile grid, optional) dequantizes an FP8 ``x`` first."""
+def quantize_tiles(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv: Tensor | None = None,
+                   tile: int = TILE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, data_c, scale_inv_c)`` of 2-D ``x`` (N a multiple of ``tile``) in 1 x ``tile`` tiles
+    (``scale_inv`` ``(M, N/tile)``) and, with ``columnwise``, ``tile`` x 1 tiles along the rows from the same read
+    (``data_c`` ``(M padded to pad, N)`` with zero rows past ``M``, ``scale_inv_c`` ``(ceil(M/tile), N)``); else those
+    two are empty. ``tile``: 128 for the blockwise recipe (DeepSeek-V3's tiles), 32 for MXFP8 (:mod:`fp8.mxfp8`).
+    ``x_scale_inv`` (a 1 x ``tile`` grid, optional) dequantizes an FP8 ``x`` first."""
     f = get_format(fmt)
     m, n = x.shape
     values = x.to(torch.float32)
     if x_scale_inv is not None:
-        values = values * x_scale_inv.to(torch.float32).repeat_interleave(TILE, dim=1)[:, :n]
+        values = values * x_scale_inv.to(torch.float32).repeat_interleave(tile, dim=1)[:, :n]
     finite = torch.isfinite(values)
-    s = _tile_scales(values, 1, TILE, f.max)
-    data = _encode(values * s.repeat_interleave(TILE, dim=1)[:, :n], finite, f)
+    s = _tile_scales(values, 1, tile, f.max)
+    data = _encode(values * s.repeat_interleave(tile, dim=1)[:, :n], finite, f)
     if not columnwise:
         empty = torch.empty((0, 0), dtype=torch.float32, device=x.device)
         return data, s.reciprocal(), _empty_t(x, f), empty
-    sc = _tile_scales(values, TILE, 1, f.max)
-    data_c = _encode(values * sc.repeat_interleave(TILE, dim=0)[:m], finite, f)
+    sc = _tile_scales(values, tile, 1, f.max)
+    data_c = _encode(values * sc.repeat_interleave(tile, dim=0)[:m], finite, f)
     rows = padded(m, pad)
     if rows != m:
         data_c = torch.cat([data_c.view(torch.uint8), data_c.new_zeros((rows - m, n), dtype=torch.uint8)]).view(f.dtype)
@@ -252,14 +254,14 @@ def quantize_tiles(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv:
 
 
 @quantize_tiles.register_fake
-def _(x, fmt, columnwise, pad, x_scale_inv=None):
+def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE):
     m, n = x.shape
     dtype = get_format(fmt).dtype
     if not columnwise:
-        return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // TILE)), dtype=torch.float32),
+        return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // tile)), dtype=torch.float32),
                 x.new_empty((0, 0), dtype=dtype), x.new_empty((0, 0), dtype=torch.float32))
-    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // TILE)), dtype=torch.float32),
-            x.new_empty((padded(m, pad), n), dtype=dtype), x.new_empty((-(-m // TILE), n), dtype=torch.float32))
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // tile)), dtype=torch.float32),
+            x.new_empty((padded(m, pad), n), dtype=dtype), x.new_empty((-(-m // tile), n), dtype=torch.float32))
 
 
 # -- weights and weight gradients -----------------------------------------------------------------------------------
@@ -433,8 +435,8 @@ def _(x, fmt, pad, x_scale_inv=None):
 
 
 @quantize_tiles.register_kernel("cuda")
-def _(x, fmt, columnwise, pad, x_scale_inv=None):
-    return _triton().launch_quantize_tiles(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv)
+def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE):
+    return _triton().launch_quantize_tiles(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv, tile)
 
 
 @transpose_fp8.register_kernel("cuda")

@@ -22,6 +22,8 @@ on the hardware GEMM, and the padding adds nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import ops
@@ -33,7 +35,7 @@ from .tensor import Float8Tensor, cached_operand, refresh_cached_operands
 __all__ = [
     "ActivationQuantizer", "TensorwiseQuantizer", "RowwiseQuantizer", "TileQuantizer", "WeightQuantizer",
     "TensorwiseWeightQuantizer", "RowwiseWeightQuantizer", "BlockWeightQuantizer", "GEMM_PAD", "BLOCK_PAD",
-    "refresh_weight_operands",
+    "refresh_weight_operands", "LinearQuantizers",
 ]
 
 GEMM_PAD = 16
@@ -131,30 +133,33 @@ class RowwiseQuantizer(ActivationQuantizer):
 
 
 class TileQuantizer(ActivationQuantizer):
-    """1x128 tiles for the GEMMs summing over features, 128x1 tiles (along the tokens) for the weight-gradient GEMM,
-    both from one read of each 128x128 tile (the ``blockwise`` recipe, DeepSeek-V3's)."""
+    """1 x ``tile`` tiles for the GEMMs summing over features, ``tile`` x 1 tiles (along the tokens) for the
+    weight-gradient GEMM, both from one read of each ``tile`` x ``tile`` square (:func:`fp8.ops.quantize_tiles`): the
+    ``blockwise`` recipe's 128 (DeepSeek-V3's), MXFP8's 32 (:mod:`fp8.mxfp8`). The tokens of the column-wise operand
+    are padded to ``tile`` (the GEMM's K block)."""
 
-    pad = BLOCK_PAD
-
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, tile: int = BLOCK_PAD) -> None:
         self.fmt = fmt
+        self.tile = self.pad = tile
+        self.block = TILE if tile == ops.TILE else (1, tile)
+        self.recipe = "blockwise" if tile == ops.TILE else "mxfp8"
 
     def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
-        _refuse_groups(dst_cols, "blockwise")
-        data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad)
-        rows = Operand(data, inv, TILE)
-        return rows, (Operand(data_c.t(), inv_c.t(), TILE) if columnwise else None)
+        _refuse_groups(dst_cols, self.recipe)
+        data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad, None, self.tile)
+        rows = Operand(data, inv, self.block)
+        return rows, (Operand(data_c.t(), inv_c.t(), self.block) if columnwise else None)
 
     per_token = True
 
     def columnwise(self, x):
-        _, _, data_c, inv_c = ops.quantize_tiles(x, self.fmt, True, self.pad)
-        return Operand(data_c.t(), inv_c.t(), TILE)
+        _, _, data_c, inv_c = ops.quantize_tiles(x, self.fmt, True, self.pad, None, self.tile)
+        return Operand(data_c.t(), inv_c.t(), self.block)
 
     def columnwise_from(self, rows, dst_cols=None, t_width=0):
-        _refuse_groups(dst_cols, "blockwise")
-        _, _, data_c, inv_c = ops.quantize_tiles(rows.data, self.fmt, True, self.pad, rows.scale_inv)
-        return Operand(data_c.t(), inv_c.t(), TILE)
+        _refuse_groups(dst_cols, self.recipe)
+        _, _, data_c, inv_c = ops.quantize_tiles(rows.data, self.fmt, True, self.pad, rows.scale_inv, self.tile)
+        return Operand(data_c.t(), inv_c.t(), self.block)
 
 
 def _refuse_groups(dst_cols, recipe: str) -> None:
@@ -177,8 +182,9 @@ class WeightQuantizer:
         raise NotImplementedError
 
     def dgrad_b(self, payload: torch.Tensor, scale: torch.Tensor, weight: Float8Tensor | None, a: Operand,
-                out_dtype: torch.dtype, backend: str) -> Operand:
-        """``W`` (out x in) as the input-gradient GEMM's second operand (``a``: that GEMM's first, ``dY``)."""
+                out_dtype: torch.dtype, backend: str, target: GemmTarget | None = None) -> Operand:
+        """``W`` (out x in) as the input-gradient GEMM's second operand (``a``: that GEMM's first, ``dY``); ``target``:
+        as :meth:`forward_b`'s (default: the payload's device)."""
         raise NotImplementedError
 
 
@@ -213,8 +219,8 @@ class TensorwiseWeightQuantizer(WeightQuantizer):
             return Operand(payload.t(), scale.reciprocal())
         return Operand(payload.t(), self._operands(payload, scale, weight)[1])
 
-    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
-        if not _hardware(a.data, payload, out_dtype, backend, a.block, None):
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend, target=None):
+        if not _hardware(a.data, payload, out_dtype, backend, a.block, None, target):
             return Operand(payload, scale.reciprocal())
         column_major, scale_inv = self._operands(payload, scale, weight)
         return Operand(column_major, scale_inv)
@@ -243,8 +249,8 @@ class RowwiseWeightQuantizer(WeightQuantizer):
         keep = _scaled_mm_runs(backend, target or GemmTarget.of(payload.device))
         return Operand(payload.t(), self._operands(payload, scale, weight, keep)[0], COLWISE)
 
-    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
-        keep = _hardware(a.data, payload, out_dtype, backend, a.block, COLWISE)
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend, target=None):
+        keep = _hardware(a.data, payload, out_dtype, backend, a.block, COLWISE, target)
         _, column_major, col_inv = self._operands(payload, scale, weight, keep)
         return Operand(column_major, col_inv, COLWISE)
 
@@ -262,8 +268,17 @@ class BlockWeightQuantizer(WeightQuantizer):
     def forward_b(self, payload, scale, weight, backend, target=None):
         return Operand(payload.t(), self._inv(payload, scale, weight).t(), BLOCK)
 
-    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend):
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend, target=None):
         return Operand(payload, self._inv(payload, scale, weight), BLOCK)
+
+
+@dataclass(frozen=True)
+class LinearQuantizers:
+    """The quantizers of one FP8 linear, by tensor role (what :meth:`fp8.recipes.Recipe.make_quantizers` returns)."""
+
+    input: ActivationQuantizer
+    grad_output: ActivationQuantizer
+    weight: WeightQuantizer
 
 
 def refresh_weight_operands(params) -> None:
@@ -277,7 +292,8 @@ def refresh_weight_operands(params) -> None:
       weight's per-input-channel copy (:func:`fp8.ops.quantize_cols_t`: one kernel per weight, the one per-linear
       launch of the step).
 
-    Weights that keep none (the emulated GEMM, never run) are left alone."""
+    MXFP8 weights' operands (:mod:`fp8.mxfp8`) are rebuilt at their next forward (their memo is stale once the weight
+    is written). Weights that keep none (the emulated GEMM, never run) are left alone."""
     if torch.compiler.is_compiling():  # traced code keeps no operands (made per use), so none to refresh
         return
     params = [p for p in params if isinstance(p, Float8Tensor)]

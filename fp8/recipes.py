@@ -13,6 +13,10 @@ blockwise      x: 1x128 tiles,        dY: 1x128 tiles,       dY: 128x1 tiles, x:
                W: 128x128 blocks      W: 128x128 blocks
 =============  =====================  =====================  ======================================
 
+``mxfp8`` (:mod:`fp8.mxfp8`, NVIDIA Blackwell) scales 1x32 activation tiles, 32x1 along the tokens for the weight
+gradient, and 32x32 weight blocks, with power-of-two (E8M0) scales, E4M3 everywhere; its GEMMs run on compute
+capability >= 10.0 (:meth:`Recipe.hardware_problem` refuses older GPUs) and are emulated exactly on the CPU.
+
 ``tensorwise`` is FP8-LM's recipe: delayed scaling of activations (E4M3) and output gradients (E5M2),
 each from its own amax history. ``rowwise`` and ``blockwise`` scale every block from its own current amax
 and use E4M3 everywhere (fine scales leave E5M2's range unneeded: twice the precision). Operands whose
@@ -27,18 +31,22 @@ not rounded to bf16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .blocks import BLOCK, COLWISE, ROWWISE, TENSORWISE, TILE, TILE_T, Block
+from . import mxfp8
+from .blocks import BLOCK, COLWISE, MX_BLOCK, MX_TILE, MX_TILE_T, ROWWISE, TENSORWISE, TILE, TILE_T, Block
+from .gemm import GEMM_BACKENDS, GemmTarget
+from .microscaling import BLACKWELL, microscaling_problem
 from .quantizers import (
-    BLOCK_PAD, GEMM_PAD, ActivationQuantizer, BlockWeightQuantizer, RowwiseQuantizer, RowwiseWeightQuantizer,
-    TensorwiseQuantizer, TensorwiseWeightQuantizer, TileQuantizer, WeightQuantizer,
+    BLOCK_PAD, GEMM_PAD, BlockWeightQuantizer, LinearQuantizers, RowwiseQuantizer, RowwiseWeightQuantizer,
+    TensorwiseQuantizer, TensorwiseWeightQuantizer, TileQuantizer,
 )
 from .scaling import ScalingState
 
 __all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE", "LinearQuantizers"]
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 """Names of the scaling recipes (``fp8.initialize(recipe=...)``, ``Float8LinearConfig(recipe=...)``)."""
 
 BLOCKWISE_TILE = 128
@@ -59,6 +67,9 @@ class Recipe:
     wgrad_grad_output: Block  # dY, weight gradient (taken transposed)
     wgrad_input: Block       # x, weight gradient
     grad_fmt: str            # dY's format in the rowwise/blockwise recipes (tensorwise: the config's)
+    tile: int = 0            # K block of the GEMMs (128 blockwise, 32 mxfp8): layer widths must be multiples of it
+    min_capability: tuple[int, int] | None = None  # the CUDA compute capability its hardware GEMMs need
+    factory: Callable[..., LinearQuantizers] | None = None  # the recipe module's make_quantizers (mxfp8)
 
     @property
     def tensorwise(self) -> bool:
@@ -72,9 +83,27 @@ class Recipe:
 
     @property
     def token_multiple(self) -> int:
-        """The multiple a weight-gradient GEMM's K (the tokens) is padded to: 16 for ``torch._scaled_mm``, 128 for the
-        block GEMM."""
-        return BLOCK_PAD if self.blockwise else GEMM_PAD
+        """The multiple a weight-gradient GEMM's K (the tokens) is padded to: 16 for ``torch._scaled_mm``, the K block
+        otherwise (128 for the block GEMM, 32 for MXFP8)."""
+        return max(self.tile, GEMM_PAD)
+
+    def dims_problem(self, in_features: int, out_features: int) -> str | None:
+        """Why a linear of these widths cannot run this recipe (its GEMMs' K blocks must tile both), or None."""
+        if self.tile and (in_features % self.tile or out_features % self.tile):
+            return (f"in_features={in_features}, out_features={out_features} are not multiples of the {self.name} "
+                    f"recipe's {self.tile}-element blocks")
+        return None
+
+    def hardware_problem(self, target: GemmTarget, backend: str = "auto") -> str | None:
+        """Why this recipe cannot start on ``target`` with GEMM ``backend``, naming the GPU generation it needs and
+        the fix, or None: a CUDA GPU older than :attr:`min_capability` has no hardware GEMM for it, and emulating
+        every GEMM there would be silently slow (``backend="emulated"`` asks for exactly that, and is allowed); the
+        CPU runs the exact emulation."""
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+        if self.min_capability is None or backend == "emulated" or target.kind == "cpu":
+            return None
+        return microscaling_problem(target.kind, target.capability, self.name.upper())
 
     def grad_format(self, configured: str) -> str:
         """The output gradient's format: ``configured`` (the linear's ``grad_output.fmt``) under ``tensorwise``, the
@@ -85,6 +114,8 @@ class Recipe:
                         weight_fmt: str) -> "LinearQuantizers":
         """One quantizer per tensor role of a linear (:mod:`fp8.quantizers`): the input and output gradient (with the
         linear's scaling states under ``tensorwise``), and the weight held at rest in :attr:`weight` blocks."""
+        if self.factory is not None:
+            return self.factory(input_state, grad_output_state, weight_fmt)
         if self.tensorwise:
             return LinearQuantizers(TensorwiseQuantizer(input_state), TensorwiseQuantizer(grad_output_state),
                                     TensorwiseWeightQuantizer())
@@ -94,20 +125,13 @@ class Recipe:
                                 RowwiseWeightQuantizer(weight_fmt))
 
 
-@dataclass(frozen=True)
-class LinearQuantizers:
-    """The quantizers of one FP8 linear, by tensor role."""
-
-    input: ActivationQuantizer
-    grad_output: ActivationQuantizer
-    weight: WeightQuantizer
-
-
 _RECIPES = {
     "tensorwise": Recipe("tensorwise", TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE, TENSORWISE,
                          "e5m2"),
     "rowwise": Recipe("rowwise", ROWWISE, ROWWISE, ROWWISE, COLWISE, COLWISE, COLWISE, "e4m3"),
-    "blockwise": Recipe("blockwise", TILE, BLOCK, TILE, BLOCK, TILE_T, TILE_T, "e4m3"),
+    "blockwise": Recipe("blockwise", TILE, BLOCK, TILE, BLOCK, TILE_T, TILE_T, "e4m3", tile=BLOCKWISE_TILE),
+    "mxfp8": Recipe("mxfp8", MX_TILE, MX_BLOCK, MX_TILE, MX_BLOCK, MX_TILE_T, MX_TILE_T, "e4m3", tile=mxfp8.MX_K_BLOCK,
+                    min_capability=BLACKWELL, factory=mxfp8.make_quantizers),
 }
 
 

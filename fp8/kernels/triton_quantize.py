@@ -319,9 +319,8 @@ def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N,
         tl.store(inv_c_ptr + pid_m * N + cols, 1.0 / sc, mask=cols < N)
 
 
-def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None):
+def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=128):
     m, n = x.shape
-    tile = 128
     n_tiles = -(-n // tile)
     data = torch.empty((m, n), dtype=fmt_dtype, device=x.device)
     inv = torch.empty((m, n_tiles), dtype=torch.float32, device=x.device)
@@ -339,7 +338,7 @@ def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None):
         src, xs, payload_view(data), inv, payload_view(data_c) if columnwise else payload_view(data),
         inv_c if columnwise else inv, m, n, src.stride(0), src.stride(1), rows_c, n_tiles,
         IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype], COLUMNWISE=columnwise,
-        HAS_XS=x_scale_inv is not None, TILE=tile, num_warps=8,
+        HAS_XS=x_scale_inv is not None, TILE=tile, num_warps=8 if tile >= 128 else 4,
     )
     return data, inv, data_c, inv_c
 

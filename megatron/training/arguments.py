@@ -23,7 +23,7 @@ from .config_rules import (GEMM_BACKENDS, OPT_LEVELS, ConfigurationError, check_
                            check_split, high_precision_layers, normalize_opt_level, opt_level_arg)
 from .monitoring.output_paths import check_output_path
 
-__all__ = ["parse_args", "validate_args", "parse_config", "config_from_args", "RunConfig", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
+__all__ = ["parse_args", "check_recipe_hardware", "validate_args", "parse_config", "config_from_args", "RunConfig", "build_parser", "ConfigurationError", "OPT_LEVEL_CHOICES", "DEMO_DEFAULTS",
            "FP8_ONLY_FLAGS", "baseline_argv"]
 
 OPT_LEVEL_CHOICES = OPT_LEVELS
@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 weight gradients over micro-batches (Float8LinearConfig.grad_accumulation): summed in a "
                         "scaled FP16 buffer (2 B/element, default) or in fp32 (4 B) and quantized once for the "
                         "data-parallel reduction, or held as E4M3 (1 B; one or a few micro-batches)")
-    f.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
+    f.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise", "mxfp8"), default="tensorwise",
                    help="granularity of the FP8 scales (fp8.recipes): one per tensor (delayed, E4M3/E5M2), per row "
-                        "(tokens and output channels) or DeepSeek-style blocks (1x128 activation and gradient tiles, "
-                        "128x128 weight blocks), E4M3 everywhere for the last two")
+                        "(tokens and output channels), DeepSeek-style blocks (1x128 activation and gradient tiles, "
+                        "128x128 weight blocks) or MXFP8 (1x32 tiles and 32x32 weight blocks, E8M0 scales; NVIDIA "
+                        "Blackwell, compute capability >= 10.0, emulated on the CPU), E4M3 everywhere for the last three")
     f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
                    help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
                         "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
@@ -487,12 +488,28 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         from .model import check_compile_layers  # imports megatron-core: only when the flag is given
 
         check_compile_layers(config_from_args(args))
+    check_recipe_hardware(args)
     if args.fp8_gemm_backend == "scaled_mm":
         from .model import check_gemm_backend  # imports megatron-core: only when the check is asked for
 
         # every FP8 GEMM of the run decided for this machine's device, before anything runs
         check_gemm_backend(config_from_args(args))
     return args
+
+
+def check_recipe_hardware(args, target=None) -> None:
+    """A recipe whose GEMMs need a newer GPU than this machine's (``--fp8-recipe mxfp8`` below compute capability 10.0)
+    is refused before anything runs, naming the GPU generation it needs (``--fp8-gemm-backend emulated`` runs it)."""
+    if args.fp8_opt_level == "none" and not args.compare_levels:
+        return
+    from fp8.gemm import GemmTarget
+    from fp8.recipes import get_recipe
+
+    if target is None:  # model.gemm_target's choice, without importing megatron-core for it
+        target = GemmTarget.of(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    problem = get_recipe(args.fp8_recipe).hardware_problem(target, args.fp8_gemm_backend)
+    if problem is not None:
+        raise ConfigurationError(f"--fp8-recipe {args.fp8_recipe}: {problem}")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:

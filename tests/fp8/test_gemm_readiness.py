@@ -33,7 +33,8 @@ import fp8.grouped_gemm
 import fp8.linear
 import fp8.tensor
 from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, dequantize_blocks, quantize_to_blocks
-from fp8.gemm import GEMM_PATHS, GemmTarget, Operand, fp8_mm_payload, gemm_path, mm, scaled_mm_call_problem
+from fp8.gemm import (GEMM_PATHS, GemmTarget, Operand, fp8_mm_payload, gemm_path, mm, mx_call_problem,
+                      scaled_mm_call_problem)
 from fp8.kernels.triton_block_gemm import block_mm_reference
 from fp8.linear import Float8LinearConfig
 from fp8.recipes import RECIPES
@@ -41,12 +42,19 @@ from fp8.recipes import RECIPES
 HOPPER = GemmTarget("cuda", (9, 0), triton=True)
 """A simulated H100/H200: CUDA, compute capability 9.0, Triton installed."""
 
+BLACKWELL_GPU = GemmTarget("cuda", (10, 0), triton=True)
+"""A simulated B200/GB200: CUDA, compute capability 10.0 (block-scaled MXFP8 GEMMs), Triton installed."""
+
+TARGETS = {"mxfp8": BLACKWELL_GPU}
+"""The GPU each recipe's audit is decided for (default :data:`HOPPER`): MXFP8 needs Blackwell (refused on Hopper)."""
+
 # Layer widths and (batch, sequence) per recipe: multiples of 16 (of 128 for blockwise), tokens differing from
 # every width so a GEMM's pass follows from its K (weight gradient: K = tokens).
 SHAPES = {
     "tensorwise": ((64, 96, 48), (2, 16)),
     "rowwise": ((64, 96, 48), (2, 16)),
     "blockwise": ((384, 512, 640), (2, 128)),
+    "mxfp8": ((64, 96, 160), (2, 32)),
 }
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -81,7 +89,7 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._scaled_mm.default:
+        if func in (torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_mm_v2.default):
             named = dict(zip((arg.name for arg in func._schema.arguments), args), **kwargs)
             self.scaled_mm.append({k: _meta(v) if isinstance(v, torch.Tensor) else v for k, v in named.items()})
         elif func is torch.ops.aten.mm.default:
@@ -133,14 +141,16 @@ def _pass_and_layer(call: GemmCall, widths, tokens) -> tuple[str, int]:
     if call.phase == "fwd":
         return "fwd", layers.index((k, n))
     assert call.phase == "bwd", f"a GEMM outside forward and backward: {call}"
-    if k in (tokens, -(-tokens // 16) * 16, -(-tokens // 128) * 128):  # the token count, padded to the GEMM's multiple
+    if k in (tokens, *(-(-tokens // m) * m for m in (16, 32, 128))):  # the token count, padded to the GEMM's multiple
         return "wgrad", layers.index((n, m))
     return "dgrad", layers.index((n, k))
 
 
-def _audit(recipe, dtype, calls, widths, tokens, target=HOPPER) -> list[dict]:
-    """The path :func:`gemm_path` gives each GEMM of the step on ``target``; each GEMM is also run for ``target``
-    on ``meta`` copies of its operands (the CUDA calls it would make meet torch's ``meta`` kernel)."""
+def _audit(recipe, dtype, calls, widths, tokens, target=None) -> list[dict]:
+    """The path :func:`gemm_path` gives each GEMM of the step on ``target`` (default: the recipe's
+    :data:`TARGETS`); each GEMM is also run for ``target`` on ``meta`` copies of its operands (the CUDA calls it would
+    make meet torch's ``meta`` kernel)."""
+    target = target or TARGETS.get(recipe, HOPPER)
     rows = []
     for call in calls:
         gemm_pass, layer = _pass_and_layer(call, widths, tokens)
@@ -191,19 +201,23 @@ EXPECTED_PATHS = {  # (recipe, model dtype) -> {pass: path} on a compute capabil
                                   "wgrad": "scaled_mm_rowwise_epilogue"},  # the weight gradient stays fp32
     ("blockwise", torch.float32): dict.fromkeys(("fwd", "dgrad", "wgrad"), "triton_block"),
     ("blockwise", torch.bfloat16): dict.fromkeys(("fwd", "dgrad", "wgrad"), "triton_block"),
+    ("mxfp8", torch.float32): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_mx"),
+    ("mxfp8", torch.bfloat16): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_mx"),
 }
 
 
 def test_dispatch_audit_on_a_compute_capability_9_gpu_emulates_no_gemm(monkeypatch):
     """(2) The audit table of a training step per recipe and model dtype: every GEMM (forward, input gradient,
-    weight gradient of every layer) takes a hardware path on an H100/H200, the one expected for its recipe."""
+    weight gradient of every layer) takes a hardware path on an H100/H200 (MXFP8: on a B200, :data:`TARGETS`), the
+    one expected for its recipe."""
     rows = []
     for recipe in RECIPES:
         for dtype in DTYPES:
             calls, aten, widths, tokens = _train_step(recipe, dtype, "auto", monkeypatch)
             assert aten.mm == len(calls) == 6  # CPU "auto" emulates: one aten.mm per GEMM, each one recorded
             rows += _audit(recipe, dtype, calls, widths, tokens)
-    print("\nFP8 GEMM dispatch audit, simulated CUDA compute capability 9.0 (Triton installed):\n" + _table(rows))
+    print("\nFP8 GEMM dispatch audit, simulated CUDA compute capability 9.0 (mxfp8: 10.0; Triton installed):\n"
+          + _table(rows))
     assert {r["path"] for r in rows} <= set(GEMM_PATHS) - {"emulated"}, _table(rows)
     for r in rows:
         expected = EXPECTED_PATHS[(r["recipe"], getattr(torch, r["dtype"]))][r["gemm_pass"]]
@@ -212,13 +226,17 @@ def test_dispatch_audit_on_a_compute_capability_9_gpu_emulates_no_gemm(monkeypat
             assert len(r["scaled_mm_calls"]) == 1
             call = r["scaled_mm_calls"][0]
             scale_a, scale_b, out_dtype = call["scale_a"], call["scale_b"], call["out_dtype"]
+            if r["path"] == "scaled_mm_mx":  # aten._scaled_mm_v2: swizzled E8M0 scales, one per 32 along K
+                (scale_a,), (scale_b,) = scale_a, scale_b
+                assert mx_call_problem(call["self"], call["mat2"], scale_a, scale_b, out_dtype, BLACKWELL_GPU) is None
+                continue
             assert scaled_mm_call_problem(call["self"], call["mat2"], scale_a, scale_b, out_dtype, HOPPER) is None
             if r["path"] == "scaled_mm_rowwise":
                 assert out_dtype == torch.bfloat16 and scale_a.shape == (r["shape"][0], 1)
             else:  # tensor-wise call (the epilogue path's unit scales included)
                 assert scale_a.numel() == scale_b.numel() == 1
     passes = {(r["recipe"], r["dtype"], r["gemm_pass"], r["layer"]) for r in rows}
-    assert len(passes) == len(rows) == 3 * 2 * 3 * 2  # recipes x dtypes x passes x layers, each GEMM once
+    assert len(passes) == len(rows) == len(RECIPES) * 2 * 3 * 2  # recipes x dtypes x passes x layers, each GEMM once
 
 
 def test_token_counts_off_the_gemm_multiple_are_padded_not_emulated(monkeypatch):
@@ -352,7 +370,7 @@ def _moe_step(recipe, grouped, monkeypatch):
     from fp8.grouped_gemm import GroupedBlockLinearFunction, GroupedLinearFunction
     from fp8.linear import group_bounds
 
-    k, n = (256, 384) if recipe == "blockwise" else (64, 96)
+    k, n = (256, 384) if recipe == "blockwise" else (64, 96)  # multiples of every recipe's K block
     torch.manual_seed(0)
     config = Float8LinearConfig(recipe=recipe)
     experts = [fp8.Float8Linear.from_linear(nn.Linear(k, n, bias=False), config) for _ in MOE_SIZES]
@@ -389,16 +407,17 @@ def test_moe_expert_gemms_run_on_hardware_with_routed_tokens_padded(recipe, grou
     add nothing, instead of falling back to the emulation. Each ``_scaled_mm`` call replays on ``meta`` tensors."""
     calls, k, n = _moe_step(recipe, grouped, monkeypatch)
     routed = [s for s in MOE_SIZES if s]
-    multiple = 128 if recipe == "blockwise" else 16
+    multiple = {"blockwise": 128, "mxfp8": 32}.get(recipe, 16)
+    target = TARGETS.get(recipe, HOPPER)
     assert len(calls) == 3 * len(routed)  # forward, input gradient, weight gradient per expert that got tokens
     wgrad_k = sorted(c.a.shape[1] for c in calls if c.phase == "bwd" and c.a.shape[0] == n)
     assert wgrad_k == sorted(-(-s // multiple) * multiple for s in routed), wgrad_k
     for call in calls:
-        choice = gemm_path(call.a, call.b, call.out_dtype, HOPPER, call.backend, call.a_block, call.b_block)
+        choice = gemm_path(call.a, call.b, call.out_dtype, target, call.backend, call.a_block, call.b_block)
         assert choice.path != "emulated", (recipe, grouped, call.phase, tuple(call.a.shape), tuple(call.b.shape),
                                            choice.reason)
         if choice.path.startswith("scaled_mm"):
             with _AtenRecorder() as aten:
                 mm(Operand(call.a, call.a_scale, call.a_block), Operand(call.b, call.b_scale, call.b_block),
-                   call.out_dtype, call.backend, target=HOPPER)
+                   call.out_dtype, call.backend, target=target)
             assert len(aten.scaled_mm) == 1

@@ -157,20 +157,21 @@ def test_rowwise_and_columnwise_kernels_match_reference(shape, fmt):
         _same(g, w, "cols_t of an FP8 payload")
 
 
+@pytest.mark.parametrize("tile", [128, 32], ids=["blockwise", "mxfp8"])
 @pytest.mark.parametrize("shape", [(100, 256), (37, 128), (300, 384)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_tile_kernel_matches_reference(shape, fmt):
+def test_tile_kernel_matches_reference(shape, fmt, tile):
     tq = _needs_triton()
     x = _input(shape, torch.float32, 8)
     for columnwise in (False, True):
-        for pad in (1, 128):
-            want = ops.quantize_tiles(x, fmt, columnwise, pad)
-            got = tq.launch_quantize_tiles(x, FMT[fmt], columnwise, pad)
+        for pad in (1, tile):
+            want = ops.quantize_tiles(x, fmt, columnwise, pad, None, tile)
+            got = tq.launch_quantize_tiles(x, FMT[fmt], columnwise, pad, None, tile)
             for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
                 _same(g, w, f"tiles {name} columnwise={columnwise} pad={pad}")
-    data, inv, _, _ = ops.quantize_tiles(_input(shape, torch.float32, 9, special=False), fmt, False, 1)
-    want = ops.quantize_tiles(data, fmt, True, 128, inv)
-    got = tq.launch_quantize_tiles(data, FMT[fmt], True, 128, inv)
+    data, inv, _, _ = ops.quantize_tiles(_input(shape, torch.float32, 9, special=False), fmt, False, 1, None, tile)
+    want = ops.quantize_tiles(data, fmt, True, tile, inv, tile)
+    got = tq.launch_quantize_tiles(data, FMT[fmt], True, tile, inv, tile)
     for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
         _same(g, w, f"tiles of an FP8 payload {name}")
 

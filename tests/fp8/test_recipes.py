@@ -150,7 +150,7 @@ def test_linear_gemms_against_float64(recipe, gen):
     bound = 0.12 if recipe == "tensorwise" else 0.07
     assert _rel(xf.grad, grad_y @ w) < bound
     assert _rel(layer.weight.grad, grad_y.t() @ x) < bound
-    expected_block = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
+    expected_block = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128), "mxfp8": (32, 32)}[recipe]
     assert layer.weight.block == expected_block
 
 
@@ -200,7 +200,7 @@ def test_training_with_each_recipe_tracks_the_baseline(level):
         model, loss = train(recipe)
         # Measured: within 0.02% of the baseline's final loss for every recipe and level.
         assert abs(loss - baseline) <= 0.002 * baseline, (recipe, loss, baseline)
-        expected = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
+        expected = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128), "mxfp8": (32, 32)}[recipe]
         assert model[0].weight.block == expected and model[2].weight.block == expected
 
 

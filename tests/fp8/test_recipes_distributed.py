@@ -1,4 +1,4 @@
-"""The rowwise and blockwise recipes under data parallelism at 2 ranks (gloo): ``fp8.distributed``'s scaled FP8
+"""The rowwise, blockwise and mxfp8 recipes under data parallelism at 2 ranks (gloo): ``fp8.distributed``'s scaled FP8
 all-reduce (O2) and O3's reduce-to-owner and weight all-gather move block-scaled weights with their scale grids.
 
 One launch runs every case; the tests compare with a single-process O2 run on the concatenated batch computed
@@ -23,7 +23,7 @@ import fp8.distributed as fd
 from fp8.comm import CommBytesCounter
 from tests.spawn import CachedLaunch
 
-RECIPES = ("rowwise", "blockwise")
+RECIPES = ("rowwise", "blockwise", "mxfp8")
 STEPS = 3
 TOKENS = 32  # per rank
 LR = 1e-2
@@ -109,7 +109,7 @@ def _reference(seed: int, recipe: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_ranks_agree_and_o3_equals_o2_bit_for_bit(launched, recipe):
     _, results = launched
-    block = {"rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
+    block = {"rowwise": (1, 0), "blockwise": (128, 128), "mxfp8": (32, 32)}[recipe]
     for level in ("O2", "O3"):
         for step in range(STEPS):
             mine, other = results[0][(recipe, level)]["steps"][step], results[1][(recipe, level)]["steps"][step]
@@ -137,8 +137,8 @@ def test_reduced_gradients_carry_the_weights_block_scales(launched, recipe):
     """The scaled all-reduce (O2) and the reduce-to-owner (O3) quantize each weight gradient with one shared scale
     per block of its weight: the E4M3 gradients carry the grid."""
     _, results = launched
-    block = {"rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
-    grids = [(512, 1), (256, 1)] if recipe == "rowwise" else [(4, 2), (2, 4)]
+    block = {"rowwise": (1, 0), "blockwise": (128, 128), "mxfp8": (32, 32)}[recipe]
+    grids = {"rowwise": [(512, 1), (256, 1)], "blockwise": [(4, 2), (2, 4)], "mxfp8": [(16, 8), (8, 16)]}[recipe]
     for level in ("O2", "O3"):
         owned = [[g for g in results[r][(recipe, level)]["grad_blocks"]] for r in range(2)]
         for i, grid in enumerate(grids):

@@ -55,7 +55,7 @@ except ImportError:  # run as a script from tests/training/
 WORLD = 2
 SEQ, BATCH, HIDDEN, FFN = 32, 2, 256, 512
 TOKENS = SEQ * BATCH
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 CASES = [(recipe, sp) for recipe in RECIPES for sp in (False, True)]
 QUANTITIES = ("col_out", "row_out", "grad_x", "col_grad_w", "row_grad_w")
 
@@ -69,13 +69,16 @@ QUANTITIES = ("col_out", "row_out", "grad_x", "col_grad_w", "row_grad_w")
 #   - with SP, the finer recipes' weight gradients of a gathered operand (the column linear's input, the row linear's
 #     output gradient): each rank's FP8 rows are gathered and re-quantized per column (rowwise) or per 128x1 tile
 #     (blockwise) for the weight-gradient GEMM; with power-of-two scales that is exact except for values that fall
-#     into the new scale's subnormal range: rowwise 3.42e-6 / 2.78e-6, blockwise 1.68e-6 / 7.1e-7 (column / row).
+#     into the new scale's subnormal range: rowwise 3.42e-6 / 2.78e-6, blockwise 1.68e-6 / 7.1e-7 (column / row);
+#     a later CI seed (1270428386) gave 1.13e-5 for the row linear's weight gradient of both (the same values fall
+#     subnormal in both recipes' column blocks).
 # Bounds are >= 2x these.
 SUMMATION_BOUND = 1e-6           # measured <= 2.7e-7
-SP_REQUANT_BOUND = 1e-5          # SP weight gradients of rowwise/blockwise, measured <= 3.42e-6
+SP_REQUANT_BOUND = 3e-5          # SP weight gradients of rowwise/blockwise/mxfp8, measured <= 1.13e-5
 E4M3_SCATTER_BOUND = 6e-2        # SP row output, measured <= 2.71e-2
 E5M2_SCATTER_BOUND = 1.2e-1      # SP input gradient, measured <= 5.44e-2
-EXACT = {"blockwise": ("col_out", "col_grad_w", "row_grad_w"), "rowwise": ("col_out",), "tensorwise": ()}
+EXACT = {"blockwise": ("col_out", "col_grad_w", "row_grad_w"), "mxfp8": ("col_out", "col_grad_w", "row_grad_w"),
+         "rowwise": ("col_out",), "tensorwise": ()}
 
 
 @dataclass
@@ -206,7 +209,7 @@ def test_parallel_pair_matches_single_process_reference(results, recipe, sp):
                 assert got["rel"][name] <= bound, (seed, rank, recipe, sp, name, got["rel"][name], bound)
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
 def test_column_output_is_bit_exact(results, recipe):
     """Same scale blocks as the single-process layer (whole rows / aligned 128-tiles and blocks): the column-parallel
     output shard is the reference's slice, bit for bit. (Tensorwise: the weight shard has its own scale, so values
@@ -219,7 +222,7 @@ def test_column_output_is_bit_exact(results, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_weights_hold_the_recipe_blocks(results, recipe):
-    expected = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128)}[recipe]
+    expected = {"tensorwise": None, "rowwise": (1, 0), "blockwise": (128, 128), "mxfp8": (32, 32)}[recipe]
     _, per_rank = results
     for res in per_rank:
         for sp in (False, True):
@@ -247,8 +250,9 @@ def test_sequence_parallel_gathers_scale_grids(results, recipe):
         input_grid = grid_shape(spec.input, (TOKENS, HIDDEN))
         grad_grid = grid_shape(spec.grad_output, (TOKENS, HIDDEN))
         expected = ring * 4 * (input_grid[0] * input_grid[1] + grad_grid[0] * grad_grid[1])
-        # rowwise: 64 x 1 grids; blockwise: 64 x (256 / 128) grids
-        assert input_grid == grad_grid == ((TOKENS, 1) if recipe == "rowwise" else (TOKENS, HIDDEN // 128))
+        # rowwise: 64 x 1 grids; blockwise: 64 x (256 / 128) grids; mxfp8: 64 x (256 / 32)
+        tile = {"blockwise": 128, "mxfp8": 32}.get(recipe)
+        assert input_grid == grad_grid == ((TOKENS, 1) if recipe == "rowwise" else (TOKENS, HIDDEN // tile))
         assert calls["sp all-gather scales"] == 2
         assert by_tag["sp all-gather scales"] == expected, (by_tag, expected)
 

@@ -190,8 +190,9 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
 SUM_BYTES = {"fp16": 2, "fp32": 4}  # bytes per element of an FP8 weight's gradient sum before the DP reduction
-_RECIPES = ("tensorwise", "rowwise", "blockwise")  # fp8.recipes.RECIPES
+_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # fp8.recipes.RECIPES
 _TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
+_BLOCKS = {"blockwise": _TILE, "mxfp8": 32}  # fp8.recipes.Recipe.tile: the recipes scaled in K blocks
 _GEMM_MULTIPLE = 16  # fp8.eligibility.GEMM_MULTIPLE: the FP8 GEMM's K multiple (tokens padded to it)
 _MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
 _MiB = 2**20
@@ -613,19 +614,21 @@ def _total_params(cfg: PlannerConfig) -> int:
 
 # -- model state --------------------------------------------------------------------------------------
 def _recipe(cfg: PlannerConfig, n_out: int, n_in: int) -> str:
-    """The recipe a linear of this rank's shape runs: blockwise falls back to tensorwise where it cannot tile."""
-    if cfg.fp8_recipe == "blockwise" and (n_out % _TILE or n_in % _TILE):
+    """The recipe a linear of this rank's shape runs: blockwise/mxfp8 fall back to tensorwise where they cannot tile."""
+    tile = _BLOCKS.get(cfg.fp8_recipe)
+    if tile and (n_out % tile or n_in % tile):
         return "tensorwise"
     return cfg.fp8_recipe
 
 
 def _weight_scale_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
-    """Bytes of an FP8 weight's scale(s): one per tensor, per output channel or per 128 x 128 block."""
+    """Bytes of an FP8 weight's scale(s): one per tensor, per output channel, per 128 x 128 block (blockwise) or per
+    32 x 32 block (mxfp8), fp32."""
     recipe = _recipe(cfg, t.rows, t.cols)
     if recipe == "rowwise":
         return 4 * t.rows
-    if recipe == "blockwise":
-        return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
+    if recipe in _BLOCKS:
+        return 4 * -(-t.rows // _BLOCKS[recipe]) * -(-t.cols // _BLOCKS[recipe])
     return 4
 
 
@@ -638,6 +641,11 @@ def holds_weight_transposes(cfg: PlannerConfig, recipe: str) -> bool:
     if recipe == "blockwise" or cfg.fp8_gemm_backend == "emulated":
         return False
     return cfg.fp8_gemm_backend == "scaled_mm" or cfg.gemm_device == "cuda"
+
+
+def _swizzled(rows: int, k_blocks: int) -> int:
+    """Bytes of one E8M0 scale per row and K block in cuBLAS's swizzled layout (fp8.microscaling.swizzled_numel)."""
+    return -(-rows // 128) * 128 * (-(-k_blocks // 4) * 4)
 
 
 def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
@@ -655,6 +663,9 @@ def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
         return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
     if not holds_weight_transposes(cfg, recipe):
         return 0
+    if recipe == "mxfp8":  # the transpose, the scale_inv grid and both GEMMs' swizzled E8M0 scales (fp8.mxfp8)
+        return (t.numel + 4 * -(-t.rows // 32) * -(-t.cols // 32) + _swizzled(t.rows, t.cols // 32)
+                + _swizzled(t.cols, t.rows // 32))
     if recipe == "rowwise":
         return t.numel + 4 * t.cols + 4 * t.rows
     stacked = t.numel + 4 * t.rows if (t.expert and cfg.moe_grouped_gemm and cfg.gemm_device == "cuda") else 0
@@ -828,19 +839,20 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     one per 128 x 1 tile blockwise). ``expected_pad``: ``tokens`` is a routed expert's mean count, its padding the
     mean over counts (half the multiple less one)."""
     recipe = _recipe(cfg, n_out, width)
+    tile = _BLOCKS.get(recipe)
     if tokens is None:
         if recipe == "rowwise":
             return width + 4
-        if recipe == "blockwise":
-            return width + 4 * math.ceil(width / _TILE)
+        if tile:
+            return width + 4 * math.ceil(width / tile)
         return width
-    multiple = _TILE if recipe == "blockwise" else _GEMM_MULTIPLE
+    multiple = max(tile or 0, _GEMM_MULTIPLE)
     pad = (multiple - 1) / 2 if expected_pad else math.ceil(tokens / multiple) * multiple - tokens
     payload = width * (tokens + pad) / tokens
     if recipe == "rowwise":
         return payload + 4 * width / tokens
-    if recipe == "blockwise":
-        return payload + 4 * width * math.ceil((tokens + pad) / _TILE) / tokens
+    if tile:
+        return payload + 4 * width * math.ceil((tokens + pad) / tile) / tokens
     return payload
 
 
