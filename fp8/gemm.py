@@ -26,8 +26,10 @@ what it decides (:data:`GEMM_PATHS`):
   ``128x1``) run the Triton block GEMM on CUDA (:mod:`fp8.kernels.triton_block_gemm`).
 - ``scaled_mm_mx``: MXFP8 operands (E4M3 payloads, one power-of-two scale per 32 elements along K: ``1x32`` or
   ``32x32`` blocks of ``a``, ``32x1`` or ``32x32`` of ``b``) run ``torch.nn.functional.scaled_mm`` with E8M0 scales in
-  cuBLAS's swizzled layout (:mod:`fp8.microscaling`) on NVIDIA Blackwell (compute capability >= 10.0); an operand may
-  carry its scales already in that layout (:attr:`Operand.hw_scale`: a weight's, made once per optimizer step).
+  cuBLAS's swizzled layout (:func:`fp8.ops.mx_scales`, one kernel per operand) on NVIDIA Blackwell (compute capability
+  >= 10.0); an operand may carry its scales already in that layout (:attr:`Operand.hw_scale`: a weight's, made once
+  per optimizer step). On the CPU with ``backend="scaled_mm"`` the call's reference (:func:`fp8.ops.mx_mm`) runs on
+  the same swizzled scales: the GPU's op sequence, bit-identical to the emulation.
 - ``emulated``: dequantize to fp32 and run an fp32 matmul: on CPU it equals ``_scaled_mm`` bit for bit, and
   ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU ``_scaled_mm`` is orders of magnitude slower);
   elsewhere it is the fallback, logged once per reason, for what no hardware path takes.
@@ -53,7 +55,7 @@ from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scal
 from .cast import payload_and_scale
 from .formats import E5M2
 from .kernels.backend import triton_available
-from .microscaling import MX_K_BLOCK, microscaling_problem, rows_by_k_blocks, swizzle, swizzled_numel, to_e8m0
+from .microscaling import MX_K_BLOCK, microscaling_problem, swizzled_numel
 
 __all__ = [
     "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
@@ -245,8 +247,8 @@ def _mx_problem(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, target
         return problem
     if out_dtype not in _MX_OUT:
         return f"the MXFP8 GEMM writes {_MX_OUT}, not {out_dtype}"
-    if target.kind == "cpu":
-        return "the CPU's torch._scaled_mm rejects MX scales (no MXFP8 GEMM on the CPU); use gemm_backend='auto'"
+    if target.kind == "cpu":  # gemm_backend="scaled_mm": the call's reference (fp8.ops.mx_mm), the GPU's op sequence
+        return None
     return microscaling_problem(target.kind, target.capability, "MXFP8")
 
 
@@ -257,7 +259,12 @@ def mx_scale(op: "Operand", k_dim: int) -> torch.Tensor:
         return op.hw_scale
     rows = op.data.shape[0] if k_dim == 1 else op.data.shape[1]
     k = op.data.shape[k_dim]
-    return swizzle(to_e8m0(rows_by_k_blocks(op.scale_inv, op.block, rows, k, k_dim, MX_K_BLOCK)))
+    grid, block = (op.scale_inv, op.block) if k_dim == 1 else (op.scale_inv.t(), (op.block[1], op.block[0]))
+    repeat = block[0] or rows
+    if block[1] != MX_K_BLOCK or grid.shape != (-(-rows // repeat), k // MX_K_BLOCK):
+        raise ValueError(f"scales in blocks {op.block} do not give one scale per {MX_K_BLOCK} elements along K={k} "
+                         f"of {rows} rows (grid {tuple(op.scale_inv.shape)})")
+    return ops.mx_scales(grid, rows, repeat)  # one kernel: repeat, E8M0, swizzle
 
 
 def mx_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -398,7 +405,13 @@ def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, d
     if choice.path == SCALED_MM_MX:
         lhs = a.data if _row_major(a.data) else a.data.contiguous()
         rhs = b.data if _col_major(b.data) else b.data.t().contiguous().t()
-        return _scaled_mm_mx(lhs, rhs, mx_scale(a, 1), mx_scale(b, 0), out_dtype, target), None, None
+        sa, sb = mx_scale(a, 1), mx_scale(b, 0)
+        if target.kind == "cpu":  # F.scaled_mm has no MX kernel on the CPU: its reference, on the same operands
+            problem = mx_call_problem(lhs, rhs, sa, sb, out_dtype, target)
+            if problem is not None:
+                raise RuntimeError(f"fp8_mm: internal error, the MXFP8 call breaks the GPU's rules: {problem}")
+            return ops.mx_mm(lhs, rhs, sa, sb, out_dtype), None, None
+        return _scaled_mm_mx(lhs, rhs, sa, sb, out_dtype, target), None, None
     if choice.path == TRITON_BLOCK:
         return ops.block_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype), None, None
     lhs = a.data if _row_major(a.data) else a.data.contiguous()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["MX_K_BLOCK", "NVFP4_K_BLOCK", "BLACKWELL", "microscaling_problem", "swizzled_numel", "swizzle",
-           "unswizzle", "to_e8m0", "rows_by_k_blocks"]
+           "unswizzle", "to_e8m0"]
 
 MX_K_BLOCK = 32
 """Elements along K sharing one E8M0 scale in MXFP8 (OCP Microscaling spec)."""
@@ -40,21 +40,6 @@ def microscaling_problem(kind: str, capability: tuple[int, int] | None, fmt: str
     return (f"{where} has no {fmt} GEMM: block-scaled tensor-core GEMMs need NVIDIA Blackwell, compute capability "
             f">= 10.0 (B200, GB200, B300); run another recipe there, or pass gemm_backend='emulated' "
             f"(--fp8-gemm-backend emulated) to run the exact emulation")
-
-
-def rows_by_k_blocks(scale_inv: torch.Tensor, block: tuple[int, int], rows: int, k: int, k_dim: int,
-                     k_block: int) -> torch.Tensor:
-    """An operand's ``scale_inv`` grid (blocks ``block`` of its ``(rows, k)`` payload if ``k_dim`` is 1, of its
-    ``(k, rows)`` payload if ``k_dim`` is 0) as the ``(rows, k / k_block)`` matrix the block-scaled GEMM reads: blocks
-    taller than one row along the other dimension repeated per row (a 32x32 weight block serves 32 rows)."""
-    if k_dim == 0:
-        scale_inv, block = scale_inv.t(), (block[1], block[0])
-    span = block[0] or rows
-    grid = scale_inv if span == 1 else scale_inv.repeat_interleave(span, dim=0)[:rows]
-    if block[1] != k_block or grid.shape != (rows, k // k_block):
-        raise ValueError(f"scales in blocks {block} do not give one scale per {k_block} elements along K={k} of "
-                         f"{rows} rows (grid {tuple(scale_inv.shape)})")
-    return grid
 
 
 def swizzled_numel(rows: int, k_blocks: int) -> int:

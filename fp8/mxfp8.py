@@ -21,8 +21,9 @@ forward's function of W's FP8 values), there is no second copy to re-quantize, a
 trains with (no E4M3-per-tensor copy from which an MX copy is made each step). The price against 1x32 weight blocks:
 an outlier raises the scale of 32 rows instead of one (measured in ``benchmarks/microscaling.py``). On Blackwell the
 input-gradient GEMM reads ``W`` column-major, so, as for a tensor-wise weight, its transpose is made once per optimizer
-step and kept with the weight, with both GEMMs' swizzled E8M0 scales (:attr:`fp8.gemm.Operand.hw_scale`); elsewhere
-(the emulation) nothing is kept.
+step and kept with the weight, with both GEMMs' swizzled E8M0 scales (:attr:`fp8.gemm.Operand.hw_scale`), rewritten
+in place at the end of every optimizer step (:func:`refresh_weight_operands`); elsewhere (the emulation) nothing is
+kept.
 
 GEMMs: ``F.scaled_mm`` with ``BlockWise1x32`` scales in cuBLAS's swizzled layout on compute capability >= 10.0
 (:func:`fp8.gemm.gemm_path`'s ``scaled_mm_mx``); the exact emulation on the CPU and with ``gemm_backend="emulated"``.
@@ -33,14 +34,16 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .blocks import MX_BLOCK, MX_TILE, MX_TILE_T
 from .gemm import SCALED_MM_MX, GemmTarget, Operand, gemm_path, mx_scale
 from .microscaling import MX_K_BLOCK
 from .quantizers import LinearQuantizers, TileQuantizer, WeightQuantizer
 from .scaling import ScalingState
-from .tensor import cached_operand
+from .tensor import Float8Tensor, cached_operand, refresh_cached_operands
 
-__all__ = ["MX_K_BLOCK", "MX_TILE", "MX_TILE_T", "MX_BLOCK", "MXWeightQuantizer", "make_quantizers"]
+__all__ = ["MX_K_BLOCK", "MX_TILE", "MX_TILE_T", "MX_BLOCK", "MXWeightQuantizer", "make_quantizers",
+           "refresh_weight_operands"]
 
 
 def _runs_mx(payload: torch.Tensor, backend: str, target: GemmTarget | None) -> bool:
@@ -80,6 +83,30 @@ class MXWeightQuantizer(WeightQuantizer):
             return Operand(payload, scale.reciprocal(), MX_BLOCK)
         inv, payload_t, _, dgrad = self._operands(payload, scale, weight)
         return Operand(payload_t.t(), inv, MX_BLOCK, dgrad)
+
+
+def refresh_weight_operands(params) -> None:
+    """After an optimizer step wrote MXFP8 weights: the operands they keep for the Blackwell GEMMs (module docstring)
+    made again for every weight among ``params`` holding a stale set, at the end of the step instead of at each
+    weight's next forward: the ``scale_inv`` grids rewritten in place by two multi-tensor kernels for all (copy,
+    reciprocal), then per weight its transpose (one copy kernel) and both GEMMs' swizzled E8M0 scales
+    (:func:`fp8.ops.mx_scales`, one kernel each): 3 launches per weight and step."""
+    if torch.compiler.is_compiling():
+        return
+    weights = [p for p in params if isinstance(p, Float8Tensor) and p.block == MX_BLOCK]
+
+    def rebuild(stale):
+        invs = [value[0] for _, value in stale]
+        torch._foreach_copy_(invs, [w.scale for w, _ in stale])
+        torch._foreach_reciprocal_(invs)
+        fresh = []
+        for (w, _), inv in zip(stale, invs):
+            n, k = w.payload.shape  # the forward's N = out, the input gradient's N = in: 32 rows per block row
+            fresh.append((inv, w.payload.t().contiguous(), ops.mx_scales(inv, n, MX_K_BLOCK),
+                          ops.mx_scales(inv.t(), k, MX_K_BLOCK)))
+        return fresh
+
+    refresh_cached_operands(weights, ("mx",), rebuild)
 
 
 def make_quantizers(input_state: ScalingState, grad_output_state: ScalingState, weight_fmt: str) -> LinearQuantizers:

@@ -23,6 +23,8 @@ written as NaN (``0x7F``), never saturated, so a non-finite value reaches the gr
 - :func:`scaled_fp16`: a weight gradient's fp32 GEMM output as a scaled FP16 buffer (scale from :func:`amax`).
 - :func:`apply_scales`: a row-wise GEMM's fp32 output times its row and column ``scale_inv`` (the epilogue).
 - :func:`update_scales_`: every delayed-scaling state of a model closes its step (multi-tensor: one launch).
+- :func:`mx_scales`: an MXFP8 operand's scale grid as the swizzled E8M0 scales ``F.scaled_mm`` reads (one pass);
+  :func:`mx_mm` the MXFP8 GEMM's reference on them (the CPU's ``gemm_backend="scaled_mm"``; CUDA runs ``F.scaled_mm``).
 - :func:`block_mm`: the block-scaled FP8 GEMM (Triton on CUDA; its per-K-block fp32 reference elsewhere).
 
 Transposes are padded: ``data_t`` is ``(N, ceil(M / pad) * pad)`` with zeros past column ``M`` (``pad`` 1: none), so
@@ -43,6 +45,7 @@ from .formats import get_format
 __all__ = [
     "power_of_two_scale", "amax", "cast_transpose", "cast_transpose_from_amax", "quantize_rows", "quantize_cols_t", "quantize_tiles",
     "transpose_fp8", "transpose_fp8_into_", "scaled_fp16", "apply_scales", "update_scales_", "block_mm", "padded", "TILE",
+    "mx_scales", "mx_mm",
     "FP16_MAX", "FP16_HEADROOM_BITS",
 ]
 
@@ -228,12 +231,14 @@ def _tile_scales(values: Tensor, rows: int, cols: int, fmax: float) -> Tensor:
 
 @custom_op("fp8lm::quantize_tiles", mutates_args=())
 def quantize_tiles(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv: Tensor | None = None,
-                   tile: int = TILE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   tile: int = TILE, transpose_c: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(data, scale_inv, data_c, scale_inv_c)`` of 2-D ``x`` (N a multiple of ``tile``) in 1 x ``tile`` tiles
     (``scale_inv`` ``(M, N/tile)``) and, with ``columnwise``, ``tile`` x 1 tiles along the rows from the same read
     (``data_c`` ``(M padded to pad, N)`` with zero rows past ``M``, ``scale_inv_c`` ``(ceil(M/tile), N)``); else those
     two are empty. ``tile``: 128 for the blockwise recipe (DeepSeek-V3's tiles), 32 for MXFP8 (:mod:`fp8.mxfp8`).
-    ``x_scale_inv`` (a 1 x ``tile`` grid, optional) dequantizes an FP8 ``x`` first."""
+    ``transpose_c``: the column-wise pair written transposed, ``data_c`` ``(N, M padded)`` and ``scale_inv_c``
+    ``(N, ceil(M/tile))`` row-major (tokens contiguous: the layout the MXFP8 weight-gradient GEMM reads; the block GEMM
+    reads any strides). ``x_scale_inv`` (a 1 x ``tile`` grid, optional) dequantizes an FP8 ``x`` first."""
     f = get_format(fmt)
     m, n = x.shape
     values = x.to(torch.float32)
@@ -250,16 +255,21 @@ def quantize_tiles(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv:
     rows = padded(m, pad)
     if rows != m:
         data_c = torch.cat([data_c.view(torch.uint8), data_c.new_zeros((rows - m, n), dtype=torch.uint8)]).view(f.dtype)
+    if transpose_c:
+        return data, s.reciprocal(), data_c.t().contiguous(), sc.reciprocal().t().contiguous()
     return data, s.reciprocal(), data_c, sc.reciprocal()
 
 
 @quantize_tiles.register_fake
-def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE):
+def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE, transpose_c=False):
     m, n = x.shape
     dtype = get_format(fmt).dtype
     if not columnwise:
         return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // tile)), dtype=torch.float32),
                 x.new_empty((0, 0), dtype=dtype), x.new_empty((0, 0), dtype=torch.float32))
+    if transpose_c:
+        return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // tile)), dtype=torch.float32),
+                x.new_empty((n, padded(m, pad)), dtype=dtype), x.new_empty((n, -(-m // tile)), dtype=torch.float32))
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // tile)), dtype=torch.float32),
             x.new_empty((padded(m, pad), n), dtype=dtype), x.new_empty((-(-m // tile), n), dtype=torch.float32))
 
@@ -377,6 +387,55 @@ def _(histories, scales, has_history, fmaxes, margins, enabled=None):
     return None
 
 
+# -- MX scales in the hardware layout --------------------------------------------------------------------------------
+@custom_op("fp8lm::mx_scales", mutates_args=())
+def mx_scales(grid: Tensor, rows: int, repeat: int) -> Tensor:
+    """The E8M0 scales an MXFP8 GEMM operand hands ``F.scaled_mm``, in one pass: ``grid`` (fp32 power-of-two
+    ``scale_inv``, ``(ceil(rows / repeat), K / 32)``, any strides: one row per ``repeat`` operand rows, e.g. a 32x32
+    weight block's row serves 32 rows) repeated to ``rows`` rows, each value's exponent byte (E8M0, exact), laid out in
+    cuBLAS's swizzled 128 x 4 tiles with zero padding (:func:`fp8.microscaling.swizzle`). 1-D ``float8_e8m0fnu``."""
+    full = grid.to(torch.float32).repeat_interleave(repeat, dim=0)[:rows] if repeat > 1 else grid.to(torch.float32)
+    bits = ((full.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    kb = bits.shape[1]
+    pr, pk = -(-rows // 128) * 128, -(-kb // 4) * 4
+    padded_bits = bits.new_zeros((pr, pk))
+    padded_bits[:rows, :kb] = bits
+    tiles = padded_bits.reshape(pr // 128, 4, 32, pk // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+
+
+@mx_scales.register_fake
+def _(grid, rows, repeat):
+    kb = grid.shape[1]
+    return grid.new_empty((-(-rows // 128) * 128 * (-(-kb // 4) * 4),), dtype=torch.float8_e8m0fnu)
+
+
+def _unswizzled_exp2(flat: Tensor, rows: int, kb: int) -> Tensor:
+    """fp32 ``2 ** (e - 127)`` of the ``(rows, kb)`` E8M0 scales in a swizzled 1-D layout (:func:`mx_scales`)."""
+    pr, pk = -(-rows // 128) * 128, -(-kb // 4) * 4
+    tiles = flat.view(torch.uint8).reshape(pr // 128, pk // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    e = tiles.reshape(pr, pk)[:rows, :kb].to(torch.int32)
+    return (e << 23).view(torch.float32)  # the exponent byte as an fp32 power of two (exact)
+
+
+@custom_op("fp8lm::mx_mm", mutates_args=())
+def mx_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The MXFP8 GEMM ``a @ b`` (E4M3 ``a`` M x K, ``b`` K x N) with the swizzled E8M0 scales ``F.scaled_mm`` takes
+    (one per 32 along K): the hardware call's reference, where ``F.scaled_mm`` has no MX kernel (the CPU with
+    ``gemm_backend="scaled_mm"``: the GPU's op sequence, counted). Each operand times its scales (exact), an fp32
+    matmul: bit-identical to the emulated GEMM."""
+    m, k = a.shape
+    n = b.shape[1]
+    sa = _unswizzled_exp2(scale_a, m, k // 32).repeat_interleave(32, dim=1)
+    sb = _unswizzled_exp2(scale_b, n, k // 32).repeat_interleave(32, dim=1).t()
+    return torch.mm(a.to(torch.float32) * sa, b.to(torch.float32) * sb).to(out_dtype)
+
+
+@mx_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 # -- the block-scaled GEMM -------------------------------------------------------------------------------------------
 @custom_op("fp8lm::block_mm", mutates_args=())
 def block_mm(a: Tensor, a_scale_inv: Tensor, a_block: list[int], b: Tensor, b_scale_inv: Tensor, b_block: list[int],
@@ -435,8 +494,8 @@ def _(x, fmt, pad, x_scale_inv=None):
 
 
 @quantize_tiles.register_kernel("cuda")
-def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE):
-    return _triton().launch_quantize_tiles(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv, tile)
+def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE, transpose_c=False):
+    return _triton().launch_quantize_tiles(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv, tile, transpose_c)
 
 
 @transpose_fp8.register_kernel("cuda")
@@ -458,6 +517,11 @@ def _(x, row, col, out_dtype):
 def _(histories, scales, has_history, fmaxes, margins, enabled=None):
     if histories:
         _triton().launch_update_scales(histories, scales, has_history, fmaxes, margins, enabled)
+
+
+@mx_scales.register_kernel("cuda")
+def _(grid, rows, repeat):
+    return _triton().launch_mx_scales(grid, rows, repeat)
 
 
 @block_mm.register_kernel("cuda")

@@ -143,23 +143,33 @@ class TileQuantizer(ActivationQuantizer):
         self.tile = self.pad = tile
         self.block = TILE if tile == ops.TILE else (1, tile)
         self.recipe = "blockwise" if tile == ops.TILE else "mxfp8"
+        # MXFP8's hardware GEMM reads K (the tokens) contiguous: the column-wise pair is written transposed by the
+        # same kernel; the block GEMM reads any strides, so blockwise keeps the (tokens, features) layout
+        self.transpose_c = tile != ops.TILE
+
+    def _cols(self, data_c, inv_c) -> Operand:
+        if self.transpose_c:  # (features, tokens) already
+            return Operand(data_c, inv_c, self.block)
+        return Operand(data_c.t(), inv_c.t(), self.block)
 
     def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
         _refuse_groups(dst_cols, self.recipe)
-        data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad, None, self.tile)
+        data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad, None, self.tile,
+                                                      self.transpose_c)
         rows = Operand(data, inv, self.block)
-        return rows, (Operand(data_c.t(), inv_c.t(), self.block) if columnwise else None)
+        return rows, (self._cols(data_c, inv_c) if columnwise else None)
 
     per_token = True
 
     def columnwise(self, x):
-        _, _, data_c, inv_c = ops.quantize_tiles(x, self.fmt, True, self.pad, None, self.tile)
-        return Operand(data_c.t(), inv_c.t(), self.block)
+        _, _, data_c, inv_c = ops.quantize_tiles(x, self.fmt, True, self.pad, None, self.tile, self.transpose_c)
+        return self._cols(data_c, inv_c)
 
     def columnwise_from(self, rows, dst_cols=None, t_width=0):
         _refuse_groups(dst_cols, self.recipe)
-        _, _, data_c, inv_c = ops.quantize_tiles(rows.data, self.fmt, True, self.pad, rows.scale_inv, self.tile)
-        return Operand(data_c.t(), inv_c.t(), self.block)
+        _, _, data_c, inv_c = ops.quantize_tiles(rows.data, self.fmt, True, self.pad, rows.scale_inv, self.tile,
+                                                 self.transpose_c)
+        return self._cols(data_c, inv_c)
 
 
 def _refuse_groups(dst_cols, recipe: str) -> None:

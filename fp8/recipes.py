@@ -38,13 +38,14 @@ from . import mxfp8
 from .blocks import BLOCK, COLWISE, MX_BLOCK, MX_TILE, MX_TILE_T, ROWWISE, TENSORWISE, TILE, TILE_T, Block
 from .gemm import GEMM_BACKENDS, GemmTarget
 from .microscaling import BLACKWELL, microscaling_problem
+from .quantizers import refresh_weight_operands as _refresh_core_operands
 from .quantizers import (
     BLOCK_PAD, GEMM_PAD, BlockWeightQuantizer, LinearQuantizers, RowwiseQuantizer, RowwiseWeightQuantizer,
     TensorwiseQuantizer, TensorwiseWeightQuantizer, TileQuantizer,
 )
 from .scaling import ScalingState
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE", "LinearQuantizers"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE", "LinearQuantizers", "refresh_weight_operands"]
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 """Names of the scaling recipes (``fp8.initialize(recipe=...)``, ``Float8LinearConfig(recipe=...)``)."""
@@ -140,3 +141,13 @@ def get_recipe(name: str) -> Recipe:
     if name not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {name!r}")
     return _RECIPES[name]
+
+
+def refresh_weight_operands(params) -> None:
+    """After an optimizer step wrote FP8 weights: the GEMM operands every recipe's weights keep, brought up to date at
+    the end of the step (the optimizers call it): the quantizer core's (tensorwise, rowwise, blockwise:
+    :func:`fp8.quantizers.refresh_weight_operands`) and each recipe module's own (MXFP8:
+    :func:`fp8.mxfp8.refresh_weight_operands`)."""
+    params = list(params)
+    _refresh_core_operands(params)
+    mxfp8.refresh_weight_operands(params)

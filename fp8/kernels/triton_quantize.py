@@ -24,7 +24,7 @@ from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 __all__ = [
     "launch_amax", "launch_cast_transpose", "launch_quantize_rows", "launch_quantize_cols_t", "launch_quantize_tiles",
     "launch_transpose_fp8", "launch_scaled_fp16", "launch_apply_scales", "launch_update_scales", "launch_transpose_fp8_into",
-    "launch_sum_chunks",
+    "launch_sum_chunks", "launch_mx_scales",
 ]
 
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -293,8 +293,8 @@ def launch_quantize_cols_t(x, fmt_dtype, pad, x_scale_inv):
 
 @triton.jit
 def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N, stride_m, stride_n, rows_c,
-                  n_tiles, IN_FMT: tl.constexpr, OUT_FMT: tl.constexpr, FMAX: tl.constexpr, COLUMNWISE: tl.constexpr,
-                  HAS_XS: tl.constexpr, TILE: tl.constexpr):
+                  n_tiles, m_tiles, IN_FMT: tl.constexpr, OUT_FMT: tl.constexpr, FMAX: tl.constexpr,
+                  COLUMNWISE: tl.constexpr, HAS_XS: tl.constexpr, TILE: tl.constexpr, TRANSPOSE_C: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -315,19 +315,25 @@ def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N,
         yc = tl.where(finite, tl.minimum(tl.maximum(x * sc[None, :], -FMAX), FMAX), float("nan"))
         bits = tl.where(mask, encode_f32(yc, OUT_FMT), 0)  # rows past M (padding): zeros
         c_mask = (rows[:, None] < rows_c) & (cols[None, :] < N)
-        tl.store(data_c_ptr + rows[:, None] * N + cols[None, :], bits, mask=c_mask)
-        tl.store(inv_c_ptr + pid_m * N + cols, 1.0 / sc, mask=cols < N)
+        if TRANSPOSE_C:  # (N, rows_c) row-major: the tokens contiguous
+            tl.store(data_c_ptr + cols[None, :] * rows_c + rows[:, None], bits, mask=c_mask)
+            tl.store(inv_c_ptr + cols * m_tiles + pid_m, 1.0 / sc, mask=(cols < N) & (cols * 0 + pid_m < m_tiles))
+        else:
+            tl.store(data_c_ptr + rows[:, None] * N + cols[None, :], bits, mask=c_mask)
+            tl.store(inv_c_ptr + pid_m * N + cols, 1.0 / sc, mask=(cols < N) & (cols * 0 + pid_m < m_tiles))
 
 
-def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=128):
+def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=128, transpose_c=False):
     m, n = x.shape
     n_tiles = -(-n // tile)
+    m_tiles = -(-m // tile)
     data = torch.empty((m, n), dtype=fmt_dtype, device=x.device)
     inv = torch.empty((m, n_tiles), dtype=torch.float32, device=x.device)
     rows_c = (-(-m // pad) * pad if pad > 1 else m) if columnwise else 0
     if columnwise:
-        data_c = torch.empty((rows_c, n), dtype=fmt_dtype, device=x.device)
-        inv_c = torch.empty((-(-m // tile), n), dtype=torch.float32, device=x.device)
+        shape_c, shape_inv_c = ((n, rows_c), (n, m_tiles)) if transpose_c else ((rows_c, n), (m_tiles, n))
+        data_c = torch.empty(shape_c, dtype=fmt_dtype, device=x.device)
+        inv_c = torch.empty(shape_inv_c, dtype=torch.float32, device=x.device)
     else:
         data_c = torch.empty((0, 0), dtype=fmt_dtype, device=x.device)
         inv_c = torch.empty((0, 0), dtype=torch.float32, device=x.device)
@@ -336,9 +342,9 @@ def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=
     xs = x_scale_inv.to(torch.float32).contiguous() if x_scale_inv is not None else inv
     _tiles_kernel[grid](
         src, xs, payload_view(data), inv, payload_view(data_c) if columnwise else payload_view(data),
-        inv_c if columnwise else inv, m, n, src.stride(0), src.stride(1), rows_c, n_tiles,
+        inv_c if columnwise else inv, m, n, src.stride(0), src.stride(1), rows_c, n_tiles, m_tiles,
         IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype], COLUMNWISE=columnwise,
-        HAS_XS=x_scale_inv is not None, TILE=tile, num_warps=8 if tile >= 128 else 4,
+        HAS_XS=x_scale_inv is not None, TILE=tile, TRANSPOSE_C=transpose_c, num_warps=8 if tile >= 128 else 4,
     )
     return data, inv, data_c, inv_c
 
@@ -539,3 +545,31 @@ def launch_sum_chunks(received, chunks, scale_inv, out_dtype):
         payload_view(received), scale_inv.to(torch.float32).reshape(()), payload_view(out), n, CHUNKS=chunks,
         IN_FMT=format_code(received.dtype), OUT_FMT=format_code(out_dtype), BLOCK=block)
     return out
+
+
+@triton.jit
+def _mx_scales_kernel(grid_ptr, out_ptr, rows, kb, stride_r, stride_k, repeat, k_tiles, total, BLOCK: tl.constexpr):
+    """Each output byte of the swizzled layout: tile ``o // 512`` (row tile outer, K tile inner), inside it row
+    ``(o % 512) // 16 + 32 * ((o % 16) // 4)`` and K-block ``o % 4``; the grid value's exponent byte, 0 past the
+    operand."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tile = o // 512
+    within = o % 512
+    r = (tile // k_tiles) * 128 + ((within % 16) // 4) * 32 + within // 16
+    c = (tile % k_tiles) * 4 + within % 4
+    inside = (r < rows) & (c < kb) & (o < total)
+    value = tl.load(grid_ptr + (r // repeat) * stride_r + c * stride_k, mask=inside, other=0.0)
+    bits = ((value.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    tl.store(out_ptr + o, tl.where(inside, bits, 0), mask=o < total)
+
+
+def launch_mx_scales(grid, rows, repeat):
+    kb = grid.shape[1]
+    k_tiles = -(-kb // 4)
+    total = -(-rows // 128) * 128 * k_tiles * 4
+    out = torch.empty((total,), dtype=torch.uint8, device=grid.device)
+    g = grid if grid.dtype == torch.float32 else grid.to(torch.float32)
+    block = 1024
+    _mx_scales_kernel[(max(1, triton.cdiv(total, block)),)](g, out, rows, kb, g.stride(0), g.stride(1), repeat,
+                                                           k_tiles, total, BLOCK=block)
+    return out.view(torch.float8_e8m0fnu)

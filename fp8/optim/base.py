@@ -26,7 +26,7 @@ from ..kernels.backend import KERNEL_BACKENDS, interpreter_enabled, resolve_back
 from ..blocks import quantize_to_blocks
 from ..cast import payload_and_scale, quantize
 from ..scaling import amax_of, discard_step_amaxes, update_scales
-from ..quantizers import refresh_weight_operands
+from ..recipes import refresh_weight_operands
 from ..tensor import Float8Tensor
 from . import ops
 from .levels import level_name

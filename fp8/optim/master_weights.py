@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..cast import payload_and_scale
-from ..quantizers import refresh_weight_operands
+from ..recipes import refresh_weight_operands
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
 from . import ops

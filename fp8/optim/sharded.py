@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..comm import Collectives, CommBytesCounter, require_process_group
 from ..formats import byte_view
-from ..quantizers import refresh_weight_operands
+from ..recipes import refresh_weight_operands
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_finite_flag

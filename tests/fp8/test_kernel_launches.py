@@ -14,13 +14,18 @@ linears), against BF16's 3 (one forward GEMM, two backward GEMMs):
   weight's per-input-channel copy is made by the optimizer step, one kernel per weight);
 - blockwise: 7 (1x128 and 128x1 tiles of the input and the gradient from one read each; the weights' scale_inv grids
   are refreshed by the optimizer step for all weights at once).
+- mxfp8: 11 launches, 7 full-size passes, its Blackwell sequence (the GEMM counted as :func:`fp8.ops.mx_mm`, the
+  ``F.scaled_mm`` call's CPU reference): 1x32 and 32x1 tiles of the input and the gradient from one read each (2), the
+  swizzled E8M0 scales of each activation operand (4: the next fusion folds them into the tile kernel), three GEMMs,
+  the weight gradient's two kernels; the optimizer step adds 3 per weight (its transpose and its two GEMMs' swizzled
+  scales).
 - with ``grad_accumulation="fp32"`` (the weight gradient left as the GEMM's fp32 output, as Transformer Engine's
   ``main_grad``): 5 at delayed and 7 at current scaling; the 2-byte gradient's amax and cast are the 2 launches
   between those and the default's 7 and 9.
 
 The optimizer step is flat in the number of linears at O2 and O3 for every recipe (multi-tensor ops; block-scaled
 weights quantized from their masters by one op for all), except the row-wise recipe's per-input-channel copy of each
-weight (1 per linear); at O1 it grows by nothing more than torch's own AdamW on the masters: 0 with ``fused=True``, the
+weight (1 per linear) and MXFP8's transpose and swizzled scales (3 per linear); at O1 it grows by nothing more than torch's own AdamW on the masters: 0 with ``fused=True``, the
 2 host reads of each step count with ``foreach=True`` (BF16 pays the same).
 """
 
@@ -44,10 +49,11 @@ BUDGET = {
     ("tensorwise", "current"): (9, 9),
     ("rowwise", "delayed"): (9, 9),
     ("blockwise", "delayed"): (7, 7),
+    ("mxfp8", "delayed"): (11, 7),
 }
 FP32_WGRAD_BUDGET = {"delayed": (5, 5), "current": (7, 7)}
 # optimizer-step launches per extra linear, per recipe (rowwise: the weight's per-input-channel copy)
-STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0}
+STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0, "mxfp8": 3}
 
 
 def _slopes(level, recipe="tensorwise", kind="delayed", **kwargs):
@@ -73,6 +79,8 @@ def test_fp8_linear_launches_per_recipe(recipe, kind):
     assert slopes["step"]["launches"] == STEP_SLOPE[recipe], slopes["step"]["by_op"]
     if recipe == "rowwise":
         assert slopes["step"]["by_op"] == {"fp8lm.quantize_cols_t.default": 1}, slopes["step"]["by_op"]
+    if recipe == "mxfp8":  # the weight's transpose and its two GEMMs' swizzled E8M0 scales, made in the step
+        assert slopes["step"]["by_op"] == {"fp8lm.mx_scales.default": 2, "aten.clone": 1}, slopes["step"]["by_op"]
 
 
 @pytest.mark.parametrize("kind", list(FP32_WGRAD_BUDGET))
@@ -99,7 +107,7 @@ def test_o3_step_is_flat_for_every_recipe():
     """O3 (the sharded optimizer, here in a one-rank gloo group of its own process) runs the same multi-tensor step."""
     code = ("import json, sys; sys.path.insert(0, '.'); from benchmarks import kernels; kernels._one_rank_group(); "
             "print(json.dumps({r: kernels.slope(kernels.measure('O3', kernels.SMALL, r), "
-            "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise')}))")
+            "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise', 'mxfp8')}))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -47,6 +47,14 @@ def test_swizzle_puts_each_scale_where_cublas_reads_it(rows, k_blocks):
     assert torch.equal(unswizzle(flat, rows, k_blocks), scales)
 
 
+def test_mx_scales_op_is_repeat_e8m0_and_swizzle_in_one():
+    gen = torch.Generator().manual_seed(2)
+    grid = torch.exp2(torch.randint(-126, 127, (7, 5), generator=gen).float())
+    got = ops.mx_scales(grid, 200, 32)  # a 32x32-block weight's grid serving 200 rows
+    want = swizzle(to_e8m0(grid.repeat_interleave(32, 0)[:200]))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_e8m0_holds_every_power_of_two_scale_exactly():
     exponents = torch.arange(-126, 127, dtype=torch.float32)
     values = torch.exp2(exponents)
@@ -214,3 +222,28 @@ def test_mxfp8_trains_at_every_single_process_level(level):
         if run != "none":
             assert all(m.weight.block == MX_BLOCK for m in model if isinstance(m, fp8.Float8Linear))
     assert math.isfinite(losses[level]) and abs(losses[level] / losses["none"] - 1) < 0.05, losses
+
+
+def test_the_gpu_op_sequence_on_the_cpu_equals_the_emulation_bit_for_bit():
+    """``gemm_backend="scaled_mm"`` on the CPU runs the Blackwell sequence (swizzled E8M0 scales by
+    :func:`fp8.ops.mx_scales`, the call's reference :func:`fp8.ops.mx_mm`) and keeps the weights' operands (transpose,
+    scale grid, both GEMMs' swizzled scales): two O2 steps give the emulation's loss, gradients and weights, bit for
+    bit."""
+    results = []
+    for backend in ("emulated", "scaled_mm"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = fp8.initialize(model, opt, "O2", config=Float8LinearConfig(recipe="mxfp8", gemm_backend=backend))
+        x = torch.randn(2, 40, 64, requires_grad=True)  # 80 tokens: the weight gradient's K padded to 96
+        for _ in range(2):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        kept = [len(m.weight.transpose_cache) for m in model if isinstance(m, fp8.Float8Linear)]
+        results.append((loss.detach(), x.grad, [m.weight.dequantize() for m in model
+                                                 if isinstance(m, fp8.Float8Linear)], kept))
+    (loss0, grad0, w0, kept0), (loss1, grad1, w1, kept1) = results
+    assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1) and all(map(torch.equal, w0, w1))
+    assert kept0 == [0, 0] and kept1 == [4, 4]

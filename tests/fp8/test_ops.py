@@ -165,10 +165,11 @@ def test_tile_kernel_matches_reference(shape, fmt, tile):
     x = _input(shape, torch.float32, 8)
     for columnwise in (False, True):
         for pad in (1, tile):
-            want = ops.quantize_tiles(x, fmt, columnwise, pad, None, tile)
-            got = tq.launch_quantize_tiles(x, FMT[fmt], columnwise, pad, None, tile)
-            for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
-                _same(g, w, f"tiles {name} columnwise={columnwise} pad={pad}")
+            for transpose_c in (False, True):
+                want = ops.quantize_tiles(x, fmt, columnwise, pad, None, tile, transpose_c)
+                got = tq.launch_quantize_tiles(x, FMT[fmt], columnwise, pad, None, tile, transpose_c)
+                for w, g, name in zip(want, got, ("data", "scale_inv", "data_c", "scale_inv_c")):
+                    _same(g, w, f"tiles {name} columnwise={columnwise} pad={pad} transpose_c={transpose_c}")
     data, inv, _, _ = ops.quantize_tiles(_input(shape, torch.float32, 9, special=False), fmt, False, 1, None, tile)
     want = ops.quantize_tiles(data, fmt, True, tile, inv, tile)
     got = tq.launch_quantize_tiles(data, FMT[fmt], True, tile, inv, tile)
@@ -296,3 +297,15 @@ def test_each_op_is_one_launch():
         with LaunchCounter() as counter:
             call()
         assert counter.launches == 1, (name, counter.by_op)
+
+
+@pytest.mark.parametrize("rows,kb,repeat", [(96, 5, 1), (200, 8, 32), (33, 1, 1), (256, 3, 32)])
+def test_mx_scales_kernel_matches_reference(rows, kb, repeat):
+    tq = _needs_triton()
+    g = torch.Generator().manual_seed(rows + kb)
+    grid = torch.exp2(torch.randint(-126, 127, (-(-rows // repeat), kb), generator=g).float())
+    for layout in (grid, grid.t().contiguous().t()):  # row-major and a transposed view (a weight's dgrad grid)
+        want = ops.mx_scales(layout, rows, repeat)
+        got = tq.launch_mx_scales(layout, rows, repeat)
+        assert got.dtype == want.dtype == torch.float8_e8m0fnu
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
