@@ -28,6 +28,7 @@ from tests.spawn import run_worker
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "megatron_worker.py"
 SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31))) % 100_000
+MX = ["--fp8-recipe", "mxfp8"]
 TWO = [
     {"name": "tp2", "tp": 2, "levels": ["none", "O2"]},
     {"name": "tp2sp", "tp": 2, "sp": True, "levels": ["none", "O1", "O2"]},
@@ -36,6 +37,10 @@ TWO = [
     {"name": "dp2", "levels": ["none", "O2"]},
     {"name": "dp2zero", "distopt": True, "levels": ["none"]},
     {"name": "tp2spbf16", "tp": 2, "sp": True, "bf16": True, "levels": ["none", "O2"]},
+    # the MXFP8 recipe (1x32 tiles, 32x32 weight blocks; emulated on the CPU) against its own single-process run
+    {"name": "tp2sp_mx", "tp": 2, "sp": True, "levels": ["O2"], "flags": MX},
+    {"name": "pp2_mx", "pp": 2, "levels": ["O2"], "flags": MX},
+    {"name": "dp2_mx", "levels": ["O2", "O3"], "flags": MX},
 ]
 FOUR = [
     {"name": "tp2pp2sp", "tp": 2, "pp": 2, "sp": True, "levels": ["none", "O2"]},
@@ -52,7 +57,8 @@ def _launch(nproc: int, configs: list[dict], out: Path) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
-    _launch(1, [{"name": "single", "levels": ["none", "O1", "O2", "O3"]}], out)
+    _launch(1, [{"name": "single", "levels": ["none", "O1", "O2", "O3"]},
+                {"name": "single_mx", "levels": ["O2", "O3"], "flags": MX}], out)
     _launch(2, TWO, out)
     _launch(4, FOUR, out)
 
@@ -63,7 +69,26 @@ def results(tmp_path_factory):
     return load
 
 
-CASES = [(c["name"], lvl) for c in TWO + FOUR if not c.get("bf16") for lvl in c["levels"]]
+CASES = [(c["name"], lvl) for c in TWO + FOUR if not c.get("bf16") and "flags" not in c for lvl in c["levels"]]
+MX_CASES = [(c["name"], lvl) for c in TWO + FOUR if c.get("flags") == MX for lvl in c["levels"]]
+
+
+@pytest.mark.parametrize("name,level", MX_CASES)
+def test_mxfp8_layouts_match_its_single_process_run(results, name, level):
+    """MXFP8 under TP=2+SP, PP=2 and DP=2 (O2, O3) within the FP8 bound of its own single-process run (its tiles and
+    weight blocks never straddle a tensor-parallel shard: 32 divides every shard), every rank holding MXFP8 weights."""
+    reference = results("single_mx", level)[0]
+    ranks = results(name, level)
+    assert ranks and all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    for it, (got, want) in enumerate(zip(ranks[0]["losses"], reference["losses"])):
+        assert abs(got - want) <= 5e-3 * abs(want), (name, level, it + 1, got, want, SEED)
+    pp = next(c for c in TWO + FOUR if c["name"] == name).get("pp", 1)
+    assert all(r["fp8_weights"] == reference["fp8_weights"] // pp == 16 // pp for r in ranks)
+    if name == "pp2_mx":  # 1 byte per value and a 4-byte scale per 1x32 tile of each token
+        values = TOKENS_PER_MICRO * HIDDEN
+        for tag in ("pp activations", "pp gradients"):
+            sent = [b for b in _bytes(results, name, level, tag) if b > 0]
+            assert sent and all(b % (values + 4 * values // 32) == 0 for b in sent), (tag, sent)
 
 
 @pytest.mark.parametrize("name,level", CASES)
