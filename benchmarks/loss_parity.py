@@ -14,13 +14,16 @@ summed over 64 backward passes before the FP8 all-reduce; results in ``loss_pari
     python benchmarks/loss_parity.py --accumulate 64 --iters 80
 
 Scaling recipes (``--recipes``): O2 with each recipe (tensorwise, rowwise, blockwise, mxfp8), each with and without
-``--fp8-activations``, and O1 with mxfp8, against the baseline (``none``), one single-process run each on the same
+``--fp8-activations``, O1 with mxfp8, and NVFP4 (``--fp4-format e2m1 --fp4-recipe nvfp4``) at O1 and at O2 with its
+defaults, without the random Hadamard transform, without stochastic rounding and without both, against the baseline
+(``none``), one single-process run each on the same
 data and seed; final train loss (mean of the last 10 logged iterations) and final validation loss, their relative
 difference to the baseline; results in ``loss_parity_recipes.json`` (``--recipe-names``: only those recipes and the
 baseline)::
 
     python benchmarks/loss_parity.py --recipes --iters 300
     python benchmarks/loss_parity.py --recipes --recipe-names mxfp8 --iters 300
+    python benchmarks/loss_parity.py --recipes --recipe-names nvfp4 --iters 300
 
 Mixture of experts (``--moe``): the demo GPT with each MLP a megatron-core MoE layer of 8 experts (each the demo's
 FFN, 128 -> 512 -> 128), top-2 routing, load-balancing loss 0.01, experts replicated over the data-parallel ranks
@@ -175,7 +178,12 @@ def dispatch_bytes(a) -> None:
 
 RECIPE_VARIANTS = [("none", "tensorwise", False)] + [
     ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8") for act in (False, True)] + [
-    ("O1", "mxfp8", False)]
+    ("O1", "mxfp8", False), ("O1", "nvfp4", False), ("O2", "nvfp4", False), ("O2", "nvfp4 no RHT", False),
+    ("O2", "nvfp4 no SR", False), ("O2", "nvfp4 no RHT no SR", False)]
+NVFP4_FLAGS = {"nvfp4": [], "nvfp4 no RHT": ["--no-fp4-hadamard"], "nvfp4 no SR": ["--no-fp4-stochastic-rounding"],
+               "nvfp4 no RHT no SR": ["--no-fp4-hadamard", "--no-fp4-stochastic-rounding"]}
+"""NVFP4 (``--fp4-format e2m1 --fp4-recipe nvfp4``) with its defaults (random Hadamard transform of the
+weight-gradient operands, stochastic rounding of output gradients) and without each."""
 
 
 def recipes(a) -> None:
@@ -183,9 +191,10 @@ def recipes(a) -> None:
     out = Path(a.out or ROOT / "benchmarks" / "results" / "loss_parity_recipes")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    variants = [v for v in RECIPE_VARIANTS if v[0] == "none" or not a.recipe_names or v[1] in a.recipe_names]
+    variants = [v for v in RECIPE_VARIANTS
+                if v[0] == "none" or not a.recipe_names or v[1].split(" ")[0] in a.recipe_names]
     for level, recipe, act in variants:
-        log = out.parent / f"{out.name}_{level}_{recipe}{'_act' if act else ''}.jsonl"
+        log = out.parent / f"{out.name}_{level}_{recipe.replace(' ', '_')}{'_act' if act else ''}.jsonl"
         log.unlink(missing_ok=True)
         cmd = [sys.executable, "pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
                "4", "--seq-length", "128", "--micro-batch-size", "16", "--global-batch-size", "16",
@@ -193,7 +202,9 @@ def recipes(a) -> None:
                "--lr-warmup-iters", str(max(1, a.iters // 10)), "--eval-interval", str(a.iters), "--eval-iters", "8",
                "--fp8-opt-level", level, "--no-progress", "--log-interval", "10",
                "--log-json", str(log)] + (["--fp8-activations"] if act else [])
-        if level != "none":  # an FP8 flag at the baseline is refused (it would have no effect)
+        if level != "none" and recipe in NVFP4_FLAGS:
+            cmd += ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", *NVFP4_FLAGS[recipe]]
+        elif level != "none":  # an FP8 flag at the baseline is refused (it would have no effect)
             cmd += ["--fp8-recipe", recipe]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         summary = next(json.loads(line)["summary"][0] for line in log.read_text().splitlines() if "summary" in line)
@@ -202,11 +213,11 @@ def recipes(a) -> None:
                      "tokens_per_s": summary["tokens_per_s"]})
     base = rows[0]
     print(f"demo GPT (4 layers, hidden 128, 16 x 128 tokens per iteration), {a.iters} iterations, one process")
-    print(f"{'level':<6}{'recipe':<12}{'FP8 act':>8}{'train loss':>12}{'vs none':>9}{'val loss':>10}{'vs none':>9}")
+    print(f"{'level':<6}{'recipe':<20}{'FP8 act':>8}{'train loss':>12}{'vs none':>9}{'val loss':>10}{'vs none':>9}")
     for r in rows:
         r["train_vs_none"] = r["final_train_loss"] / base["final_train_loss"] - 1
         r["val_vs_none"] = r["final_val_loss"] / base["final_val_loss"] - 1
-        print(f"{r['level']:<6}{r['recipe']:<12}{'yes' if r['fp8_activations'] else 'no':>8}"
+        print(f"{r['level']:<6}{r['recipe']:<20}{'yes' if r['fp8_activations'] else 'no':>8}"
               f"{r['final_train_loss']:>12.4f}{r['train_vs_none']:>+9.2%}{r['final_val_loss']:>10.4f}"
               f"{r['val_vs_none']:>+9.2%}")
     out.with_suffix(".json").write_text(json.dumps({"iters": a.iters, "rows": rows}, indent=1) + "\n")

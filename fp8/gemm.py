@@ -55,12 +55,13 @@ from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scal
 from .cast import payload_and_scale
 from .formats import E5M2
 from .kernels.backend import triton_available
-from .microscaling import MX_K_BLOCK, microscaling_problem, swizzled_numel
+from .fp4 import unpack_e2m1
+from .microscaling import MX_K_BLOCK, NVFP4_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
 
 __all__ = [
     "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
     "scaled_mm_problem", "scaled_mm_call_problem", "mx_call_problem", "mx_blocks", "mx_scale", "GEMM_BACKENDS",
-    "SCALED_MM_MX",
+    "SCALED_MM_MX", "SCALED_MM_NVFP4", "logical_shape",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ SCALED_MM_ROWWISE = "scaled_mm_rowwise"
 SCALED_MM_ROWWISE_EPILOGUE = "scaled_mm_rowwise_epilogue"
 TRITON_BLOCK = "triton_block"
 SCALED_MM_MX = "scaled_mm_mx"
+SCALED_MM_NVFP4 = "scaled_mm_nvfp4"
 EMULATED = "emulated"
-GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, SCALED_MM_MX, EMULATED)
+GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, SCALED_MM_MX,
+              SCALED_MM_NVFP4, EMULATED)
+FP4 = torch.float4_e2m1fn_x2
 """The paths :func:`gemm_path` chooses from (module docstring); all but ``emulated`` run on FP8 hardware."""
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -182,13 +186,18 @@ def gemm_path(
     for a bad backend or operands that cannot be multiplied."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_mm: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or (a.dtype == FP4) != (b.dtype == FP4):
+        raise ValueError(f"fp8_mm: cannot multiply {tuple(a.shape)} {a.dtype} by {tuple(b.shape)} {b.dtype}")
     if backend == "emulated":
         return GemmPath(EMULATED, "backend='emulated' requested")
     if backend == "auto" and target.kind == "cpu":
         return GemmPath(EMULATED, "backend='auto' on the CPU: the emulation is bit-identical to CPU torch._scaled_mm "
                                   "and 300-1,300x faster")
+    if a.dtype == FP4:
+        problem = _nvfp4_problem(a, b, target)
+        if problem is None:
+            return GemmPath(SCALED_MM_NVFP4, "NVFP4: E2M1, one E4M3 scale per 16 along K and one per tensor (F.scaled_mm)")
+        return GemmPath(EMULATED, problem)
     if mx_blocks(a_block, b_block):
         problem = _mx_problem(a, b, out_dtype, target)
         if problem is None:
@@ -250,6 +259,26 @@ def _mx_problem(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, target
     if target.kind == "cpu":  # gemm_backend="scaled_mm": the call's reference (fp8.ops.mx_mm), the GPU's op sequence
         return None
     return microscaling_problem(target.kind, target.capability, "MXFP8")
+
+
+def _nvfp4_problem(a: torch.Tensor, b: torch.Tensor, target: GemmTarget) -> str | None:
+    """Why the NVFP4 GEMM of packed ``a`` (M x K/2, row-major) and ``b`` (K/2 x N, column-major) has no hardware path
+    on ``target``, or None."""
+    (m, k), n = logical_shape(a), logical_shape(b)[1]
+    if k % 32 or n % 16:
+        return f"NVFP4 GEMM M x K x N = {m} x {k} x {n}: K must be a multiple of 32 and N of 16"
+    if target.kind == "cpu":
+        return "the CPU has no NVFP4 GEMM (torch._scaled_mm rejects it there); use gemm_backend='auto'"
+    return microscaling_problem(target.kind, target.capability, "NVFP4")
+
+
+def _nvfp4_scales(op: "Operand", k_dim: int) -> torch.Tensor:
+    """An NVFP4 operand's E4M3 block scales (one per 16 along K per row) in cuBLAS's swizzled layout."""
+    grid, block = (op.scale_inv, op.block) if k_dim == 1 else (op.scale_inv.t(), (op.block[1], op.block[0]))
+    rows = logical_shape(op.data)[0] if k_dim == 1 else logical_shape(op.data)[1]
+    full = grid.repeat_interleave(block[0], dim=0)[:rows] if block[0] > 1 else grid
+    e4m3 = (full / op.global_scale_inv).to(torch.float8_e4m3fn)  # exact: scale_inv = e4m3 value * global factor
+    return swizzle(e4m3.view(torch.uint8)).view(torch.float8_e4m3fn)
 
 
 def mx_scale(op: "Operand", k_dim: int) -> torch.Tensor:
@@ -346,18 +375,42 @@ class Operand:
     hw_scale: torch.Tensor | None = None
     """The scales already in the hardware GEMM's layout (an MXFP8 weight's swizzled E8M0 scales, made once per
     optimizer step), or None: made from ``scale_inv`` by the GEMM. Dropped by :attr:`t`."""
+    global_scale_inv: torch.Tensor | None = None
+    """NVFP4 (``data`` packed E2M1, ``torch.float4_e2m1fn_x2``, two values per byte along its contiguous dimension):
+    the 0-d per-tensor factor; ``scale_inv`` is then the E4M3 block scale times it (exact, :mod:`fp8.fp4`)."""
 
     @property
     def t(self) -> "Operand":
         """The transposed operand (views only; without :attr:`hw_scale`, which is for one orientation)."""
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
-        return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]))
+        return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]),
+                       global_scale_inv=self.global_scale_inv)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The operand's logical shape (packed E2M1 data counts two values per byte along its contiguous dimension)."""
+        return logical_shape(self.data)
+
+
+def logical_shape(data: torch.Tensor) -> tuple[int, int]:
+    """The shape of the values a GEMM payload holds: its own, or for packed E2M1 twice its contiguous dimension."""
+    if data.dtype != FP4:
+        return tuple(data.shape)
+    return (data.shape[0], 2 * data.shape[1]) if data.stride(1) == 1 else (2 * data.shape[0], data.shape[1])
+
+
+def _values(data: torch.Tensor) -> torch.Tensor:
+    """A payload's values in fp32 (packed E2M1 unpacked along its contiguous dimension)."""
+    if data.dtype != FP4:
+        return data.to(torch.float32)
+    return unpack_e2m1(data) if data.stride(1) == 1 else unpack_e2m1(data.t()).t()
 
 
 def _dequantized(op: Operand) -> torch.Tensor:
     if is_tensorwise(op.block):
-        return op.data.to(torch.float32) * op.scale_inv.to(torch.float32)
-    return op.data.to(torch.float32) * expand_scales(op.scale_inv, op.block, tuple(op.data.shape))
+        return _values(op.data) * op.scale_inv.to(torch.float32)
+    values = _values(op.data)
+    return values * expand_scales(op.scale_inv, op.block, tuple(values.shape))
 
 
 def _outer(op: Operand, rows: bool) -> torch.Tensor:
@@ -402,6 +455,19 @@ def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, d
         if backend == "auto" and target.kind != "cpu":
             _log_fallback(choice.reason)
         return torch.mm(_dequantized(a), _dequantized(b)).to(out_dtype), None, None
+    if choice.path == SCALED_MM_NVFP4:
+        if a.global_scale_inv is None or b.global_scale_inv is None:
+            raise ValueError("an NVFP4 operand without its one per-tensor scale (rows gathered over a sequence-parallel "
+                             "group, each rank's with its own) has no NVFP4 GEMM yet: run nvfp4 without "
+                             "--sequence-parallel, or gemm_backend='emulated'")
+        F = torch.nn.functional
+        lhs = a.data if a.data.stride(1) == 1 else a.data.contiguous()
+        rhs = b.data if b.data.stride(0) == 1 else b.data.t().contiguous().t()
+        recipes = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+        swizzles = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+        return F.scaled_mm(lhs, rhs, [_nvfp4_scales(a, 1), a.global_scale_inv.reshape(())], recipes,
+                           [_nvfp4_scales(b, 0), b.global_scale_inv.reshape(())], recipes, swizzles, swizzles,
+                           output_dtype=out_dtype), None, None
     if choice.path == SCALED_MM_MX:
         lhs = a.data if _row_major(a.data) else a.data.contiguous()
         rhs = b.data if _col_major(b.data) else b.data.t().contiguous().t()

@@ -106,7 +106,7 @@ def grouped_forward(rows: Operand, weights: list[Float8Tensor], sizes: list[int]
         scale_a = rows.scale_inv.reshape(1).expand(rows.data.shape[0]).contiguous()
         return torch._scaled_grouped_mm(rows.data, stacked[0], scale_a, stacked[1], offs=offsets, out_dtype=out_dtype)
     outs = [mm(Operand(rows.data[start:end], rows.scale_inv if rows.scale_inv.dim() == 0 else rows.scale_inv[start:end],
-                       rows.block),
+                       rows.block, global_scale_inv=rows.global_scale_inv),
                weight_quantizer.forward_b(w.payload, w.scale, w, backend), out_dtype, backend)
             if end > start else rows.data.new_empty((0, w.shape[0]), dtype=out_dtype)  # no token: no GEMM
             for (start, end), w in zip(group_bounds(sizes), weights)]

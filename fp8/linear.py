@@ -95,11 +95,19 @@ class Float8LinearConfig:
     grad_accumulation: str = "fp16"
     accumulate_backend: str = "auto"
     recipe: str = "tensorwise"
+    fp4_hadamard: bool = True
+    fp4_stochastic_rounding: bool = True
 
     @property
     def recipe_spec(self) -> Recipe:
-        """The :class:`fp8.recipes.Recipe` named by ``recipe``."""
-        return get_recipe(self.recipe)
+        """The :class:`fp8.recipes.Recipe` named by ``recipe`` (``nvfp4``: with ``fp4_hadamard`` and
+        ``fp4_stochastic_rounding``, the random Hadamard transform of the weight-gradient operands and the stochastic
+        rounding of the output gradient, :mod:`fp8.nvfp4`)."""
+        spec = get_recipe(self.recipe)
+        if self.recipe == "nvfp4":
+            spec = dataclasses.replace(spec, options=(("hadamard", self.fp4_hadamard),
+                                                      ("stochastic_rounding", self.fp4_stochastic_rounding)))
+        return spec
 
     def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Float8Tensor:
         """The FP8 weight of a high-precision ``weight`` for a model in ``dtype`` (default: ``weight``'s):
@@ -129,7 +137,8 @@ class Float8LinearConfig:
             raise ValueError(
                 f"recipe must be one of {RECIPES}, got {self.recipe!r} ('tensorwise': one scale per tensor; 'rowwise': "
                 f"per token and per output channel; 'blockwise': 1x128 activation tiles, 128x128 weight blocks; 'mxfp8': "
-                f"1x32 tiles and 32x32 weight blocks with E8M0 scales, NVIDIA Blackwell)"
+                f"1x32 tiles and 32x32 weight blocks with E8M0 scales, NVIDIA Blackwell; 'nvfp4': E2M1 with E4M3 "
+                f"scales per 16 and per tensor, NVIDIA Blackwell)"
             )
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise ValueError(
@@ -207,7 +216,7 @@ NO_HOOKS = LinearHooks()
 def _rows(op: Operand, start: int, end: int) -> Operand:
     """Rows ``start:end`` of a row-wise operand (its per-row / per-tile scales with them)."""
     scale = op.scale_inv if op.scale_inv.dim() == 0 else op.scale_inv[start:end]
-    return Operand(op.data[start:end], scale, op.block)
+    return Operand(op.data[start:end], scale, op.block, global_scale_inv=op.global_scale_inv)
 
 
 def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config, record, dtype, hooks, groups,
@@ -272,6 +281,7 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     ctx.save_for_backward(saved.data, saved.scale_inv, *(w.payload for w in weights), *(w.scale for w in weights),
                           *(c.data for c in kept), *(c.scale_inv for c in kept))
     ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, len(weights)
+    ctx.saved_global = saved.global_scale_inv  # NVFP4's 0-d per-tensor factor (None for FP8 operands)
     ctx.group_cols = [c is not None for c in group_cols]
     ctx.group_cols_block = kept[0].block if kept else None
     ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes = quantizers, config, hooks, sizes
@@ -324,7 +334,7 @@ def linear_backward(ctx, grad_out):
     if gathered:
         data, scale_inv = hooks.gather_grad_output(g_rows.data, g_rows.scale_inv)
         g_rows = Operand(data, scale_inv, g_rows.block)
-    saved = Operand(saved_data, saved_scale, ctx.saved_block)
+    saved = Operand(saved_data, saved_scale, ctx.saved_block, global_scale_inv=ctx.saved_global)
     grad_x = grad_b = None
     grad_ws = [None] * n
     bounds = group_bounds(sizes) if grouped else [(0, g_rows.data.shape[0])]

@@ -1,199 +1,137 @@
-"""NVFP4 numerics (NVIDIA Blackwell): E2M1 values packed two per byte, one E4M3 scale per 16 elements, one fp32 scale
-per tensor; stochastic rounding; the 16x16 random Hadamard transform. The torch reference of the NVFP4 recipe's
-quantizers (its linear integration is not built yet: ``fp8.initialize(recipe="nvfp4")`` does not exist).
+"""The NVFP4 recipe (NVIDIA Blackwell): E2M1 values with one E4M3 scale per 16 elements along each GEMM's K and one
+per tensor (:mod:`fp8.fp4`), for inputs, weights and output gradients, after NVIDIA's NVFP4 pretraining recipe.
 
-Format (NVIDIA's NVFP4, as cuBLAS and ``torch.nn.functional.scaled_mm`` read it):
+=============  ===================================  ==========================================================
+operand        forward / input-gradient GEMMs       weight-gradient GEMM (K = the tokens)
+=============  ===================================  ==========================================================
+x              1x16, round to nearest               16x16 random Hadamard transform along the tokens, then 1x16
+                                                    along them, round to nearest
+dY             1x16, stochastic rounding            the same transform, 1x16 along the tokens, stochastic
+W              16x16 blocks (``W`` and ``W^T``      -
+               share them), round to nearest
+=============  ===================================  ==========================================================
 
-- **E2M1** values (``torch.float4_e2m1fn_x2``: two per byte, the even element in the low nibble): magnitudes
-  0, 0.5, 1, 1.5, 2, 3, 4, 6; sign bit 3 of each nibble. No inf or NaN.
-- **Two-level scales**, ``value = e2m1 * block_scale * global_scale_inv``: one E4M3 ``block_scale`` per block of 16
-  elements along K (``1x16``; weights in ``16x16`` 2-D blocks, so ``W`` and ``W^T`` share them) and one fp32
-  ``global_scale_inv`` per tensor. Here the per-tensor scale is fp8's power of two (:func:`fp8.ops.power_of_two_scale`
-  of the tensor's amax for ``6 * 448``: the amax maps into ``(1344, 2688]``, so every block's ``amax / 6`` fits
-  E4M3), which makes ``e2m1 * block_scale * global_scale_inv`` exact in fp32 (the emulation equals the hardware's
-  products); each block scale is ``amax_block * global_scale / 6`` rounded up to an E4M3 value, so no value
-  saturates past 6 (rounding it to nearest, as NVIDIA's reference does, saturates the block's largest values when
-  it rounds down, by up to 2**-4 relative for a normal E4M3 scale and far more for the subnormal scales of blocks
-  ``2**-6`` below the tensor's amax: measured in ``tests/fp8/test_nvfp4.py``'s first version).
-- **Rounding**: round to nearest, ties to even (forward operands) or stochastic (gradients: ``lower + 1{u < frac}``
-  with ``u`` uniform in ``[0, 1)``, unbiased: ``E[q] = x`` inside the range).
-- **Random Hadamard transform** (:func:`random_hadamard`): ``H = H_16 diag(s) / 4`` with a Sylvester Hadamard matrix
-  ``H_16`` and random signs ``s``, orthogonal; applied to both operands of the weight-gradient GEMM along its K (the
-  tokens) in groups of 16, it leaves the product unchanged in exact arithmetic (``(A H)(H^T B) = A B``) and spreads an
-  outlier over its 16-element block before the 16-element scales see it.
-
-GEMM: ``F.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales per operand (the E4M3 block scales in cuBLAS's
-swizzled layout, :mod:`fp8.microscaling`, and the 0-d fp32 ``global_scale_inv``) on compute capability >= 10.0:
-:func:`nvfp4_call_problem` states its rules, checked against torch's ``meta`` kernel in the tests.
+- **Weights at rest** are E4M3 in 16x16 blocks (a :class:`fp8.Float8Tensor`, 1 byte per element, the form every
+  opt level, the FP8 optimizers, collectives and checkpoints already hold and move); the NVFP4 copies the GEMMs read
+  (packed along ``in`` for the forward, along ``out`` for the input gradient, with the same 16x16 scales) are made from
+  it once per optimizer step and kept with the weight (:func:`fp8.tensor.cached_operand`), 1.0 byte per element for
+  both plus scales. Why not E2M1 at rest: an E2M1 weight cannot be updated in place by the FP8 optimizers' E4M3
+  arithmetic, and an E4M3 master of the FP4 copy costs the same byte the E4M3 weight does; the price is a second
+  rounding (E4M3 then E2M1, the first 2**-4 relative against E2M1's 2**-2).
+- **Stochastic rounding** of the output gradient's operands (``Float8LinearConfig(fp4_stochastic_rounding=False)``,
+  ``--no-fp4-stochastic-rounding``, rounds to nearest); the forward rounds to nearest.
+- **The random Hadamard transform** on both weight-gradient operands along the tokens (``fp4_hadamard=False``,
+  ``--no-fp4-hadamard``, leaves it out): one fixed 16x16 sign pattern (:data:`HADAMARD_SIGNS`) for every linear, so
+  ``(dY^T H)(H^T x) = dY^T x``.
+- The tokens of the weight-gradient operands are zero-padded to 32 (the GEMM's K multiple).
+- GEMMs: ``F.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales (:func:`fp8.gemm.gemm_path`'s
+  ``scaled_mm_nvfp4``) on compute capability >= 10.0; the exact emulation on the CPU (unpacked E2M1 times the exact
+  fp32 scale products, an fp32 matmul). Older GPUs refuse the recipe at start-up.
+- The quantizers here are the torch reference (several launches per operand: amax, scales, rounding, packing); the
+  fused Triton kernels are not written yet.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from .microscaling import NVFP4_K_BLOCK, microscaling_problem, swizzled_numel
-from .ops import power_of_two_scale
+from .blocks import dequantize_blocks
+from .fp4 import NVFP4Operand, dequantize_nvfp4, hadamard_transform, quantize_nvfp4, random_hadamard
+from .gemm import Operand
+from .quantizers import ActivationQuantizer, LinearQuantizers, WeightQuantizer
+from .tensor import cached_operand
 
-__all__ = ["E2M1_MAX", "E2M1_VALUES", "NVFP4Operand", "quantize_nvfp4", "dequantize_nvfp4", "pack_e2m1",
-           "unpack_e2m1", "round_e2m1", "random_hadamard", "hadamard_transform", "nvfp4_call_problem"]
+__all__ = ["NVFP4_TILE", "NVFP4_TILE_T", "NVFP4_BLOCK", "HADAMARD_SIGNS", "NVFP4Quantizer", "NVFP4WeightQuantizer",
+           "make_quantizers"]
 
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-"""The E2M1 magnitudes by 3-bit code (exponent and mantissa bits; the sign is bit 3)."""
-
-_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
-
-
-def round_e2m1(v: torch.Tensor, stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
-    """4-bit E2M1 codes (uint8, sign in bit 3) of fp32 ``v`` already scaled into ``[-6, 6]`` (clamped there): round to
-    nearest, ties to the even code, or stochastic rounding (``generator``: the uniform draws' source)."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
-    mag = v.abs().clamp(max=E2M1_MAX).nan_to_num(nan=0.0)
-    if stochastic:
-        lower = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 6)
-        lo, hi = grid[lower], grid[lower + 1]
-        u = torch.rand(mag.shape, generator=generator, device=v.device, dtype=torch.float32)
-        code = lower + (u < (mag - lo) / (hi - lo)).to(lower.dtype)
-    else:
-        mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
-        code = torch.bucketize(mag, mids, right=False)  # a value on a midpoint gets the lower code: ties fixed below
-        tie = mag == mids[code.clamp(max=len(_MIDPOINTS) - 1)]
-        code = torch.where(tie & (code % 2 == 1), code + 1, code)
-    sign = ((v < 0) & (code > 0)).to(torch.uint8) << 3
-    return code.to(torch.uint8) | sign
+NVFP4_TILE = (1, 16)
+NVFP4_TILE_T = (16, 1)
+NVFP4_BLOCK = (16, 16)
+TOKEN_PAD = 32
+HADAMARD_SIGNS = (1, -1, -1, 1, 1, 1, -1, 1, -1, 1, 1, -1, 1, -1, -1, -1)
+"""The random sign diagonal of the weight-gradient GEMM's Hadamard transform (drawn once, fixed: every rank and every
+linear uses the same ``H``)."""
 
 
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """``(..., n)`` uint8 E2M1 codes (n even) as ``(..., n / 2)`` ``torch.float4_e2m1fn_x2``: element ``2i`` in the low
-    nibble of byte ``i``, ``2i + 1`` in the high nibble (torch's and cuBLAS's order)."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"E2M1 packs two values per byte: the last dimension must be even, got {tuple(codes.shape)}")
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.float4_e2m1fn_x2)
+def _operand(q) -> Operand:
+    return Operand(q.data, q.scale_inv(), q.block, global_scale_inv=q.global_scale_inv)
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of ``(..., m)`` ``torch.float4_e2m1fn_x2`` data, ``(..., 2m)``."""
-    bits = packed.view(torch.uint8)
-    codes = torch.stack([bits & 0xF, bits >> 4], dim=-1).reshape(*bits.shape[:-1], 2 * bits.shape[-1])
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    mag = grid[(codes & 0x7).to(torch.int64)]
-    return torch.where((codes & 0x8) > 0, -mag, mag)
+class NVFP4Quantizer(ActivationQuantizer):
+    """An activation role of an NVFP4 linear (module docstring): 1x16 blocks along the features (row-wise operand),
+    and for the weight-gradient GEMM the tokens zero-padded to 32, optionally Hadamard-transformed along them, then
+    1x16 blocks along them (column-wise operand, ``(features, tokens)``). ``stochastic``: stochastic rounding."""
+
+    pad = TOKEN_PAD
+    per_token = False  # the per-tensor scale depends on all the rows: a group's rows quantized alone differ
+
+    def __init__(self, stochastic: bool, hadamard: bool) -> None:
+        self.fmt = "e2m1"
+        self.stochastic = stochastic
+        self.hadamard = hadamard
+
+    def _rows(self, x: torch.Tensor) -> Operand:
+        return _operand(quantize_nvfp4(x, NVFP4_TILE, self.stochastic))
+
+    def columnwise(self, x: torch.Tensor) -> Operand:
+        tokens = x.shape[0]
+        padded = -(-tokens // TOKEN_PAD) * TOKEN_PAD
+        values = x.to(torch.float32)
+        if padded != tokens:
+            values = torch.nn.functional.pad(values, (0, 0, 0, padded - tokens))
+        if self.hadamard:
+            h = random_hadamard(torch.tensor(HADAMARD_SIGNS, dtype=torch.float32, device=x.device))
+            values = hadamard_transform(values, h, 0)
+        return _operand(quantize_nvfp4(values.t().contiguous(), NVFP4_TILE, self.stochastic))
+
+    def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
+        if dst_cols is not None:
+            raise ValueError("the nvfp4 recipe quantizes grouped tokens group by group (fp8.linear's grouped core does)")
+        return self._rows(x), (self.columnwise(x) if columnwise else None)
+
+    def columnwise_from(self, rows, dst_cols=None, t_width=0):
+        """From the row-wise operand's values (rows gathered over a sequence-parallel group, or a group's rows): a
+        second rounding, E2M1 to E2M1 in other blocks."""
+        return self.columnwise(dequantize_nvfp4_operand(rows))
 
 
-@dataclass(frozen=True)
-class NVFP4Operand:
-    """An NVFP4 tensor (2-D, ``(rows, cols)``): ``data`` ``(rows, cols / 2)`` packed E2M1, ``block_scales`` the E4M3
-    grid of ``block`` s (``(rows / br, cols / bc)``), ``global_scale_inv`` the 0-d fp32 per-tensor factor (a power of
-    two): ``value = e2m1 * block_scale * global_scale_inv``."""
-
-    data: torch.Tensor
-    block_scales: torch.Tensor
-    global_scale_inv: torch.Tensor
-    block: tuple[int, int]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.data.shape[0], 2 * self.data.shape[1])
-
-    def scale_inv(self) -> torch.Tensor:
-        """The per-block fp32 factor ``block_scale * global_scale_inv`` (exact: a power of two times an E4M3 value)."""
-        return self.block_scales.to(torch.float32) * self.global_scale_inv
+def dequantize_nvfp4_operand(op: Operand) -> torch.Tensor:
+    """The fp32 values of a row-wise NVFP4 operand (packed along its rows)."""
+    block_scales = (op.scale_inv / op.global_scale_inv).to(torch.float8_e4m3fn)
+    return dequantize_nvfp4(NVFP4Operand(op.data, block_scales, op.global_scale_inv, op.block))
 
 
-def quantize_nvfp4(x: torch.Tensor, block: tuple[int, int] = (1, NVFP4_K_BLOCK), stochastic: bool = False,
-                   generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None) -> NVFP4Operand:
-    """NVFP4 of 2-D ``x`` (columns a multiple of 16 and of ``block``'s, rows of ``block``'s): the per-tensor power-of-
-    two scale from ``global_amax`` (default: ``x``'s finite amax; pass an amax agreed over a group to share it), one
-    E4M3 scale per ``block`` (``(1, 16)`` activations and gradients, ``(16, 16)`` weights, ``(16, 1)`` along the
-    rows), E2M1 values by round to nearest or stochastic rounding (module docstring). A block with a non-finite value
-    gets a NaN block scale (the dequantized block is NaN, so the step's gradients are not finite and it is skipped)."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_nvfp4 takes a 2-D tensor, got shape {tuple(x.shape)}")
-    m, n = x.shape
-    br, bc = block
-    if n % 2 or m % br or n % bc:
-        raise ValueError(f"shape {tuple(x.shape)} does not tile in {block} blocks with an even number of columns; "
-                         f"pad it to multiples of {max(bc, 2)} columns and {br} rows")
-    values = x.to(torch.float32)
-    finite = torch.isfinite(values)
-    mag = torch.where(finite, values.abs(), torch.zeros_like(values))
-    amax = mag.amax() if global_amax is None else global_amax.to(torch.float32).reshape(())
-    g = power_of_two_scale(amax, E2M1_MAX * E4M3_MAX)  # encode factor of the tensor
-    blocks = mag.reshape(m // br, br, n // bc, bc)
-    block_amax = blocks.amax(dim=(1, 3))
-    bad = (~finite).reshape(m // br, br, n // bc, bc).any(dim=3).any(dim=1)
-    wanted = (block_amax * g / E2M1_MAX).clamp(max=E4M3_MAX)
-    scale = wanted.to(torch.float8_e4m3fn)
-    low = scale.to(torch.float32) < wanted  # rounded down: one E4M3 step up (the next code), so nothing saturates
-    scale = torch.where(low, (scale.view(torch.uint8) + 1).view(torch.float8_e4m3fn), scale)
-    scale = torch.where(bad, torch.full_like(scale.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn), scale)
-    s32 = scale.to(torch.float32)
-    per_elem = s32.repeat_interleave(br, 0).repeat_interleave(bc, 1)
-    safe = torch.where(per_elem > 0, per_elem, torch.ones_like(per_elem))
-    scaled = torch.where(per_elem > 0, values * g / safe, torch.zeros_like(values))  # a zero scale: an all-zero block
-    codes = round_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator)
-    return NVFP4Operand(pack_e2m1(codes), scale, g.reciprocal(), (br, bc))
+class NVFP4WeightQuantizer(WeightQuantizer):
+    """An E4M3 weight in 16x16 blocks as the NVFP4 GEMMs' operands (module docstring), made once per optimizer step
+    and kept with the weight: ``W`` packed along ``in`` (the forward's K) and along ``out`` (the input gradient's K),
+    the same 16x16 scales."""
+
+    block = NVFP4_BLOCK
+
+    @staticmethod
+    def _operands(payload, scale, weight) -> tuple[Operand, Operand]:
+        def build():
+            w = dequantize_blocks(payload, scale, NVFP4_BLOCK, torch.float32)
+            amax = w.abs().amax()
+            forward = quantize_nvfp4(w, NVFP4_BLOCK, global_amax=amax)             # (out, in / 2)
+            dgrad = quantize_nvfp4(w.t().contiguous(), NVFP4_BLOCK, global_amax=amax)  # (in, out / 2)
+            return (forward.data, forward.scale_inv(), forward.global_scale_inv, dgrad.data, dgrad.scale_inv())
+
+        return cached_operand(weight, payload, scale, ("nvfp4",), build)
+
+    def forward_b(self, payload, scale, weight, backend, target=None):
+        data, inv, g, _, _ = self._operands(payload, scale, weight)
+        return Operand(data.t(), inv.t(), NVFP4_BLOCK, global_scale_inv=g)  # W^T: (in, out), packed along in
+
+    def dgrad_b(self, payload, scale, weight, a, out_dtype, backend, target=None):
+        _, _, g, data_t, inv_t = self._operands(payload, scale, weight)
+        return Operand(data_t.t(), inv_t.t(), NVFP4_BLOCK, global_scale_inv=g)  # W: (out, in), packed along out
 
 
-def dequantize_nvfp4(q: NVFP4Operand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of ``q`` (exact in fp32)."""
-    br, bc = q.block
-    inv = q.scale_inv().repeat_interleave(br, 0).repeat_interleave(bc, 1)
-    return (unpack_e2m1(q.data) * inv).to(dtype)
-
-
-_SYLVESTER: dict[int, torch.Tensor] = {}
-
-
-def random_hadamard(signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 16x16 random Hadamard transform ``H_16 diag(signs) / 4`` (orthogonal: ``H H^T = I``) for 16 ``signs``
-    (+-1; draw them once per run, e.g. ``torch.randint(0, 2, (16,), generator=g) * 2 - 1``)."""
-    if signs.shape != (NVFP4_K_BLOCK,):
-        raise ValueError(f"random_hadamard takes {NVFP4_K_BLOCK} signs, got shape {tuple(signs.shape)}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < NVFP4_K_BLOCK:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * signs.to(torch.float64)[None, :] / math.sqrt(NVFP4_K_BLOCK)).to(dtype)
-
-
-def hadamard_transform(x: torch.Tensor, h: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with ``h`` (16x16) applied to every group of 16 consecutive elements along ``dim`` (its size a multiple of
-    16): along the tokens of both weight-gradient operands, ``(dY^T H)(H^T x)`` is ``dY^T x`` (``x`` and ``dY`` as
-    ``(tokens, features)``, the transform on ``dim=0`` of each: ``H^T`` applied per group)."""
-    moved = x.movedim(dim, -1)
-    size = moved.shape[-1]
-    if size % NVFP4_K_BLOCK:
-        raise ValueError(f"the Hadamard transform works on groups of {NVFP4_K_BLOCK}: dimension {dim} has {size}")
-    groups = moved.reshape(*moved.shape[:-1], size // NVFP4_K_BLOCK, NVFP4_K_BLOCK)
-    out = groups @ h.to(x.dtype)
-    return out.reshape(moved.shape).movedim(-1, dim)
-
-
-def nvfp4_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       kind: str, capability: tuple[int, int] | None) -> str | None:
-    """Why ``F.scaled_mm(mat_a, mat_b, [scale_a, global_a], [BlockWise1x16, TensorWise], [scale_b, global_b], ...,
-    swizzle [SWIZZLE_32_4_4, NO_SWIZZLE])`` would fail on a device of ``kind``/``capability``, or None: packed E2M1
-    operands (``mat_a`` ``(M, K/2)`` row-major, ``mat_b`` ``(K/2, N)`` column-major), K a multiple of 32, N of 16,
-    E4M3 block scales of the swizzled size (rows padded to 128, K blocks to 4), Blackwell."""
-    fp4 = torch.float4_e2m1fn_x2
-    if mat_a.dtype != fp4 or mat_b.dtype != fp4:
-        return f"NVFP4 operands are torch.float4_e2m1fn_x2, got {mat_a.dtype} and {mat_b.dtype}"
-    if mat_a.dim() != 2 or mat_b.dim() != 2 or mat_a.shape[1] != mat_b.shape[0]:
-        return f"cannot multiply packed {tuple(mat_a.shape)} by {tuple(mat_b.shape)}"
-    (m, k2), n = mat_a.shape, mat_b.shape[1]
-    k = 2 * k2
-    if k % 32 or n % 16:
-        return f"NVFP4 GEMM M x K x N = {m} x {k} x {n}: K must be a multiple of 32 and N of 16"
-    if not (mat_a.stride(1) == 1 and mat_a.stride(0) == k2):
-        return "mat_a must be row-major"
-    if not (mat_b.stride(0) == 1 and mat_b.stride(1) == k2):
-        return "mat_b must be column-major (the transpose of a row-major (N, K/2) tensor)"
-    for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
-        want = swizzled_numel(rows, k // NVFP4_K_BLOCK)
-        if scale.dtype != torch.float8_e4m3fn or scale.numel() != want:
-            return f"{name} must be {want} float8_e4m3fn block scales (swizzled), got {scale.numel()} {scale.dtype}"
-    return microscaling_problem(kind, capability, "NVFP4")
+def make_quantizers(input_state, grad_output_state, weight_fmt: str, *, hadamard: bool = True,
+                    stochastic_rounding: bool = True) -> LinearQuantizers:
+    """The quantizers of an NVFP4 linear: the input rounded to nearest, the output gradient stochastically (unless
+    ``stochastic_rounding`` is False), both Hadamard-transformed for the weight gradient (unless ``hadamard`` is
+    False); the E4M3 16x16 weight's NVFP4 copies."""
+    return LinearQuantizers(NVFP4Quantizer(False, hadamard), NVFP4Quantizer(stochastic_rounding, hadamard),
+                            NVFP4WeightQuantizer())

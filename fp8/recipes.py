@@ -16,6 +16,9 @@ blockwise      x: 1x128 tiles,        dY: 1x128 tiles,       dY: 128x1 tiles, x:
 ``mxfp8`` (:mod:`fp8.mxfp8`, NVIDIA Blackwell) scales 1x32 activation tiles, 32x1 along the tokens for the weight
 gradient, and 32x32 weight blocks, with power-of-two (E8M0) scales, E4M3 everywhere; its GEMMs run on compute
 capability >= 10.0 (:meth:`Recipe.hardware_problem` refuses older GPUs) and are emulated exactly on the CPU.
+``nvfp4`` (:mod:`fp8.nvfp4`, Blackwell) runs the GEMMs in E2M1 with E4M3 scales per 16 along K and one per tensor
+(1x16 activation tiles, 16x16 weight blocks; the weight held as E4M3 in 16x16 blocks), stochastic rounding of the
+output gradient and a 16x16 random Hadamard transform on the weight-gradient operands.
 
 ``tensorwise`` is FP8-LM's recipe: delayed scaling of activations (E4M3) and output gradients (E5M2),
 each from its own amax history. ``rowwise`` and ``blockwise`` scale every block from its own current amax
@@ -34,8 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import mxfp8
+from . import mxfp8, nvfp4
 from .blocks import BLOCK, COLWISE, MX_BLOCK, MX_TILE, MX_TILE_T, ROWWISE, TENSORWISE, TILE, TILE_T, Block
+from .nvfp4 import NVFP4_BLOCK, NVFP4_TILE, NVFP4_TILE_T
 from .gemm import GEMM_BACKENDS, GemmTarget
 from .microscaling import BLACKWELL, microscaling_problem
 from .quantizers import refresh_weight_operands as _refresh_core_operands
@@ -47,7 +51,7 @@ from .scaling import ScalingState
 
 __all__ = ["RECIPES", "Recipe", "get_recipe", "BLOCKWISE_TILE", "LinearQuantizers", "refresh_weight_operands"]
 
-RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 """Names of the scaling recipes (``fp8.initialize(recipe=...)``, ``Float8LinearConfig(recipe=...)``)."""
 
 BLOCKWISE_TILE = 128
@@ -70,7 +74,8 @@ class Recipe:
     grad_fmt: str            # dY's format in the rowwise/blockwise recipes (tensorwise: the config's)
     tile: int = 0            # K block of the GEMMs (128 blockwise, 32 mxfp8): layer widths must be multiples of it
     min_capability: tuple[int, int] | None = None  # the CUDA compute capability its hardware GEMMs need
-    factory: Callable[..., LinearQuantizers] | None = None  # the recipe module's make_quantizers (mxfp8)
+    factory: Callable[..., LinearQuantizers] | None = None  # the recipe module's make_quantizers (mxfp8, nvfp4)
+    options: tuple[tuple[str, object], ...] = ()  # keyword options of the factory (nvfp4: hadamard, stochastic_rounding)
 
     @property
     def tensorwise(self) -> bool:
@@ -116,7 +121,7 @@ class Recipe:
         """One quantizer per tensor role of a linear (:mod:`fp8.quantizers`): the input and output gradient (with the
         linear's scaling states under ``tensorwise``), and the weight held at rest in :attr:`weight` blocks."""
         if self.factory is not None:
-            return self.factory(input_state, grad_output_state, weight_fmt)
+            return self.factory(input_state, grad_output_state, weight_fmt, **dict(self.options))
         if self.tensorwise:
             return LinearQuantizers(TensorwiseQuantizer(input_state), TensorwiseQuantizer(grad_output_state),
                                     TensorwiseWeightQuantizer())
@@ -133,6 +138,8 @@ _RECIPES = {
     "blockwise": Recipe("blockwise", TILE, BLOCK, TILE, BLOCK, TILE_T, TILE_T, "e4m3", tile=BLOCKWISE_TILE),
     "mxfp8": Recipe("mxfp8", MX_TILE, MX_BLOCK, MX_TILE, MX_BLOCK, MX_TILE_T, MX_TILE_T, "e4m3", tile=mxfp8.MX_K_BLOCK,
                     min_capability=BLACKWELL, factory=mxfp8.make_quantizers),
+    "nvfp4": Recipe("nvfp4", NVFP4_TILE, NVFP4_BLOCK, NVFP4_TILE, NVFP4_BLOCK, NVFP4_TILE_T, NVFP4_TILE_T, "e4m3",
+                    tile=32, min_capability=BLACKWELL, factory=nvfp4.make_quantizers),
 }
 
 

@@ -150,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tokens and output channels), DeepSeek-style blocks (1x128 activation and gradient tiles, "
                         "128x128 weight blocks) or MXFP8 (1x32 tiles and 32x32 weight blocks, E8M0 scales; NVIDIA "
                         "Blackwell, compute capability >= 10.0, emulated on the CPU), E4M3 everywhere for the last three")
+    f.add_argument("--fp4-format", choices=("e2m1",), default=None,
+                   help="with --fp4-recipe nvfp4: the FP4 value format (E2M1, Megatron's flag)")
+    f.add_argument("--fp4-recipe", choices=("nvfp4",), default=None,
+                   help="NVFP4 GEMMs (fp8.nvfp4; NVIDIA Blackwell, emulated on the CPU): E2M1 values, E4M3 scales per 16 "
+                        "elements along K and one per tensor, 16x16 weight blocks (the weight held as E4M3), stochastic "
+                        "rounding of output gradients, a 16x16 random Hadamard transform on the weight-gradient GEMM; "
+                        "needs --fp4-format e2m1; replaces --fp8-recipe")
+    f.add_argument("--no-fp4-hadamard", dest="fp4_hadamard", action="store_false",
+                   help="--fp4-recipe nvfp4 without the random Hadamard transform of the weight-gradient operands")
+    f.add_argument("--no-fp4-stochastic-rounding", dest="fp4_stochastic_rounding", action="store_false",
+                   help="--fp4-recipe nvfp4 rounding output gradients to nearest instead of stochastically")
     f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
                    help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
                         "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
@@ -229,7 +240,8 @@ def _explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> frozens
     return frozenset(dest for dest, value in vars(namespace).items() if value is not unset)
 
 
-FP8_ONLY_FLAGS = ("--fp8-amax-history-len", "--fp8-margin", "--fp8-grad-accumulation", "--fp8-recipe",
+FP8_ONLY_FLAGS = ("--fp8-amax-history-len", "--fp8-margin", "--fp8-grad-accumulation", "--fp8-recipe", "--fp4-format",
+                  "--fp4-recipe", "--no-fp4-hadamard", "--no-fp4-stochastic-rounding",
                   "--fp8-gemm-backend", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
                   "--num-layers-at-end-in-bf16", "--fp8-precision-config", "--fp8-min-dim",
                   "--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike", "--fp8-stats-stop")
@@ -240,7 +252,7 @@ in ``--compare``). ``--fp8-activations`` and ``--fp8-pipeline on`` act at every 
 def baseline_argv(argv: list[str]) -> list[str]:
     """``argv`` less the :data:`FP8_ONLY_FLAGS` (with their values: ``--flag V`` or ``--flag=V``): the same run at
     ``--fp8-opt-level none``, which refuses them. For harnesses that train one set of flags at several levels."""
-    switches = {"--first-last-layers-bf16", "--fp8-stats-stop"}
+    switches = {"--first-last-layers-bf16", "--fp8-stats-stop", "--no-fp4-hadamard", "--no-fp4-stochastic-rounding"}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -388,6 +400,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     except MegatronCoreVersionError as error:
         raise ConfigurationError(str(error)) from None
     args.fp8_opt_level = normalize_opt_level(args.fp8_opt_level)
+    _resolve_fp4_recipe(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConfigurationError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
@@ -497,6 +510,24 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     return args
 
 
+def _resolve_fp4_recipe(args: argparse.Namespace) -> None:
+    """``--fp4-format e2m1 --fp4-recipe nvfp4`` (Megatron's flags) select the ``nvfp4`` recipe: both or neither, and
+    not beside another ``--fp8-recipe``; the NVFP4 switches only with it."""
+    if (args.fp4_recipe is None) != (args.fp4_format is None):
+        given, missing = ("--fp4-recipe", "--fp4-format e2m1") if args.fp4_format is None else \
+            ("--fp4-format", "--fp4-recipe nvfp4")
+        raise ConfigurationError(f"{given} needs {missing} (NVFP4: E2M1 values with the nvfp4 scaling recipe)")
+    if args.fp4_recipe is None:
+        if not (args.fp4_hadamard and args.fp4_stochastic_rounding):
+            raise ConfigurationError("--no-fp4-hadamard and --no-fp4-stochastic-rounding apply to --fp4-recipe nvfp4; "
+                                     "add --fp4-format e2m1 --fp4-recipe nvfp4, or drop them")
+        return
+    if args.fp8_recipe not in ("tensorwise", "nvfp4"):
+        raise ConfigurationError(f"--fp4-recipe nvfp4 and --fp8-recipe {args.fp8_recipe} both choose the linears' "
+                                 f"recipe: pass one of them")
+    args.fp8_recipe = "nvfp4"
+
+
 def check_recipe_hardware(args, target=None) -> None:
     """A recipe whose GEMMs need a newer GPU than this machine's (``--fp8-recipe mxfp8`` below compute capability 10.0)
     is refused before anything runs, naming the GPU generation it needs (``--fp8-gemm-backend emulated`` runs it)."""
@@ -507,9 +538,15 @@ def check_recipe_hardware(args, target=None) -> None:
 
     if target is None:  # model.gemm_target's choice, without importing megatron-core for it
         target = GemmTarget.of(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    flag = "--fp4-recipe nvfp4" if args.fp8_recipe == "nvfp4" else f"--fp8-recipe {args.fp8_recipe}"
     problem = get_recipe(args.fp8_recipe).hardware_problem(target, args.fp8_gemm_backend)
     if problem is not None:
-        raise ConfigurationError(f"--fp8-recipe {args.fp8_recipe}: {problem}")
+        raise ConfigurationError(f"{flag}: {problem}")
+    if (args.fp8_recipe == "nvfp4" and args.sequence_parallel and target.kind == "cuda"
+            and args.fp8_gemm_backend != "emulated"):
+        raise ConfigurationError("--fp4-recipe nvfp4 with --sequence-parallel: each rank's rows carry their own "
+                                 "per-tensor NVFP4 scale, which the NVFP4 GEMM of the gathered rows cannot take yet; "
+                                 "drop --sequence-parallel, or pass --fp8-gemm-backend emulated")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:

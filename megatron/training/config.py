@@ -107,6 +107,10 @@ class PrecisionConfig:
     fp8_margin: int = _match(0)
     fp8_grad_accumulation: str = _match("fp16")
     fp8_recipe: str = _match("tensorwise")
+    fp4_format: str | None = None
+    fp4_recipe: str | None = None
+    fp4_hadamard: bool = True
+    fp4_stochastic_rounding: bool = True
     fp8_gemm_backend: str = "auto"
     fp8_activations: bool = False
     first_last_layers_bf16: bool = _match(False)

@@ -58,6 +58,8 @@ def fp8_recipe_from_args(cfg: RunConfig) -> Float8LinearConfig | None:
         grad_accumulation=cfg.precision.fp8_grad_accumulation,
         recipe=cfg.precision.fp8_recipe,
         gemm_backend=cfg.precision.fp8_gemm_backend,
+        fp4_hadamard=cfg.precision.fp4_hadamard,
+        fp4_stochastic_rounding=cfg.precision.fp4_stochastic_rounding,
     )
 
 

@@ -34,7 +34,7 @@ LAYERS = (
     ("fp8.ops",),  # the fused kernels as torch.library custom ops: torch references, Triton launched on CUDA
     ("fp8.scaling",),
     # block scale grids (power-of-two scale per block); MX/NVFP4 swizzled layouts; NVFP4 numerics (torch reference)
-    ("fp8.blocks", "fp8.microscaling", "fp8.nvfp4"),
+    ("fp8.blocks", "fp8.microscaling", "fp8.fp4"),
     ("fp8.kernels", "fp8.gemm"),  # grad accumulation (+ its Triton launch), the package's re-exports; FP8 GEMM
     ("fp8.subclass_dispatch",),  # the dispatch skeleton both scaled tensor subclasses share (torch only)
     ("fp8.tensor", "fp8.scaled_fp16"),  # FP8 values; the scaled FP16 gradient buffer (grad_accumulation="fp16")

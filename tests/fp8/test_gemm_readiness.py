@@ -33,7 +33,8 @@ import fp8.grouped_gemm
 import fp8.linear
 import fp8.tensor
 from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, dequantize_blocks, quantize_to_blocks
-from fp8.gemm import (GEMM_PATHS, GemmTarget, Operand, fp8_mm_payload, gemm_path, mm, mx_call_problem,
+from fp8.fp4 import nvfp4_call_problem
+from fp8.gemm import (GEMM_PATHS, GemmTarget, Operand, fp8_mm_payload, gemm_path, logical_shape, mm, mx_call_problem,
                       scaled_mm_call_problem)
 from fp8.kernels.triton_block_gemm import block_mm_reference
 from fp8.linear import Float8LinearConfig
@@ -45,7 +46,7 @@ HOPPER = GemmTarget("cuda", (9, 0), triton=True)
 BLACKWELL_GPU = GemmTarget("cuda", (10, 0), triton=True)
 """A simulated B200/GB200: CUDA, compute capability 10.0 (block-scaled MXFP8 GEMMs), Triton installed."""
 
-TARGETS = {"mxfp8": BLACKWELL_GPU}
+TARGETS = {"mxfp8": BLACKWELL_GPU, "nvfp4": BLACKWELL_GPU}
 """The GPU each recipe's audit is decided for (default :data:`HOPPER`): MXFP8 needs Blackwell (refused on Hopper)."""
 
 # Layer widths and (batch, sequence) per recipe: multiples of 16 (of 128 for blockwise), tokens differing from
@@ -55,6 +56,7 @@ SHAPES = {
     "rowwise": ((64, 96, 48), (2, 16)),
     "blockwise": ((384, 512, 640), (2, 128)),
     "mxfp8": ((64, 96, 160), (2, 32)),
+    "nvfp4": ((64, 96, 160), (2, 32)),
 }
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -77,6 +79,8 @@ class GemmCall:
     backend: str
     a_block: tuple | None
     b_block: tuple | None
+    a_global: torch.Tensor | None = None  # NVFP4's per-tensor factors
+    b_global: torch.Tensor | None = None
 
 
 class _AtenRecorder(TorchDispatchMode):
@@ -100,8 +104,9 @@ class _AtenRecorder(TorchDispatchMode):
 def _recording_mm(calls: list, phase: list) -> Callable:
     """:func:`fp8.gemm.mm` recording each call (as a :class:`GemmCall` of ``meta`` copies, in pass ``phase[0]``)."""
     def record(a, b, out_dtype=torch.float32, backend="auto", *args, **kwargs):
+        glob = [None if op.global_scale_inv is None else _meta(op.global_scale_inv) for op in (a, b)]
         calls.append(GemmCall(phase[0], _meta(a.data), _meta(a.scale_inv), _meta(b.data), _meta(b.scale_inv),
-                              out_dtype, backend, a.block, b.block))
+                              out_dtype, backend, a.block, b.block, *glob))
         return mm(a, b, out_dtype, backend, *args, **kwargs)
 
     return record
@@ -136,7 +141,7 @@ def _train_step(recipe, dtype, backend, monkeypatch, seq=None):
 
 
 def _pass_and_layer(call: GemmCall, widths, tokens) -> tuple[str, int]:
-    (m, k), n = call.a.shape, call.b.shape[1]
+    (m, k), n = logical_shape(call.a), call.b.shape[1]
     layers = list(zip(widths, widths[1:]))  # (in, out) per layer
     if call.phase == "fwd":
         return "fwd", layers.index((k, n))
@@ -158,14 +163,15 @@ def _audit(recipe, dtype, calls, widths, tokens, target=None) -> list[dict]:
         scaled_mm_calls = []
         if choice.path.startswith("scaled_mm"):
             with _AtenRecorder() as aten:
-                out = mm(Operand(call.a, call.a_scale, call.a_block), Operand(call.b, call.b_scale, call.b_block),
+                out = mm(Operand(call.a, call.a_scale, call.a_block, global_scale_inv=call.a_global),
+                         Operand(call.b, call.b_scale, call.b_block, global_scale_inv=call.b_global),
                          call.out_dtype, call.backend, target=target)
             scaled_mm_calls = aten.scaled_mm
             assert out.shape == (call.a.shape[0], call.b.shape[1]) and out.dtype == call.out_dtype
         elif choice.path == "triton_block":  # the kernel's operand and scale-grid checks, on meta tensors
             block_mm_reference(call.a, call.a_scale, call.a_block, call.b, call.b_scale, call.b_block, call.out_dtype)
         rows.append(dict(recipe=recipe, dtype=str(dtype).removeprefix("torch."), gemm_pass=gemm_pass, layer=layer,
-                         shape=(call.a.shape[0], call.a.shape[1], call.b.shape[1]),
+                         shape=(*logical_shape(call.a), call.b.shape[1]),
                          blocks=f"{call.a_block or 'tensor'} x {call.b_block or 'tensor'}",
                          out=str(call.out_dtype).removeprefix("torch."), path=choice.path, reason=choice.reason,
                          scaled_mm_calls=scaled_mm_calls))
@@ -203,6 +209,8 @@ EXPECTED_PATHS = {  # (recipe, model dtype) -> {pass: path} on a compute capabil
     ("blockwise", torch.bfloat16): dict.fromkeys(("fwd", "dgrad", "wgrad"), "triton_block"),
     ("mxfp8", torch.float32): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_mx"),
     ("mxfp8", torch.bfloat16): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_mx"),
+    ("nvfp4", torch.float32): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_nvfp4"),
+    ("nvfp4", torch.bfloat16): dict.fromkeys(("fwd", "dgrad", "wgrad"), "scaled_mm_nvfp4"),
 }
 
 
@@ -226,6 +234,11 @@ def test_dispatch_audit_on_a_compute_capability_9_gpu_emulates_no_gemm(monkeypat
             assert len(r["scaled_mm_calls"]) == 1
             call = r["scaled_mm_calls"][0]
             scale_a, scale_b, out_dtype = call["scale_a"], call["scale_b"], call["out_dtype"]
+            if r["path"] == "scaled_mm_nvfp4":  # packed E2M1, [swizzled E4M3 per 16, fp32 per tensor] per operand
+                (scale_a, global_a), (scale_b, _) = scale_a, scale_b
+                assert nvfp4_call_problem(call["self"], call["mat2"], scale_a, scale_b, "cuda", (10, 0)) is None
+                assert global_a.numel() == 1 and global_a.dtype == torch.float32
+                continue
             if r["path"] == "scaled_mm_mx":  # aten._scaled_mm_v2: swizzled E8M0 scales, one per 32 along K
                 (scale_a,), (scale_b,) = scale_a, scale_b
                 assert mx_call_problem(call["self"], call["mat2"], scale_a, scale_b, out_dtype, BLACKWELL_GPU) is None
@@ -407,10 +420,10 @@ def test_moe_expert_gemms_run_on_hardware_with_routed_tokens_padded(recipe, grou
     add nothing, instead of falling back to the emulation. Each ``_scaled_mm`` call replays on ``meta`` tensors."""
     calls, k, n = _moe_step(recipe, grouped, monkeypatch)
     routed = [s for s in MOE_SIZES if s]
-    multiple = {"blockwise": 128, "mxfp8": 32}.get(recipe, 16)
+    multiple = {"blockwise": 128, "mxfp8": 32, "nvfp4": 32}.get(recipe, 16)
     target = TARGETS.get(recipe, HOPPER)
     assert len(calls) == 3 * len(routed)  # forward, input gradient, weight gradient per expert that got tokens
-    wgrad_k = sorted(c.a.shape[1] for c in calls if c.phase == "bwd" and c.a.shape[0] == n)
+    wgrad_k = sorted(logical_shape(c.a)[1] for c in calls if c.phase == "bwd" and c.a.shape[0] == n)
     assert wgrad_k == sorted(-(-s // multiple) * multiple for s in routed), wgrad_k
     for call in calls:
         choice = gemm_path(call.a, call.b, call.out_dtype, target, call.backend, call.a_block, call.b_block)
@@ -418,6 +431,7 @@ def test_moe_expert_gemms_run_on_hardware_with_routed_tokens_padded(recipe, grou
                                            choice.reason)
         if choice.path.startswith("scaled_mm"):
             with _AtenRecorder() as aten:
-                mm(Operand(call.a, call.a_scale, call.a_block), Operand(call.b, call.b_scale, call.b_block),
+                mm(Operand(call.a, call.a_scale, call.a_block, global_scale_inv=call.a_global),
+                   Operand(call.b, call.b_scale, call.b_block, global_scale_inv=call.b_global),
                    call.out_dtype, call.backend, target=target)
             assert len(aten.scaled_mm) == 1

@@ -188,7 +188,8 @@ def test_gpus_before_blackwell_refuse_mxfp8_naming_the_generation():
     from megatron.training.arguments import check_recipe_hardware
     from megatron.training.config_rules import ConfigurationError
 
-    args = SimpleNamespace(fp8_opt_level="O2", compare_levels=[], fp8_recipe="mxfp8", fp8_gemm_backend="auto")
+    args = SimpleNamespace(fp8_opt_level="O2", compare_levels=[], fp8_recipe="mxfp8", fp8_gemm_backend="auto",
+                           sequence_parallel=False)
     with pytest.raises(ConfigurationError, match="--fp8-recipe mxfp8: .*Hopper.*--fp8-gemm-backend emulated"):
         check_recipe_hardware(args, H100)
     check_recipe_hardware(SimpleNamespace(**{**vars(args), "fp8_gemm_backend": "emulated"}), H100)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8.microscaling import swizzle, swizzled_numel
-from fp8.nvfp4 import (E2M1_VALUES, dequantize_nvfp4, hadamard_transform, nvfp4_call_problem, pack_e2m1,
+from fp8.fp4 import (E2M1_VALUES, dequantize_nvfp4, hadamard_transform, nvfp4_call_problem, pack_e2m1,
                        quantize_nvfp4, random_hadamard, round_e2m1, unpack_e2m1)
 
 SEEDS = range(6)

@@ -190,9 +190,10 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 GRAD_ACCUMULATION = ("fp16", "fp32", "fp8")  # fp8.linear.GRAD_ACCUMULATION (planning imports no torch)
 SUM_BYTES = {"fp16": 2, "fp32": 4}  # bytes per element of an FP8 weight's gradient sum before the DP reduction
-_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # fp8.recipes.RECIPES
+_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")  # fp8.recipes.RECIPES
 _TILE = 128  # fp8.recipes.BLOCKWISE_TILE, fp8.activations' tile width
-_BLOCKS = {"blockwise": _TILE, "mxfp8": 32}  # fp8.recipes.Recipe.tile: the recipes scaled in K blocks
+_BLOCKS = {"blockwise": _TILE, "mxfp8": 32, "nvfp4": 32}  # fp8.recipes.Recipe.tile: the recipes scaled in K blocks
+_SCALE_BLOCK = {"blockwise": _TILE, "mxfp8": 32, "nvfp4": 16}  # edge of a weight's square scale blocks
 _GEMM_MULTIPLE = 16  # fp8.eligibility.GEMM_MULTIPLE: the FP8 GEMM's K multiple (tokens padded to it)
 _MIN_COMPRESSED = 4096  # fp8.activations.ActivationCompressor's default min_numel
 _MiB = 2**20
@@ -627,8 +628,8 @@ def _weight_scale_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
     recipe = _recipe(cfg, t.rows, t.cols)
     if recipe == "rowwise":
         return 4 * t.rows
-    if recipe in _BLOCKS:
-        return 4 * -(-t.rows // _BLOCKS[recipe]) * -(-t.cols // _BLOCKS[recipe])
+    if recipe in _SCALE_BLOCK:
+        return 4 * -(-t.rows // _SCALE_BLOCK[recipe]) * -(-t.cols // _SCALE_BLOCK[recipe])
     return 4
 
 
@@ -661,6 +662,8 @@ def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
     recipe = _recipe(cfg, t.rows, t.cols)
     if recipe == "blockwise":
         return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
+    if recipe == "nvfp4":  # on every device: both packed E2M1 copies, both fp32 grids, the 0-d global (fp8.nvfp4)
+        return t.numel + 2 * 4 * -(-t.rows // 16) * -(-t.cols // 16) + 4
     if not holds_weight_transposes(cfg, recipe):
         return 0
     if recipe == "mxfp8":  # the transpose, the scale_inv grid and both GEMMs' swizzled E8M0 scales (fp8.mxfp8)
@@ -839,20 +842,21 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     one per 128 x 1 tile blockwise). ``expected_pad``: ``tokens`` is a routed expert's mean count, its padding the
     mean over counts (half the multiple less one)."""
     recipe = _recipe(cfg, n_out, width)
-    tile = _BLOCKS.get(recipe)
+    tile, scale_block = _BLOCKS.get(recipe), _SCALE_BLOCK.get(recipe)
+    elem = 0.5 if recipe == "nvfp4" else 1  # E2M1: two values per byte (nvfp4 also saves a 0-d fp32 global scale)
     if tokens is None:
         if recipe == "rowwise":
             return width + 4
         if tile:
-            return width + 4 * math.ceil(width / tile)
+            return elem * width + 4 * math.ceil(width / scale_block)
         return width
     multiple = max(tile or 0, _GEMM_MULTIPLE)
     pad = (multiple - 1) / 2 if expected_pad else math.ceil(tokens / multiple) * multiple - tokens
-    payload = width * (tokens + pad) / tokens
+    payload = elem * width * (tokens + pad) / tokens
     if recipe == "rowwise":
         return payload + 4 * width / tokens
     if tile:
-        return payload + 4 * width * math.ceil((tokens + pad) / tile) / tokens
+        return payload + 4 * width * math.ceil((tokens + pad) / scale_block) / tokens
     return payload
 
 
