@@ -164,13 +164,13 @@ def hadamard_transform(x: torch.Tensor, h: torch.Tensor, dim: int) -> torch.Tens
     """``x`` with ``h`` (16x16) applied to every group of 16 consecutive elements along ``dim`` (its size a multiple of
     16): along the tokens of both weight-gradient operands, ``(dY^T H)(H^T x)`` is ``dY^T x`` (``x`` and ``dY`` as
     ``(tokens, features)``, the transform on ``dim=0`` of each: ``H^T`` applied per group)."""
-    moved = x.movedim(dim, -1)
-    size = moved.shape[-1]
+    moved = x.movedim(dim, 0)
+    size = moved.shape[0]
     if size % NVFP4_K_BLOCK:
         raise ValueError(f"the Hadamard transform works on groups of {NVFP4_K_BLOCK}: dimension {dim} has {size}")
-    groups = moved.reshape(*moved.shape[:-1], size // NVFP4_K_BLOCK, NVFP4_K_BLOCK)
-    out = groups @ h.to(x.dtype)
-    return out.reshape(moved.shape).movedim(-1, dim)
+    groups = moved.reshape(size // NVFP4_K_BLOCK, NVFP4_K_BLOCK, -1)  # (groups, 16, the rest)
+    out = torch.matmul(h.t().to(x.dtype), groups)  # each group's 16 values times h: one GEMM per group, wide N
+    return out.reshape(moved.shape).movedim(0, dim)
 
 
 def nvfp4_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

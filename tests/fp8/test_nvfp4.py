@@ -120,3 +120,112 @@ def test_the_swizzled_nvfp4_scales_come_from_the_block_grid():
     q = quantize_nvfp4(torch.randn(40, 64, generator=gen))
     flat = swizzle(q.block_scales.view(torch.uint8)).view(torch.float8_e4m3fn)
     assert flat.numel() == swizzled_numel(40, 4) and flat.dtype == torch.float8_e4m3fn
+
+
+# -- the NVFP4 recipe (fp8.nvfp4) --------------------------------------------------------------------------------------
+def _nvfp4_layer(k=96, n=64, **options):
+    import fp8
+    from fp8.linear import Float8LinearConfig
+
+    torch.manual_seed(0)
+    config = Float8LinearConfig(recipe="nvfp4", grad_accumulation="fp32", **options)
+    return fp8.Float8Linear.from_linear(torch.nn.Linear(k, n, bias=False), config)
+
+
+def _dq64(q) -> torch.Tensor:
+    return dequantize_nvfp4(q, torch.float64)
+
+
+def test_nvfp4_linear_runs_exactly_the_three_nvfp4_gemms():
+    """Without stochastic rounding (and with or without the transform), forward, input gradient and weight gradient
+    equal float64 products of the NVFP4 operands the recipe defines, to the fp32 summation bound: the E4M3 16x16 weight
+    re-quantized to NVFP4 (16x16, both orientations), x and dY in 1x16, the weight gradient's operands zero-padded to
+    32 tokens, Hadamard-transformed along them, in 1x16 along the tokens."""
+    from fp8.blocks import dequantize_blocks
+    from fp8.nvfp4 import HADAMARD_SIGNS
+
+    for hadamard in (False, True):
+        layer = _nvfp4_layer(fp4_hadamard=hadamard, fp4_stochastic_rounding=False)
+        tokens = 40
+        x = torch.randn(tokens, 96, requires_grad=True)
+        y = layer(x)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        w = layer.weight
+        assert w.block == (16, 16) and w.payload.dtype == torch.float8_e4m3fn  # E4M3 at rest
+        w32 = dequantize_blocks(w.payload, w.scale, (16, 16), torch.float32)
+        wq = _dq64(quantize_nvfp4(w32, (16, 16)))
+        assert torch.equal(_dq64(quantize_nvfp4(w32.t().contiguous(), (16, 16))), wq.t())  # W and W^T: same values
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 64 - tokens))  # noqa: E731
+        xs, gs = pad(x.detach()), pad(dy)
+        if hadamard:
+            h = random_hadamard(torch.tensor(HADAMARD_SIGNS, dtype=torch.float32))
+            xs, gs = hadamard_transform(xs, h, 0), hadamard_transform(gs, h, 0)
+        checks = ((y, _dq64(quantize_nvfp4(x.detach())) @ wq.t(), 96),
+                  (x.grad, _dq64(quantize_nvfp4(dy)) @ wq, 64),
+                  (w.grad, _dq64(quantize_nvfp4(gs.t().contiguous())) @ _dq64(quantize_nvfp4(xs.t().contiguous())).t(),
+                   64))
+        for got, want, depth in checks:
+            assert (got.double() - want).abs().max() <= depth * 2.0**-24 * want.abs().max() * 4 + 1e-30
+
+
+def test_nvfp4_options_reach_the_quantizers():
+    from fp8.linear import Float8LinearConfig
+
+    spec = Float8LinearConfig(recipe="nvfp4", fp4_hadamard=False).recipe_spec
+    q = spec.make_quantizers(None, None, "e4m3")
+    assert (q.input.stochastic, q.grad_output.stochastic, q.grad_output.hadamard) == (False, True, False)
+    assert spec.hardware_problem(GemmTarget_h100()) is not None and "Blackwell" in spec.hardware_problem(
+        GemmTarget_h100())
+
+
+def GemmTarget_h100():
+    from fp8.gemm import GemmTarget
+
+    return GemmTarget("cuda", (9, 0), triton=True)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_nvfp4_trains(level):
+    """Thirty AdamW steps of a small MLP fitting 64 random targets at O1/O2 with NVFP4 (defaults: stochastic rounding,
+    Hadamard transform): the loss falls to 0.18-0.19 of its start (O2, seeds 0-4), 21-25% above the high-precision
+    run's (E2M1's 2**-2 rounding limits how exactly the weights fit the targets; MXFP8 stays within 5% on the same
+    task, ``tests/fp8/test_mxfp8.py``). Bounds 2x those."""
+    import fp8
+    from fp8.linear import Float8LinearConfig
+
+    losses = {}
+    for run in ("none", level):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = fp8.initialize(model, opt, run, config=Float8LinearConfig(recipe="nvfp4"))
+        gen = torch.Generator().manual_seed(1)
+        x, target = torch.randn(64, 64, generator=gen), torch.randn(64, 32, generator=gen)
+        first = None
+        for _ in range(30):
+            loss = (model(x) - target).pow(2).mean()
+            first = first if first is not None else loss.item()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses[run] = (first, loss.item())
+    assert losses[level][1] < 0.4 * losses[level][0], losses
+    assert abs(losses[level][1] / losses["none"][1] - 1) < 0.5, losses
+
+
+def test_megatron_fp4_flags():
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.config_rules import ConfigurationError
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--vocab-size", "256",
+            "--train-iters", "1", "--fp8-opt-level", "O2"]
+    args = validate_args(parse_args(base + ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--no-fp4-hadamard"]), 1)
+    assert args.fp8_recipe == "nvfp4" and args.fp4_hadamard is False and args.fp4_stochastic_rounding is True
+    for flags, message in ((["--fp4-recipe", "nvfp4"], "needs --fp4-format e2m1"),
+                           (["--fp4-format", "e2m1"], "needs --fp4-recipe nvfp4"),
+                           (["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--fp8-recipe", "mxfp8"], "pass one"),
+                           (["--no-fp4-stochastic-rounding"], "apply to --fp4-recipe nvfp4")):
+        with pytest.raises(ConfigurationError, match=message):
+            validate_args(parse_args(base + flags), 1)

@@ -15,7 +15,9 @@ from fp8.blocks import BLOCK, COLWISE, ROWWISE, TILE, TILE_T, block_amax, dequan
     grid_shape, quantize_to_blocks
 from fp8.gemm import fp8_mm_payload
 from fp8.linear import Float8Linear, Float8LinearConfig, InputCasts
-from fp8.recipes import RECIPES
+from fp8.recipes import RECIPES as ALL_RECIPES
+
+RECIPES = tuple(r for r in ALL_RECIPES if r != "nvfp4")  # the FP8 (E4M3) recipes; NVFP4's bounds: test_nvfp4.py
 
 E4M3_REL = 2.0**-4  # half an E4M3 ulp relative to a normal value (3 mantissa bits)
 

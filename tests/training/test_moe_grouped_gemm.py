@@ -131,7 +131,7 @@ def test_grouped_block_linear_is_the_fp8_linear_per_group(seed, recipe):
 def test_padding_keeps_each_expert_whole_and_drops_the_padding():
     assert padded_sizes(SIZES, 16) == [0, 16, 16, 48]
     assert padded_sizes(SIZES, 1) == SIZES
-    assert PAD_MULTIPLE == {"tensorwise": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32}
+    assert PAD_MULTIPLE == {"tensorwise": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32, "nvfp4": 32}
     x = torch.randn(sum(SIZES), 8, requires_grad=True)
     padding = ExpertPadding(SIZES, 16, x.device)
     padded = padding.pad(x)
