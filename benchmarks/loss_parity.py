@@ -178,12 +178,14 @@ def dispatch_bytes(a) -> None:
 
 RECIPE_VARIANTS = [("none", "tensorwise", False)] + [
     ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8") for act in (False, True)] + [
-    ("O1", "mxfp8", False), ("O1", "nvfp4", False), ("O2", "nvfp4", False), ("O2", "nvfp4 no RHT", False),
-    ("O2", "nvfp4 no SR", False), ("O2", "nvfp4 no RHT no SR", False)]
+    ("O1", "mxfp8", False), ("O2", "nvfp4", False), ("O1", "nvfp4", False), ("O2", "nvfp4 no RHT", False),
+    ("O2", "nvfp4 no SR", False), ("O2", "nvfp4 no RHT no SR", False), ("O2", "nvfp4 all layers", False)]
 NVFP4_FLAGS = {"nvfp4": [], "nvfp4 no RHT": ["--no-fp4-hadamard"], "nvfp4 no SR": ["--no-fp4-stochastic-rounding"],
-               "nvfp4 no RHT no SR": ["--no-fp4-hadamard", "--no-fp4-stochastic-rounding"]}
+               "nvfp4 no RHT no SR": ["--no-fp4-hadamard", "--no-fp4-stochastic-rounding"],
+               "nvfp4 all layers": ["--num-layers-at-end-in-bf16", "0"]}
 """NVFP4 (``--fp4-format e2m1 --fp4-recipe nvfp4``) with its defaults (random Hadamard transform of the
-weight-gradient operands, stochastic rounding of output gradients) and without each."""
+weight-gradient operands, stochastic rounding of output gradients, the last layer in high precision), without each,
+and with every layer in NVFP4."""
 
 
 def recipes(a) -> None:

@@ -26,7 +26,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8 import ops  # noqa: E402
 from fp8.blocks import dequantize_blocks, quantize_to_blocks  # noqa: E402
 from fp8.fp4 import (dequantize_nvfp4, hadamard_transform, quantize_nvfp4, random_hadamard,  # noqa: E402
                        round_e2m1, unpack_e2m1, pack_e2m1)

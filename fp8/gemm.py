@@ -56,7 +56,7 @@ from .cast import payload_and_scale
 from .formats import E5M2
 from .kernels.backend import triton_available
 from .fp4 import unpack_e2m1
-from .microscaling import MX_K_BLOCK, NVFP4_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
+from .microscaling import MX_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
 
 __all__ = [
     "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",

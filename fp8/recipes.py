@@ -44,7 +44,7 @@ from .gemm import GEMM_BACKENDS, GemmTarget
 from .microscaling import BLACKWELL, microscaling_problem
 from .quantizers import refresh_weight_operands as _refresh_core_operands
 from .quantizers import (
-    BLOCK_PAD, GEMM_PAD, BlockWeightQuantizer, LinearQuantizers, RowwiseQuantizer, RowwiseWeightQuantizer,
+    GEMM_PAD, BlockWeightQuantizer, LinearQuantizers, RowwiseQuantizer, RowwiseWeightQuantizer,
     TensorwiseQuantizer, TensorwiseWeightQuantizer, TileQuantizer,
 )
 from .scaling import ScalingState

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-grad-accumulation", choices=GRAD_ACCUMULATION, default="fp16",
                    help="FP8 weight gradients over micro-batches: scaled FP16 sums (2 B/element), fp32 sums (4 B) or "
                         "E4M3 (1 B)")
-    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise"), default="tensorwise",
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4"),
+                   default="tensorwise",
                    help="scale granularity: the weights' and saved inputs' scale grids")
     p.add_argument("--fp8-activations", action="store_true",
                    help="tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)")

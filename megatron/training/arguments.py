@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fp4-recipe", choices=("nvfp4",), default=None,
                    help="NVFP4 GEMMs (fp8.nvfp4; NVIDIA Blackwell, emulated on the CPU): E2M1 values, E4M3 scales per 16 "
                         "elements along K and one per tensor, 16x16 weight blocks (the weight held as E4M3), stochastic "
-                        "rounding of output gradients, a 16x16 random Hadamard transform on the weight-gradient GEMM; "
-                        "needs --fp4-format e2m1; replaces --fp8-recipe")
+                        "rounding of output gradients, a 16x16 random Hadamard transform on the weight-gradient GEMM, "
+                        "and the last transformer layer in high precision as NVIDIA's recipe keeps its last layers "
+                        "(--num-layers-at-end-in-bf16 N sets how many, 0 none); needs --fp4-format e2m1; replaces "
+                        "--fp8-recipe")
     f.add_argument("--no-fp4-hadamard", dest="fp4_hadamard", action="store_false",
                    help="--fp4-recipe nvfp4 without the random Hadamard transform of the weight-gradient operands")
     f.add_argument("--no-fp4-stochastic-rounding", dest="fp4_stochastic_rounding", action="store_false",
@@ -526,6 +528,12 @@ def _resolve_fp4_recipe(args: argparse.Namespace) -> None:
         raise ConfigurationError(f"--fp4-recipe nvfp4 and --fp8-recipe {args.fp8_recipe} both choose the linears' "
                                  f"recipe: pass one of them")
     args.fp8_recipe = "nvfp4"
+    if not args.first_last_layers_bf16 and not args.fp8_precision_config:
+        # NVIDIA's NVFP4 recipe keeps the last layers in BF16: by default the last --num-layers-at-end-in-bf16 (1);
+        # --num-layers-at-end-in-bf16 0 puts every layer in NVFP4
+        args.first_last_layers_bf16 = True
+        if not _given(args, "--num-layers-at-start-in-bf16"):
+            args.num_layers_at_start_in_bf16 = 0
 
 
 def check_recipe_hardware(args, target=None) -> None:

@@ -221,8 +221,18 @@ def test_megatron_fp4_flags():
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--vocab-size", "256",
             "--train-iters", "1", "--fp8-opt-level", "O2"]
-    args = validate_args(parse_args(base + ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--no-fp4-hadamard"]), 1)
+    from megatron.training.config_rules import high_precision_layers
+
+    fp4 = ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+    args = validate_args(parse_args(base + fp4 + ["--no-fp4-hadamard"]), 1)
     assert args.fp8_recipe == "nvfp4" and args.fp4_hadamard is False and args.fp4_stochastic_rounding is True
+    # NVIDIA's recipe keeps the last layers in high precision: by default the last one
+    layers = lambda a: high_precision_layers(a.first_last_layers_bf16, a.num_layers_at_start_in_bf16,  # noqa: E731
+                                             a.num_layers_at_end_in_bf16, a.num_layers)
+    assert layers(args) == {2}
+    assert layers(validate_args(parse_args(base + fp4 + ["--num-layers-at-end-in-bf16", "0"]), 1)) == set()
+    explicit = ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"]  # the user's choice stands
+    assert layers(validate_args(parse_args(base + fp4 + explicit), 1)) == {1}
     for flags, message in ((["--fp4-recipe", "nvfp4"], "needs --fp4-format e2m1"),
                            (["--fp4-format", "e2m1"], "needs --fp4-recipe nvfp4"),
                            (["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--fp8-recipe", "mxfp8"], "pass one"),

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "megatron_worker.py"
 SEED = int(os.environ.get("FP8LM_TEST_SEED", random.SystemRandom().randrange(2**31))) % 100_000
 MX = ["--fp8-recipe", "mxfp8"]
-FP4 = ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+FP4 = ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--num-layers-at-end-in-bf16", "0"]  # every layer in NVFP4
 TWO = [
     {"name": "tp2", "tp": 2, "levels": ["none", "O2"]},
     {"name": "tp2sp", "tp": 2, "sp": True, "levels": ["none", "O1", "O2"]},

@@ -256,7 +256,7 @@ class PlannerConfig:
     grad_accumulation: str = "fp16"
     pretrain_bf16: bool = False  # pretrain_gpt.py --bf16: torch's fused AdamW baseline (no state scales)
     min_fp8_dim: int = 0  # linears whose per-rank GEMM has min(in, out) below it stay high precision
-    fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise
+    fp8_recipe: str = "tensorwise"  # scale granularity (fp8.recipes): tensorwise | rowwise | blockwise | mxfp8 | nvfp4
     fp8_activations: bool = False  # tensors saved for backward stored as E4M3 in 1x128 tiles (fp8.activations)
     implementation: str = "megatron-core"  # whose layers save the activations: megatron-core | transformers (Llama)
     num_experts: int | None = None  # every MLP a megatron-core MoELayer of this many routed experts (None: dense MLPs)
