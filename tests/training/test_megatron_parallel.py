@@ -76,36 +76,26 @@ def results(tmp_path_factory):
 
 
 CASES = [(c["name"], lvl) for c in TWO + FOUR if not c.get("bf16") and "flags" not in c for lvl in c["levels"]]
-MX_CASES = [(c["name"], lvl) for c in TWO + FOUR if c.get("flags") == MX for lvl in c["levels"]]
-FP4_CASES = [(c["name"], lvl) for c in TWO + FOUR if c.get("flags") == FP4 for lvl in c["levels"]]
+# the block-scaled recipes, each against its own single-process run: (layout, level, reference run)
+RECIPE_CASES = [(c["name"], lvl, "single_mx" if c["flags"] is MX else "single_fp4")
+                for c in TWO + FOUR if c.get("flags") in (MX, FP4) for lvl in c["levels"]]
 
 
-@pytest.mark.parametrize("name,level", FP4_CASES)
-def test_nvfp4_layouts_track_its_single_process_run(results, name, level):
-    """NVFP4 under TP=2, PP=2 and DP=2 (O2) against its own single-process run: stochastic rounding draws differ
-    between layouts (each rank draws for its own shard), so the losses agree within NVFP4's noise, not bit for bit:
-    measured <= 2.8e-4 relative over the 3 iterations (seeds 11 and 12); bound 5e-3, the FP8 levels'."""
-    reference = results("single_fp4", level)[0]
-    ranks = results(name, level)
-    assert ranks and all(r["losses"] == ranks[0]["losses"] for r in ranks)
-    for it, (got, want) in enumerate(zip(ranks[0]["losses"], reference["losses"])):
-        assert abs(got - want) <= 5e-3 * abs(want), (name, level, it + 1, got, want, SEED)
-    pp = next(c for c in TWO + FOUR if c["name"] == name).get("pp", 1)
-    assert all(r["fp8_weights"] == 16 // pp for r in ranks)
-
-
-@pytest.mark.parametrize("name,level", MX_CASES)
-def test_mxfp8_layouts_match_its_single_process_run(results, name, level):
-    """MXFP8 under TP=2+SP, PP=2 and DP=2 (O2, O3) within the FP8 bound of its own single-process run (its tiles and
-    weight blocks never straddle a tensor-parallel shard: 32 divides every shard), every rank holding MXFP8 weights."""
-    reference = results("single_mx", level)[0]
+@pytest.mark.parametrize("name,level,reference_run", RECIPE_CASES)
+def test_block_scaled_recipes_match_their_single_process_run(results, name, level, reference_run):
+    """MXFP8 under TP=2+SP, PP=2 and DP=2 (O2, O3) and NVFP4 under TP=2, PP=2 and DP=2 (O2), each within the FP8 bound
+    (5e-3 relative) of its own single-process run, every rank holding its stage's FP8 weights. MXFP8's tiles and weight
+    blocks never straddle a tensor-parallel shard (32 divides every shard); NVFP4's stochastic rounding draws differ
+    between layouts (each rank draws for its own shard): measured <= 2.8e-4 relative over the 3 iterations (seeds 11
+    and 12). MXFP8's pipeline messages: 1 byte per value and a 4-byte scale per 1x32 tile of each token."""
+    reference = results(reference_run, level)[0]
     ranks = results(name, level)
     assert ranks and all(r["losses"] == ranks[0]["losses"] for r in ranks)
     for it, (got, want) in enumerate(zip(ranks[0]["losses"], reference["losses"])):
         assert abs(got - want) <= 5e-3 * abs(want), (name, level, it + 1, got, want, SEED)
     pp = next(c for c in TWO + FOUR if c["name"] == name).get("pp", 1)
     assert all(r["fp8_weights"] == reference["fp8_weights"] // pp == 16 // pp for r in ranks)
-    if name == "pp2_mx":  # 1 byte per value and a 4-byte scale per 1x32 tile of each token
+    if name == "pp2_mx":
         values = TOKENS_PER_MICRO * HIDDEN
         for tag in ("pp activations", "pp gradients"):
             sent = [b for b in _bytes(results, name, level, tag) if b > 0]
