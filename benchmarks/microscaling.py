@@ -123,7 +123,7 @@ def linear_errors() -> dict:
     from fp8.linear import Float8LinearConfig
 
     out = {}
-    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4"):
         sums = [0.0, 0.0, 0.0]
         for seed in SEEDS:
             g = torch.Generator().manual_seed(seed)
@@ -147,14 +147,15 @@ def state_bytes() -> dict:
     """Model-state bytes per parameter of the FP8 linears' weights (a TinyGPT, d_model 256, 4 layers: its FP8
     linears only, ``fp8.memory_report`` of a model made of them after one step, gradients held) at O1 and O2 per
     recipe, on the CPU; plus, for MXFP8, what each weight keeps for the Blackwell GEMMs (the transposed payload and both
-    GEMMs' swizzled E8M0 scales, built here for a simulated compute capability 10.0 GPU), per weight element."""
+    GEMMs' swizzled E8M0 scales, built here for a simulated compute capability 10.0 GPU), per weight element. NVFP4's
+    weights keep their two NVFP4 copies on every device: ``fp8.memory_report``'s ``"weight transposes"``."""
     import fp8
     from fp8.gemm import GemmTarget
     from fp8.mxfp8 import MXWeightQuantizer
     from fp8.testing import GPTConfig, TinyGPT
 
     out = {}
-    for recipe in ("tensorwise", "mxfp8"):
+    for recipe in ("tensorwise", "mxfp8", "nvfp4"):
         for level in ("O1", "O2"):
             torch.manual_seed(0)
             gpt = TinyGPT(GPTConfig(d_model=256, n_layer=4, vocab_size=256, seq_len=64))
