@@ -224,7 +224,7 @@ def test_dispatch_audit_on_a_compute_capability_9_gpu_emulates_no_gemm(monkeypat
             calls, aten, widths, tokens = _train_step(recipe, dtype, "auto", monkeypatch)
             assert aten.mm == len(calls) == 6  # CPU "auto" emulates: one aten.mm per GEMM, each one recorded
             rows += _audit(recipe, dtype, calls, widths, tokens)
-    print("\nFP8 GEMM dispatch audit, simulated CUDA compute capability 9.0 (mxfp8: 10.0; Triton installed):\n"
+    print("\nFP8 GEMM dispatch audit, simulated CUDA compute capability 9.0 (mxfp8, nvfp4: 10.0; Triton installed):\n"
           + _table(rows))
     assert {r["path"] for r in rows} <= set(GEMM_PATHS) - {"emulated"}, _table(rows)
     for r in rows:
