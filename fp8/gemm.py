@@ -30,6 +30,9 @@ what it decides (:data:`GEMM_PATHS`):
   >= 10.0); an operand may carry its scales already in that layout (:attr:`Operand.hw_scale`: a weight's, made once
   per optimizer step). On the CPU with ``backend="scaled_mm"`` the call's reference (:func:`fp8.ops.mx_mm`) runs on
   the same swizzled scales: the GPU's op sequence, bit-identical to the emulation.
+- ``scaled_mm_nvfp4``: NVFP4 operands (packed E2M1, ``torch.float4_e2m1fn_x2``, along K; :attr:`Operand.global_scale_inv`
+  the per-tensor factor) run ``torch.nn.functional.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales (the E4M3
+  block scales swizzled) on compute capability >= 10.0 (:mod:`fp8.nvfp4`); the emulation unpacks them.
 - ``emulated``: dequantize to fp32 and run an fp32 matmul: on CPU it equals ``_scaled_mm`` bit for bit, and
   ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU ``_scaled_mm`` is orders of magnitude slower);
   elsewhere it is the fallback, logged once per reason, for what no hardware path takes.
@@ -54,8 +57,8 @@ from . import ops
 from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scales_constant_along
 from .cast import payload_and_scale
 from .formats import E5M2
+from .fp4 import nvfp4_call_problem, unpack_e2m1
 from .kernels.backend import triton_available
-from .fp4 import unpack_e2m1
 from .microscaling import MX_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
 
 __all__ = [
@@ -80,8 +83,9 @@ SCALED_MM_NVFP4 = "scaled_mm_nvfp4"
 EMULATED = "emulated"
 GEMM_PATHS = (SCALED_MM_TENSORWISE, SCALED_MM_ROWWISE, SCALED_MM_ROWWISE_EPILOGUE, TRITON_BLOCK, SCALED_MM_MX,
               SCALED_MM_NVFP4, EMULATED)
+"""The paths :func:`gemm_path` chooses from (module docstring); all but ``emulated`` run on FP8 (or FP4) hardware."""
+
 FP4 = torch.float4_e2m1fn_x2
-"""The paths :func:`gemm_path` chooses from (module docstring); all but ``emulated`` run on FP8 hardware."""
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALED_MM_OUT = (torch.float32, torch.bfloat16, torch.float16)
@@ -465,8 +469,12 @@ def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, d
         rhs = b.data if b.data.stride(0) == 1 else b.data.t().contiguous().t()
         recipes = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
         swizzles = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
-        return F.scaled_mm(lhs, rhs, [_nvfp4_scales(a, 1), a.global_scale_inv.reshape(())], recipes,
-                           [_nvfp4_scales(b, 0), b.global_scale_inv.reshape(())], recipes, swizzles, swizzles,
+        sa, sb = _nvfp4_scales(a, 1), _nvfp4_scales(b, 0)
+        problem = nvfp4_call_problem(lhs, rhs, sa, sb, target.kind, target.capability)
+        if problem is not None:
+            raise RuntimeError(f"fp8_mm: internal error, the NVFP4 F.scaled_mm call breaks the GPU's rules: {problem}")
+        return F.scaled_mm(lhs, rhs, [sa, a.global_scale_inv.reshape(())], recipes,
+                           [sb, b.global_scale_inv.reshape(())], recipes, swizzles, swizzles,
                            output_dtype=out_dtype), None, None
     if choice.path == SCALED_MM_MX:
         lhs = a.data if _row_major(a.data) else a.data.contiguous()
