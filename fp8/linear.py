@@ -237,7 +237,7 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     gathered = hooks.gather_input is not None
     wgrad = any(ctx.needs_input_grad[i] for i in ctx.weight_inputs)
     columnwise = wgrad and not gathered and not grouped
-    key = (recipe.name, input_state.config if recipe.tensorwise else None, x2d.dtype, columnwise)
+    key = (recipe.name, recipe.options, input_state.config if recipe.tensorwise else None, x2d.dtype, columnwise)
     if gathered:
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
         data, scale_inv = hooks.gather_input(rows.data, rows.scale_inv)
