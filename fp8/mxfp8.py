@@ -21,9 +21,8 @@ forward's function of W's FP8 values), there is no second copy to re-quantize, a
 trains with (no E4M3-per-tensor copy from which an MX copy is made each step). The price against 1x32 weight blocks:
 an outlier raises the scale of 32 rows instead of one (measured in ``benchmarks/microscaling.py``). On Blackwell the
 input-gradient GEMM reads ``W`` column-major, so, as for a tensor-wise weight, its transpose is made once per optimizer
-step and kept with the weight, with both GEMMs' swizzled E8M0 scales (:attr:`fp8.gemm.Operand.hw_scale`), rewritten
-in place at the end of every optimizer step (:func:`refresh_weight_operands`); elsewhere (the emulation) nothing is
-kept.
+step and kept with the weight, with both GEMMs' swizzled E8M0 scales (:attr:`fp8.gemm.Operand.hw_scale`), made again
+at the end of every optimizer step (:func:`refresh_weight_operands`); elsewhere (the emulation) nothing is kept.
 
 GEMMs: ``F.scaled_mm`` with ``BlockWise1x32`` scales in cuBLAS's swizzled layout on compute capability >= 10.0
 (:func:`fp8.gemm.gemm_path`'s ``scaled_mm_mx``); the exact emulation on the CPU and with ``gemm_backend="emulated"``.
