@@ -63,9 +63,6 @@ def teardown(rt: Runtime) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        # every rank past its last collective (rank 0 may still be writing --output) before any tears the group
-        # down: a rank leaving while its peer's gloo pair is busy is the suspect of the rare abort at exit
-        dist.barrier()
         dist.destroy_process_group()
 
 
