@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blocks import expand_scales
 from .microscaling import NVFP4_K_BLOCK, microscaling_problem, swizzled_numel
 from .ops import power_of_two_scale
 
@@ -132,7 +133,7 @@ def quantize_nvfp4(x: torch.Tensor, block: tuple[int, int] = (1, NVFP4_K_BLOCK),
     scale = torch.where(low, (scale.view(torch.uint8) + 1).view(torch.float8_e4m3fn), scale)
     scale = torch.where(bad, torch.full_like(scale.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn), scale)
     s32 = scale.to(torch.float32)
-    per_elem = s32.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    per_elem = expand_scales(s32, block, (m, n))
     safe = torch.where(per_elem > 0, per_elem, torch.ones_like(per_elem))
     scaled = torch.where(per_elem > 0, values * g / safe, torch.zeros_like(values))  # a zero scale: an all-zero block
     codes = round_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator)
@@ -141,9 +142,7 @@ def quantize_nvfp4(x: torch.Tensor, block: tuple[int, int] = (1, NVFP4_K_BLOCK),
 
 def dequantize_nvfp4(q: NVFP4Operand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of ``q`` (exact in fp32)."""
-    br, bc = q.block
-    inv = q.scale_inv().repeat_interleave(br, 0).repeat_interleave(bc, 1)
-    return (unpack_e2m1(q.data) * inv).to(dtype)
+    return (unpack_e2m1(q.data) * expand_scales(q.scale_inv(), q.block, q.shape)).to(dtype)
 
 
 _SYLVESTER: dict[int, torch.Tensor] = {}

@@ -35,7 +35,7 @@ import torch
 
 from . import ops
 from .blocks import MX_BLOCK, MX_TILE, MX_TILE_T
-from .gemm import SCALED_MM_MX, GemmTarget, Operand, gemm_path, mx_scale
+from .gemm import SCALED_MM_MX, GemmTarget, Operand, gemm_path
 from .microscaling import MX_K_BLOCK
 from .quantizers import LinearQuantizers, TileQuantizer, WeightQuantizer
 from .scaling import ScalingState
@@ -52,6 +52,13 @@ def _runs_mx(payload: torch.Tensor, backend: str, target: GemmTarget | None) -> 
     return gemm_path(payload.t(), payload, out, target, backend, MX_TILE, MX_BLOCK).path == SCALED_MM_MX
 
 
+def _operands_from(payload: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A 32x32-block weight's kept operands from its payload and ``scale_inv`` grid ``inv``: ``(inv, W^T row-major,
+    the forward's swizzled E8M0 scales (N = out), the input gradient's (N = in))``."""
+    n, k = payload.shape
+    return inv, payload.t().contiguous(), ops.mx_scales(inv, n, MX_K_BLOCK), ops.mx_scales(inv.t(), k, MX_K_BLOCK)
+
+
 class MXWeightQuantizer(WeightQuantizer):
     """An MXFP8 weight in 32x32 blocks (module docstring): ``W^T`` for the forward GEMM, ``W`` for the input gradient,
     both from the one payload; on the hardware GEMM the transposed copy and both swizzled E8M0 scale tensors are kept
@@ -62,14 +69,7 @@ class MXWeightQuantizer(WeightQuantizer):
     @staticmethod
     def _operands(payload, scale, weight) -> tuple[torch.Tensor, ...]:
         """``(scale_inv grid, W row-major transposed copy, forward hw scales, input-gradient hw scales)``."""
-        def build():
-            inv = scale.reciprocal()
-            payload_t = payload.t().contiguous()
-            forward = mx_scale(Operand(payload.t(), inv.t(), MX_BLOCK), 0)
-            dgrad = mx_scale(Operand(payload, inv, MX_BLOCK), 0)
-            return inv, payload_t, forward, dgrad
-
-        return cached_operand(weight, payload, scale, ("mx",), build)
+        return cached_operand(weight, payload, scale, ("mx",), lambda: _operands_from(payload, scale.reciprocal()))
 
     def forward_b(self, payload, scale, weight, backend, target=None):
         if not _runs_mx(payload, backend, target):
@@ -98,12 +98,7 @@ def refresh_weight_operands(params) -> None:
         invs = [value[0] for _, value in stale]
         torch._foreach_copy_(invs, [w.scale for w, _ in stale])
         torch._foreach_reciprocal_(invs)
-        fresh = []
-        for (w, _), inv in zip(stale, invs):
-            n, k = w.payload.shape  # the forward's N = out, the input gradient's N = in: 32 rows per block row
-            fresh.append((inv, w.payload.t().contiguous(), ops.mx_scales(inv, n, MX_K_BLOCK),
-                          ops.mx_scales(inv.t(), k, MX_K_BLOCK)))
-        return fresh
+        return [_operands_from(w.payload, inv) for (w, _), inv in zip(stale, invs)]
 
     refresh_cached_operands(weights, ("mx",), rebuild)
 
