@@ -8,7 +8,8 @@ bf16, linears 256 x 256 without bias, 256 tokens, steady state (3 training steps
 
 - ``linear``: per FP8 linear, forward and backward launches and full-size passes (an op reading or writing a tensor
   of 256 x 256 elements or more), per recipe (tensorwise with delayed and with current scaling, rowwise, blockwise,
-  mxfp8: its Blackwell sequence, the GEMM as :func:`fp8.ops.mx_mm`, the call's CPU reference)
+  mxfp8 and nvfp4: their Blackwell sequences, the GEMM as :func:`fp8.ops.mx_mm` / :func:`fp8.fp4.nvfp4_mm`, the
+  calls' CPU references)
   and opt level; each figure is the slope between models of 2 and 8 linears, so the loss and the model's ends cancel.
   BF16 ``nn.Linear`` beside.
 - ``megatron`` (``--megatron``): ``pretrain_gpt.py``'s GPT per rank, a transformer layer (slope between 2 and 4
@@ -51,6 +52,7 @@ RECIPES = {  # name -> (recipe, scaling kind)
     "rowwise": ("rowwise", "delayed"),
     "blockwise": ("blockwise", "delayed"),
     "mxfp8": ("mxfp8", "delayed"),
+    "nvfp4": ("nvfp4", "delayed"),
 }
 LEVELS = ("O1", "O2", "O3")
 

@@ -1,6 +1,7 @@
 """NVFP4 numerics (NVIDIA Blackwell): E2M1 values packed two per byte, one E4M3 scale per 16 elements, one fp32 scale
-per tensor; stochastic rounding; the 16x16 random Hadamard transform. The torch reference of the NVFP4 recipe's
-quantizers (its linear integration is not built yet: ``fp8.initialize(recipe="nvfp4")`` does not exist).
+per tensor; stochastic rounding; the 16x16 random Hadamard transform (the torch reference, the tests' oracle), and
+the NVFP4 recipe's fused kernels as ``torch.library`` custom ops (:func:`nvfp4_amax`, :func:`nvfp4_quantize`: one
+launch each, Triton on CUDA in :mod:`fp8.kernels.triton_fp4`; :func:`nvfp4_mm`, the GEMM call's CPU reference).
 
 Format (NVIDIA's NVFP4, as cuBLAS and ``torch.nn.functional.scaled_mm`` read it):
 
@@ -34,12 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import expand_scales
-from .microscaling import NVFP4_K_BLOCK, microscaling_problem, swizzled_numel
+from .blocks import dequantize_blocks, expand_scales
+from .microscaling import NVFP4_K_BLOCK, microscaling_problem, swizzle, swizzled_numel, unswizzle
 from .ops import power_of_two_scale
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "NVFP4Operand", "quantize_nvfp4", "dequantize_nvfp4", "pack_e2m1",
-           "unpack_e2m1", "round_e2m1", "random_hadamard", "hadamard_transform", "nvfp4_call_problem"]
+           "unpack_e2m1", "round_e2m1", "random_hadamard", "hadamard_transform", "nvfp4_call_problem",
+           "nvfp4_amax", "nvfp4_quantize", "nvfp4_mm", "sign_mask"]
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -162,14 +164,20 @@ def random_hadamard(signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
 def hadamard_transform(x: torch.Tensor, h: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` with ``h`` (16x16) applied to every group of 16 consecutive elements along ``dim`` (its size a multiple of
     16): along the tokens of both weight-gradient operands, ``(dY^T H)(H^T x)`` is ``dY^T x`` (``x`` and ``dY`` as
-    ``(tokens, features)``, the transform on ``dim=0`` of each: ``H^T`` applied per group)."""
-    moved = x.movedim(dim, 0)
-    size = moved.shape[0]
+    ``(tokens, features)``, the transform on ``dim=0`` of each: ``H^T`` applied per group). In fp32 (or ``x``'s dtype)
+    with one fixed order, ``out_i = (((0 + x_0 h_0i) + x_1 h_1i) + ...) + x_15 h_15i`` (the products exact: ``h``'s
+    entries are +-1/4), the order :func:`nvfp4_quantize`'s Triton kernel sums in, so kernel and reference agree bit
+    for bit."""
+    moved = x.movedim(dim, -1)
+    size = moved.shape[-1]
     if size % NVFP4_K_BLOCK:
         raise ValueError(f"the Hadamard transform works on groups of {NVFP4_K_BLOCK}: dimension {dim} has {size}")
-    groups = moved.reshape(size // NVFP4_K_BLOCK, NVFP4_K_BLOCK, -1)  # (groups, 16, the rest)
-    out = torch.matmul(h.t().to(x.dtype), groups)  # each group's 16 values times h: one GEMM per group, wide N
-    return out.reshape(moved.shape).movedim(0, dim)
+    groups = moved.reshape(*moved.shape[:-1], size // NVFP4_K_BLOCK, NVFP4_K_BLOCK)
+    hm = h.to(x.dtype)
+    out = torch.zeros_like(groups)
+    for j in range(NVFP4_K_BLOCK):
+        out = out + groups[..., j:j + 1] * hm[j]
+    return out.reshape(moved.shape).movedim(-1, dim)
 
 
 def nvfp4_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -196,3 +204,131 @@ def nvfp4_call_problem(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.
         if scale.dtype != torch.float8_e4m3fn or scale.numel() != want:
             return f"{name} must be {want} float8_e4m3fn block scales (swizzled), got {scale.numel()} {scale.dtype}"
     return microscaling_problem(kind, capability, "NVFP4")
+
+
+# -- fused kernels: torch.library custom ops (the torch reference; Triton on CUDA, fp8.kernels.triton_fp4) ------------
+def sign_mask(signs) -> int:
+    """The 16 Hadamard signs (+-1) as the fused kernels take them: bit ``i`` set where ``signs[i]`` is -1."""
+    return sum(1 << i for i, s in enumerate(signs) if s < 0)
+
+
+def _hadamard_of(mask: int) -> torch.Tensor:
+    return random_hadamard(torch.tensor([-1.0 if mask >> i & 1 else 1.0 for i in range(NVFP4_K_BLOCK)]))
+
+
+def _logical(x: torch.Tensor, transpose: bool, pad: int, signs: int, x_scale: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 matrix an NVFP4 kernel quantizes: ``x`` (dequantized by its 16x16 block ``x_scale`` grid when given)
+    or its transpose (``transpose``), its columns (the GEMM's K) zero-padded to a multiple of ``pad`` and of 16,
+    Hadamard-transformed along them when ``signs`` (a :func:`sign_mask`) is not -1."""
+    values = x.to(torch.float32) if x_scale is None else dequantize_blocks(x, x_scale, (16, 16), torch.float32)
+    if transpose:
+        values = values.t()
+    k = values.shape[1]
+    kp = -(-k // max(pad, NVFP4_K_BLOCK)) * max(pad, NVFP4_K_BLOCK)
+    if kp != k:
+        values = torch.nn.functional.pad(values, (0, kp - k))
+    if signs >= 0:
+        values = hadamard_transform(values, _hadamard_of(signs).to(values.device), 1)
+    return values.contiguous()
+
+
+def _k_padded(x: torch.Tensor, transpose: bool, pad: int) -> int:
+    k = x.shape[0] if transpose else x.shape[1]
+    step = max(pad, NVFP4_K_BLOCK)
+    return -(-k // step) * step
+
+
+@torch.library.custom_op("fp8lm::nvfp4_amax", mutates_args=())
+def nvfp4_amax(x: torch.Tensor, signs: int, transpose: bool, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[finite amax, non-finite flag]`` (fp32) of the matrix :func:`nvfp4_quantize` quantizes from the same
+    arguments: ``x`` (an FP8 payload dequantized by its 16x16 block grid ``x_scale``, ``value = payload / scale``,
+    when given: a weight), transposed with ``transpose``, transformed by the random Hadamard matrix of ``signs`` (a
+    :func:`sign_mask`; -1: none) in groups of 16 along its columns (zero-padded to 16): the per-tensor amax of an
+    NVFP4 operand, in one read (the transformed or dequantized tensor is never written)."""
+    values = _logical(x, transpose, NVFP4_K_BLOCK, signs, x_scale)
+    finite = torch.isfinite(values)
+    amax = torch.where(finite, values.abs(), torch.zeros_like(values)).amax() if values.numel() else values.new_zeros(())
+    flag = (~finite).any().to(torch.float32) if values.numel() else values.new_zeros(())
+    return torch.stack([amax, flag])
+
+
+@nvfp4_amax.register_fake
+def _(x, signs, transpose, x_scale=None):
+    return x.new_empty((2,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8lm::nvfp4_quantize", mutates_args=())
+def nvfp4_quantize(x: torch.Tensor, amax2: torch.Tensor, block_rows: int, transpose: bool, pad: int, signs: int,
+                   stochastic: bool, seed: int, x_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NVFP4 GEMM operand in one pass: ``(data, scale_inv, hw_scale, global_scale_inv)`` of the matrix ``L`` =
+    ``x`` or ``x^T`` (``transpose``: the weight-gradient operands, tokens along K; ``x`` an FP8 payload dequantized
+    by its 16x16 block ``x_scale`` grid when given: a weight's copies), its columns zero-padded to a
+    multiple of ``pad`` (and 16), Hadamard-transformed along them by the random Hadamard matrix of ``signs`` (a
+    :func:`sign_mask`; -1: none; a constant of the kernel, no tensor to move), quantized as
+    :func:`quantize_nvfp4` does with blocks of ``block_rows`` x 16 (1: activations, 16: weights) and the per-tensor
+    scale from ``amax2[0]`` (:func:`fp8.ops.amax` of ``x``, or :func:`nvfp4_amax`; agreed over a group where one
+    shares it). ``data`` uint8 ``(R, K/2)`` (view as ``torch.float4_e2m1fn_x2``), ``scale_inv`` the fp32 grid
+    (``block_scale * global_scale_inv``), ``hw_scale`` the E4M3 block scales per row in cuBLAS's swizzled layout (what
+    ``F.scaled_mm`` reads: no swizzle kernel per GEMM), ``global_scale_inv`` 0-d. ``stochastic``: stochastic rounding
+    from the draws of ``seed`` (the Triton kernel's ``tl.rand`` on CUDA, a ``torch.Generator`` here: the same law,
+    not the same draws)."""
+    values = _logical(x, transpose, pad, signs, x_scale)
+    generator = None
+    if stochastic:
+        generator = torch.Generator(device=values.device)
+        generator.manual_seed(seed)
+    q = quantize_nvfp4(values, (block_rows, NVFP4_K_BLOCK), stochastic, generator, amax2[0])
+    rows = values.shape[0]
+    bits = q.block_scales.view(torch.uint8)
+    per_row = bits.repeat_interleave(block_rows, dim=0) if block_rows > 1 else bits
+    hw = swizzle(per_row[:rows]).reshape(-1).view(torch.float8_e4m3fn)
+    return q.data.view(torch.uint8), q.scale_inv(), hw, q.global_scale_inv.reshape(())
+
+
+@nvfp4_quantize.register_fake
+def _(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale=None):
+    rows = x.shape[1] if transpose else x.shape[0]
+    kp = _k_padded(x, transpose, pad)
+    kb = kp // NVFP4_K_BLOCK
+    return (x.new_empty((rows, kp // 2), dtype=torch.uint8),
+            x.new_empty((rows // block_rows, kb), dtype=torch.float32),
+            x.new_empty((swizzled_numel(rows, kb),), dtype=torch.float8_e4m3fn),
+            x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("fp8lm::nvfp4_mm", mutates_args=())
+def nvfp4_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, global_a: torch.Tensor, scale_b: torch.Tensor,
+             global_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The NVFP4 GEMM ``a @ b`` as ``F.scaled_mm`` takes it (packed ``a`` ``(M, K/2)`` row-major, ``b`` ``(K/2, N)``
+    column-major, swizzled E4M3 block scales, 0-d fp32 global scales): the hardware call's reference where it has no
+    kernel (the CPU with ``gemm_backend="scaled_mm"``: the GPU's op sequence, counted). Exact products, an fp32
+    matmul: bit-identical to the emulated GEMM."""
+    m, n = a.shape[0], b.shape[1]
+    k = 2 * a.shape[1]
+    sa = unswizzle(scale_a.view(torch.uint8), m, k // NVFP4_K_BLOCK).view(torch.float8_e4m3fn).to(torch.float32)
+    sb = unswizzle(scale_b.view(torch.uint8), n, k // NVFP4_K_BLOCK).view(torch.float8_e4m3fn).to(torch.float32)
+    va = unpack_e2m1(a) * (sa * global_a).repeat_interleave(NVFP4_K_BLOCK, dim=1)
+    vb = unpack_e2m1(b.t()) * (sb * global_b).repeat_interleave(NVFP4_K_BLOCK, dim=1)
+    return torch.mm(va, vb.t()).to(out_dtype)
+
+
+@nvfp4_mm.register_fake
+def _(a, b, scale_a, global_a, scale_b, global_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _triton():
+    from .kernels import triton_fp4  # noqa: PLC0415  (Triton is imported when a CUDA op first runs)
+
+    return triton_fp4
+
+
+@nvfp4_amax.register_kernel("cuda")
+def _(x, signs, transpose, x_scale=None):
+    return _triton().launch_nvfp4_amax(x, signs, transpose, x_scale)
+
+
+@nvfp4_quantize.register_kernel("cuda")
+def _(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale=None):
+    return _triton().launch_nvfp4_quantize(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale)

@@ -32,7 +32,9 @@ what it decides (:data:`GEMM_PATHS`):
   the same swizzled scales: the GPU's op sequence, bit-identical to the emulation.
 - ``scaled_mm_nvfp4``: NVFP4 operands (packed E2M1, ``torch.float4_e2m1fn_x2``, along K; :attr:`Operand.global_scale_inv`
   the per-tensor factor) run ``torch.nn.functional.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales (the E4M3
-  block scales swizzled) on compute capability >= 10.0 (:mod:`fp8.nvfp4`); the emulation unpacks them.
+  block scales swizzled: :attr:`Operand.hw_scale` as the recipe's quantize kernel writes them) on compute capability
+  >= 10.0 (:mod:`fp8.nvfp4`); on the CPU with ``backend="scaled_mm"`` the call's reference
+  (:func:`fp8.fp4.nvfp4_mm`), bit-identical to the emulation, which unpacks them.
 - ``emulated``: dequantize to fp32 and run an fp32 matmul: on CPU it equals ``_scaled_mm`` bit for bit, and
   ``backend="auto"`` takes it there (:data:`GEMM_BACKENDS`: CPU ``_scaled_mm`` is orders of magnitude slower);
   elsewhere it is the fallback, logged once per reason, for what no hardware path takes.
@@ -57,9 +59,9 @@ from . import ops
 from .blocks import Block, dequantize_blocks, expand_scales, is_tensorwise, scales_constant_along
 from .cast import payload_and_scale
 from .formats import E5M2
-from .fp4 import nvfp4_call_problem, unpack_e2m1
+from .fp4 import nvfp4_call_problem, nvfp4_mm, unpack_e2m1
 from .kernels.backend import triton_available
-from .microscaling import MX_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
+from .microscaling import BLACKWELL, MX_K_BLOCK, microscaling_problem, swizzle, swizzled_numel
 
 __all__ = [
     "Operand", "mm", "fp8_mm", "fp8_mm_payload", "gemm_path", "GemmPath", "GemmTarget", "GEMM_PATHS", "scaled_mm_supported",
@@ -271,13 +273,16 @@ def _nvfp4_problem(a: torch.Tensor, b: torch.Tensor, target: GemmTarget) -> str 
     (m, k), n = logical_shape(a), logical_shape(b)[1]
     if k % 32 or n % 16:
         return f"NVFP4 GEMM M x K x N = {m} x {k} x {n}: K must be a multiple of 32 and N of 16"
-    if target.kind == "cpu":
-        return "the CPU has no NVFP4 GEMM (torch._scaled_mm rejects it there); use gemm_backend='auto'"
+    if target.kind == "cpu":  # gemm_backend="scaled_mm": the call's reference (fp8.fp4.nvfp4_mm), the GPU's op sequence
+        return None
     return microscaling_problem(target.kind, target.capability, "NVFP4")
 
 
 def _nvfp4_scales(op: "Operand", k_dim: int) -> torch.Tensor:
-    """An NVFP4 operand's E4M3 block scales (one per 16 along K per row) in cuBLAS's swizzled layout."""
+    """An NVFP4 operand's E4M3 block scales (one per 16 along K per row) in cuBLAS's swizzled layout:
+    :attr:`Operand.hw_scale` as the recipe's kernel wrote them (:func:`fp8.fp4.nvfp4_quantize`), else made here."""
+    if op.hw_scale is not None:
+        return op.hw_scale
     grid, block = (op.scale_inv, op.block) if k_dim == 1 else (op.scale_inv.t(), (op.block[1], op.block[0]))
     rows = logical_shape(op.data)[0] if k_dim == 1 else logical_shape(op.data)[1]
     full = grid.repeat_interleave(block[0], dim=0)[:rows] if block[0] > 1 else grid
@@ -385,9 +390,11 @@ class Operand:
 
     @property
     def t(self) -> "Operand":
-        """The transposed operand (views only; without :attr:`hw_scale`, which is for one orientation)."""
+        """The transposed operand (views only; without :attr:`hw_scale`, which is for one orientation, except for
+        NVFP4: its data is packed along K, so a transpose never changes which dimension is K)."""
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
         return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]),
+                       hw_scale=self.hw_scale if self.global_scale_inv is not None else None,
                        global_scale_inv=self.global_scale_inv)
 
     @property
@@ -470,9 +477,12 @@ def _run(choice: GemmPath, a: Operand, b: Operand, out_dtype, backend, target, d
         recipes = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
         swizzles = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
         sa, sb = _nvfp4_scales(a, 1), _nvfp4_scales(b, 0)
-        problem = nvfp4_call_problem(lhs, rhs, sa, sb, target.kind, target.capability)
+        problem = nvfp4_call_problem(lhs, rhs, sa, sb, "cuda" if target.kind == "cpu" else target.kind,
+                                     BLACKWELL if target.kind == "cpu" else target.capability)
         if problem is not None:
             raise RuntimeError(f"fp8_mm: internal error, the NVFP4 F.scaled_mm call breaks the GPU's rules: {problem}")
+        if target.kind == "cpu":  # F.scaled_mm has no NVFP4 kernel on the CPU: its reference, on the same operands
+            return nvfp4_mm(lhs, rhs, sa, a.global_scale_inv, sb, b.global_scale_inv, out_dtype), None, None
         return F.scaled_mm(lhs, rhs, [sa, a.global_scale_inv.reshape(())], recipes,
                            [sb, b.global_scale_inv.reshape(())], recipes, swizzles, swizzles,
                            output_dtype=out_dtype), None, None

@@ -278,8 +278,10 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     kept = [c for c in group_cols if c is not None]
     if kept:
         saved = Operand(saved.data.new_empty((0, 0)), saved.scale_inv.new_empty((0,)), saved.block)
+    hw = saved.hw_scale if not kept else None  # its scales in the GEMM's layout, where the kernel wrote them (NVFP4)
     ctx.save_for_backward(saved.data, saved.scale_inv, *(w.payload for w in weights), *(w.scale for w in weights),
-                          *(c.data for c in kept), *(c.scale_inv for c in kept))
+                          *(c.data for c in kept), *(c.scale_inv for c in kept), *(() if hw is None else (hw,)))
+    ctx.saved_hw = hw is not None
     ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, len(weights)
     ctx.saved_global = saved.global_scale_inv  # NVFP4's 0-d per-tensor factor (None for FP8 operands)
     ctx.group_cols = [c is not None for c in group_cols]
@@ -316,6 +318,7 @@ def linear_backward(ctx, grad_out):
     where the rows are not gathered), ``dX = dY @ W`` and ``dW = dY^T @ X`` in FP8 per weight; the weight gradients
     held per ``grad_accumulation`` (:func:`weight_grad`)."""
     saved_data, saved_scale, *wt = ctx.saved_tensors
+    saved_hw = wt.pop() if ctx.saved_hw else None
     n = ctx.n_weights
     payloads, scales, kept = wt[:n], wt[n:2 * n], wt[2 * n:]
     group_cols, it = [], iter(zip(kept[:len(kept) // 2], kept[len(kept) // 2:]))
@@ -334,7 +337,7 @@ def linear_backward(ctx, grad_out):
     if gathered:
         data, scale_inv = hooks.gather_grad_output(g_rows.data, g_rows.scale_inv)
         g_rows = Operand(data, scale_inv, g_rows.block)
-    saved = Operand(saved_data, saved_scale, ctx.saved_block, global_scale_inv=ctx.saved_global)
+    saved = Operand(saved_data, saved_scale, ctx.saved_block, hw_scale=saved_hw, global_scale_inv=ctx.saved_global)
     grad_x = grad_b = None
     grad_ws = [None] * n
     bounds = group_bounds(sizes) if grouped else [(0, g_rows.data.shape[0])]

@@ -154,7 +154,8 @@ def refresh_weight_operands(params) -> None:
     """After an optimizer step wrote FP8 weights: the GEMM operands every recipe's weights keep, brought up to date at
     the end of the step (the optimizers call it): the quantizer core's (tensorwise, rowwise, blockwise:
     :func:`fp8.quantizers.refresh_weight_operands`) and each recipe module's own (MXFP8:
-    :func:`fp8.mxfp8.refresh_weight_operands`)."""
+    :func:`fp8.mxfp8.refresh_weight_operands`; NVFP4: :func:`fp8.nvfp4.refresh_weight_operands`)."""
     params = list(params)
     _refresh_core_operands(params)
     mxfp8.refresh_weight_operands(params)
+    nvfp4.refresh_weight_operands(params)

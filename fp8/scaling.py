@@ -126,9 +126,21 @@ class ScalingState(nn.Module):
         # FP8 numerics statistics of this role's casts (fp8.stats.FP8Statistics sets one; None: not collected):
         # anything with ``observe(x, scale, fmt)``, called with each training cast's input and scale.
         self.stats = None
+        self._seed_base: int | None = None  # rounding_seed's base, drawn at its first call
+        self._seed_calls = 0
         self.register_buffer("amax_history", torch.zeros(config.history_len, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("has_history", torch.zeros((), dtype=torch.bool, device=device))
+
+    def rounding_seed(self) -> int:
+        """A fresh seed for a stochastic-rounding cast of this role (NVFP4's gradients): a base drawn from torch's
+        CPU generator at the first call (seeded runs repeat; every linear's role draws its own) plus the number of
+        calls since; host integers only after the first call, so a cast costs no device op for its seed. Not saved:
+        a resumed run draws a new base."""
+        if self._seed_base is None:
+            self._seed_base = int(torch.randint(0, 2**30, (), device="cpu").item())
+        self._seed_calls += 1
+        return self._seed_base + self._seed_calls
 
     @property
     def format(self) -> FP8Format:

@@ -24,7 +24,7 @@ from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 __all__ = [
     "launch_amax", "launch_cast_transpose", "launch_quantize_rows", "launch_quantize_cols_t", "launch_quantize_tiles",
     "launch_transpose_fp8", "launch_scaled_fp16", "launch_apply_scales", "launch_update_scales", "launch_transpose_fp8_into",
-    "launch_sum_chunks", "launch_mx_scales",
+    "launch_sum_chunks", "launch_mx_scales", "pow2_scale", "amax_scratch",
 ]
 
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -35,7 +35,7 @@ _MAX_TABLES = 16
 
 
 @triton.jit
-def _pow2_scale(amax, FMAX: tl.constexpr, MARGIN: tl.constexpr, previous):
+def pow2_scale(amax, FMAX: tl.constexpr, MARGIN: tl.constexpr, previous):
     """:func:`fp8.ops.power_of_two_scale` on fp32 ``amax``: exact ``2**(floor(log2(FMAX / amax)) - MARGIN)`` within
     ``2**+-126``, ``previous`` where ``amax`` is 0 or not finite."""
     x = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * FMAX  # torch's fmax / amax: the reciprocal, then the product
@@ -46,7 +46,8 @@ def _pow2_scale(amax, FMAX: tl.constexpr, MARGIN: tl.constexpr, previous):
     return tl.where(ok, scale, previous)
 
 
-def _scratch(device: torch.device) -> torch.Tensor:
+def amax_scratch(device: torch.device) -> torch.Tensor:
+    """The amax reductions' scratch on ``device`` (3 int32: amax bits, flag bits, arrivals; zeros between launches)."""
     buf = _SCRATCH.get(device)
     if buf is None:
         buf = _SCRATCH[device] = torch.zeros(3, dtype=torch.int32, device=device)
@@ -86,7 +87,7 @@ def launch_amax(x: torch.Tensor, row: torch.Tensor | None, col: torch.Tensor | N
     grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(n, block_n)))
     src = payload_view(x)
     _amax_kernel[grid](
-        src, row if row is not None else out, col if col is not None else out, _scratch(x.device), out, m, n,
+        src, row if row is not None else out, col if col is not None else out, amax_scratch(x.device), out, m, n,
         src.stride(0), src.stride(1), grid[0] * grid[1], IN_FMT=format_code(x.dtype), HAS_ROW=row is not None,
         HAS_COL=col is not None, BLOCK_M=block_m, BLOCK_N=block_n,
     )
@@ -110,7 +111,7 @@ def _cast_t_kernel(x_ptr, scale_ptr, amax2_ptr, prev_ptr, slot_ptr, data_ptr, t_
         a = tl.load(amax2_ptr)
         badf = tl.load(amax2_ptr + 1)
         bad = badf > 0
-        scale = _pow2_scale(a, FMAX, MARGIN, tl.load(prev_ptr))
+        scale = pow2_scale(a, FMAX, MARGIN, tl.load(prev_ptr))
         finite = (tl.abs(x) <= 3.4028234663852886e38) & ((tl.zeros_like(x) + badf) == 0.0)
         inv = tl.where(bad, float("nan"), 1.0 / scale)
     else:
@@ -193,7 +194,7 @@ def _rows_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, M, N, stride_m, stride_n, IN_
                 x = x * tl.load(xs_ptr + cols, mask=cols < N, other=1.0)[None, :]
         ok = mask & (tl.abs(x) <= 3.4028234663852886e38)
         amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(x), 0.0), axis=1))
-    scale = _pow2_scale(amax, FMAX, 0, tl.full((BLOCK_M,), 1.0, tl.float32))
+    scale = pow2_scale(amax, FMAX, 0, tl.full((BLOCK_M,), 1.0, tl.float32))
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask = in_rows[:, None] & (cols[None, :] < N)
@@ -256,7 +257,7 @@ def _cols_t_kernel(x_ptr, xs_ptr, t_ptr, inv_ptr, M, N, stride_m, stride_n, widt
                 x = x * xs_col
         ok = mask & (tl.abs(x) <= 3.4028234663852886e38)
         amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0))
-    scale = _pow2_scale(amax, FMAX, 0, tl.full((BLOCK_N,), 1.0, tl.float32))
+    scale = pow2_scale(amax, FMAX, 0, tl.full((BLOCK_N,), 1.0, tl.float32))
     for start in range(0, width, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
         mask = (rows[:, None] < M) & in_cols[None, :]
@@ -306,12 +307,12 @@ def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N,
         x = x * tl.load(xs_ptr + rows * n_tiles + pid_n, mask=rows < M, other=1.0)[:, None]
     finite = tl.abs(x) <= 3.4028234663852886e38
     mag = tl.where(finite & mask, tl.abs(x), 0.0)
-    s = _pow2_scale(tl.max(mag, axis=1), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
+    s = pow2_scale(tl.max(mag, axis=1), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
     y = tl.where(finite, tl.minimum(tl.maximum(x * s[:, None], -FMAX), FMAX), float("nan"))
     tl.store(data_ptr + rows[:, None] * N + cols[None, :], encode_f32(y, OUT_FMT), mask=mask)
     tl.store(inv_ptr + rows * n_tiles + pid_n, 1.0 / s, mask=rows < M)
     if COLUMNWISE:
-        sc = _pow2_scale(tl.max(mag, axis=0), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
+        sc = pow2_scale(tl.max(mag, axis=0), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
         yc = tl.where(finite, tl.minimum(tl.maximum(x * sc[None, :], -FMAX), FMAX), float("nan"))
         bits = tl.where(mask, encode_f32(yc, OUT_FMT), 0)  # rows past M (padding): zeros
         c_mask = (rows[:, None] < rows_c) & (cols[None, :] < N)
@@ -392,7 +393,7 @@ def _scale_elementwise_kernel(x_ptr, row_ptr, col_ptr, amax2_ptr, out_ptr, scale
     if HAS_COL:
         x = x * tl.load(col_ptr + cols, mask=cols < N, other=1.0)[None, :]
     if TO_FP16:
-        scale = _pow2_scale(tl.load(amax2_ptr), 65504.0, 11, 1.0)
+        scale = pow2_scale(tl.load(amax2_ptr), 65504.0, 11, 1.0)
         x = x * scale
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_out_ptr, scale)

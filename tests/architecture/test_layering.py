@@ -30,7 +30,7 @@ LAYERS = (
     ("fp8.cast",),
     ("fp8.kernels.backend", "fp8.kernels.triton_formats", "fp8.kernels.triton_cast", "fp8.kernels.triton_adam",
      "fp8.kernels.cast_transpose_amax", "fp8.kernels.triton_block_gemm", "fp8.kernels.triton_quantize",
-     "fp8.kernels.triton_multi_tensor"),
+     "fp8.kernels.triton_multi_tensor", "fp8.kernels.triton_fp4"),
     ("fp8.ops",),  # the fused kernels as torch.library custom ops: torch references, Triton launched on CUDA
     ("fp8.scaling",),
     # block scale grids (power-of-two scale per block); MX/NVFP4 swizzled layouts; NVFP4 numerics (torch reference)

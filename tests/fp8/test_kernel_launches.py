@@ -19,13 +19,19 @@ linears), against BF16's 3 (one forward GEMM, two backward GEMMs):
   swizzled E8M0 scales of each activation operand (4: the next fusion folds them into the tile kernel), three GEMMs,
   the weight gradient's two kernels; the optimizer step adds 3 per weight (its transpose and its two GEMMs' swizzled
   scales).
+- nvfp4: 13 launches, 13 full-size passes, its Blackwell sequence (the GEMM counted as :func:`fp8.fp4.nvfp4_mm`):
+  each of the four activation operands (x and dY, row-wise and, transposed and Hadamard-transformed, column-wise) is
+  its amax then one fused pass (:func:`fp8.fp4.nvfp4_quantize`, which also writes the GEMM's swizzled scales: 8),
+  three GEMMs, the weight gradient's two kernels; the optimizer step adds 3 per weight (the amax of its E4M3 payload
+  and its two NVFP4 copies). Each operand needs its per-tensor amax before its first element is written, as current
+  scaling does (the reference quantizers launched 82 and 105 kernels per operand).
 - with ``grad_accumulation="fp32"`` (the weight gradient left as the GEMM's fp32 output, as Transformer Engine's
   ``main_grad``): 5 at delayed and 7 at current scaling; the 2-byte gradient's amax and cast are the 2 launches
   between those and the default's 7 and 9.
 
 The optimizer step is flat in the number of linears at O2 and O3 for every recipe (multi-tensor ops; block-scaled
 weights quantized from their masters by one op for all), except the row-wise recipe's per-input-channel copy of each
-weight (1 per linear) and MXFP8's transpose and swizzled scales (3 per linear); at O1 it grows by nothing more than torch's own AdamW on the masters: 0 with ``fused=True``, the
+weight (1 per linear), MXFP8's transpose and swizzled scales (3 per linear) and NVFP4's two copies (3 per linear); at O1 it grows by nothing more than torch's own AdamW on the masters: 0 with ``fused=True``, the
 2 host reads of each step count with ``foreach=True`` (BF16 pays the same).
 """
 
@@ -50,10 +56,11 @@ BUDGET = {
     ("rowwise", "delayed"): (9, 9),
     ("blockwise", "delayed"): (7, 7),
     ("mxfp8", "delayed"): (11, 7),
+    ("nvfp4", "delayed"): (13, 13),
 }
 FP32_WGRAD_BUDGET = {"delayed": (5, 5), "current": (7, 7)}
 # optimizer-step launches per extra linear, per recipe (rowwise: the weight's per-input-channel copy)
-STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0, "mxfp8": 3}
+STEP_SLOPE = {"tensorwise": 0, "rowwise": 1, "blockwise": 0, "mxfp8": 3, "nvfp4": 3}
 
 
 def _slopes(level, recipe="tensorwise", kind="delayed", **kwargs):
@@ -81,6 +88,9 @@ def test_fp8_linear_launches_per_recipe(recipe, kind):
         assert slopes["step"]["by_op"] == {"fp8lm.quantize_cols_t.default": 1}, slopes["step"]["by_op"]
     if recipe == "mxfp8":  # the weight's transpose and its two GEMMs' swizzled E8M0 scales, made in the step
         assert slopes["step"]["by_op"] == {"fp8lm.mx_scales.default": 2, "aten.clone": 1}, slopes["step"]["by_op"]
+    if recipe == "nvfp4":  # the weight's two NVFP4 copies from its E4M3 payload: their amax, then one pass each
+        assert slopes["step"]["by_op"] == {"fp8lm.nvfp4_amax.default": 1, "fp8lm.nvfp4_quantize.default": 2}, \
+            slopes["step"]["by_op"]
 
 
 @pytest.mark.parametrize("kind", list(FP32_WGRAD_BUDGET))
@@ -107,7 +117,7 @@ def test_o3_step_is_flat_for_every_recipe():
     """O3 (the sharded optimizer, here in a one-rank gloo group of its own process) runs the same multi-tensor step."""
     code = ("import json, sys; sys.path.insert(0, '.'); from benchmarks import kernels; kernels._one_rank_group(); "
             "print(json.dumps({r: kernels.slope(kernels.measure('O3', kernels.SMALL, r), "
-            "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise', 'mxfp8')}))")
+            "kernels.measure('O3', kernels.LARGE, r), 'step') for r in ('tensorwise', 'rowwise', 'blockwise', 'mxfp8', 'nvfp4')}))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -239,3 +239,146 @@ def test_megatron_fp4_flags():
                            (["--no-fp4-stochastic-rounding"], "apply to --fp4-recipe nvfp4")):
         with pytest.raises(ConfigurationError, match=message):
             validate_args(parse_args(base + flags), 1)
+
+
+# -- the fused kernels (fp8.fp4's custom ops; Triton under TRITON_INTERPRET=1 against their torch references) ---------
+def _triton_fp4():
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernel tests run under TRITON_INTERPRET=1")
+    from fp8.kernels import triton_fp4
+
+    return triton_fp4
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def _same(got, want) -> bool:
+    return all(torch.equal(_bits(g).nan_to_num(7.0) if g.dtype == torch.float32 else _bits(g),
+                           _bits(w).nan_to_num(7.0) if w.dtype == torch.float32 else _bits(w))
+               for g, w in zip(got, want))
+
+
+CASES = [  # (rows, cols, dtype, transpose, signs, block_rows, a NaN)
+    (40, 96, torch.float32, False, -1, 1, False),
+    (160, 64, torch.bfloat16, False, -1, 16, False),
+    (160, 64, torch.bfloat16, False, -1, 1, True),
+    (40, 96, torch.float32, True, -1, 1, False),
+    (40, 96, torch.float32, True, "rht", 1, False),
+    (33, 48, torch.bfloat16, True, "rht", 1, True),
+    (300, 32, torch.float32, True, "rht", 1, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-{c[2]}-T{c[3]}-{c[4]}-b{c[5]}-nan{c[6]}" for c in CASES])
+def test_nvfp4_kernels_match_their_reference_bit_for_bit(case, seed):
+    """Round to nearest: payload, fp32 scale grid, swizzled E4M3 scales (padding zeros included) and the global scale
+    of the Triton kernel equal the torch reference's, with and without transpose, transform, 16x16 blocks and a
+    non-finite value; the amax kernel too."""
+    from fp8 import ops
+    from fp8.fp4 import nvfp4_amax, nvfp4_quantize, sign_mask
+    from fp8.nvfp4 import HADAMARD_SIGNS
+
+    tf = _triton_fp4()
+    rows, cols, dtype, transpose, signs, block_rows, nan = case
+    signs = sign_mask(HADAMARD_SIGNS) if signs == "rht" else signs
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)).to(dtype)
+    if nan:
+        x[3, 5] = float("nan")
+    amax2 = nvfp4_amax(x, signs, transpose) if signs >= 0 else ops.amax(x)
+    if signs >= 0:
+        assert torch.equal(tf.launch_nvfp4_amax(x, signs, transpose, None), amax2)
+    pad = 32 if transpose else 1
+    want = nvfp4_quantize(x, amax2, block_rows, transpose, pad, signs, False, 0)
+    got = tf.launch_nvfp4_quantize(x, amax2, block_rows, transpose, pad, signs, False, 0)
+    assert _same(got, want)
+    # the reference is quantize_nvfp4 on the transformed matrix: the numerics the tests above bound
+    assert want[0].shape == (cols if transpose else rows, (-(-(rows if transpose else cols) // 32) * 32 if transpose
+                                                           else cols) // 2)
+
+
+def test_nvfp4_weight_kernels_read_the_e4m3_payload_and_its_scales(seed):
+    """A weight's NVFP4 copies from its E4M3 16x16 payload and scales (dequantized in the kernel, never in memory)
+    equal the copies of its dequantized values, both orientations, kernel and reference."""
+    from fp8.blocks import dequantize_blocks, quantize_to_blocks
+    from fp8.fp4 import nvfp4_amax, nvfp4_quantize
+
+    tf = _triton_fp4()
+    g = torch.Generator().manual_seed(seed)
+    payload, scale = quantize_to_blocks(torch.randn(48, 80, generator=g) * torch.logspace(-2, 2, 80), (16, 16), "e4m3")
+    w = dequantize_blocks(payload, scale, (16, 16), torch.float32)
+    for transpose in (False, True):
+        amax2 = nvfp4_amax(payload, -1, transpose, scale)
+        assert torch.equal(amax2, nvfp4_amax(w, -1, transpose))
+        assert torch.equal(tf.launch_nvfp4_amax(payload, -1, transpose, scale), amax2)
+        want = nvfp4_quantize(w, amax2, 16, transpose, 1, -1, False, 0)
+        assert _same(nvfp4_quantize(payload, amax2, 16, transpose, 1, -1, False, 0, scale), want)
+        assert _same(tf.launch_nvfp4_quantize(payload, amax2, 16, transpose, 1, -1, False, 0, scale), want)
+
+
+def test_the_stochastic_kernel_is_unbiased_on_the_same_grid():
+    """Stochastic rounding in the kernel (tl.rand) and the reference (torch.Generator) draw differently but by the same
+    law: every value lands on one of its two E2M1 neighbours (block scales identical), and the mean over 64 seeds is
+    within 6 standard errors of the input, element by element (one rounding's error is within one grid step, so its
+    standard deviation is at most half a step; 6 sigma: about 2e-9 per element, while rounding to nearest misses by
+    up to half a step, three times this bound's 0.375 step)."""
+    from fp8 import ops
+    from fp8.fp4 import nvfp4_quantize, unpack_e2m1
+
+    tf = _triton_fp4()
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    amax2 = ops.amax(x)
+    rtn = nvfp4_quantize(x, amax2, 1, False, 1, -1, False, 0)
+    inv = rtn[1].double().repeat_interleave(16, 1)
+
+    def values(out):
+        return unpack_e2m1(out[0].view(torch.float4_e2m1fn_x2)).double() * out[1].double().repeat_interleave(16, 1)
+
+    reps = 64
+    for run in (lambda s: tf.launch_nvfp4_quantize(x, amax2, 1, False, 1, -1, True, s),
+                lambda s: nvfp4_quantize(x, amax2, 1, False, 1, -1, True, s)):
+        total = torch.zeros_like(inv)
+        for s in range(reps):
+            out = run(s)
+            assert torch.equal(out[1], rtn[1]) and torch.equal(out[2].view(torch.uint8), rtn[2].view(torch.uint8))
+            v = values(out)
+            assert ((v - x.double()).abs() <= 2 * inv + 1e-12).all()  # a neighbour: within one step (<= 2 * 0.5 ...)
+            total += v
+        step = torch.where(x.double().abs() / inv >= 4, 2 * inv, torch.where(x.double().abs() / inv >= 2, inv, 0.5 * inv))
+        assert ((total / reps - x.double()).abs() <= 6 * (0.5 * step) / reps ** 0.5 + 1e-12).all()
+    a = tf.launch_nvfp4_quantize(x, amax2, 1, False, 1, -1, True, 7)
+    assert _same(a, tf.launch_nvfp4_quantize(x, amax2, 1, False, 1, -1, True, 7))  # a seed repeats
+    assert not torch.equal(a[0], tf.launch_nvfp4_quantize(x, amax2, 1, False, 1, -1, True, 8)[0])
+
+
+def test_each_nvfp4_kernel_is_one_launch_and_the_gemm_reference_is_the_emulation():
+    """nvfp4_amax and nvfp4_quantize dispatch as one op each; nvfp4_mm (the F.scaled_mm call's CPU reference, on the
+    swizzled scales the quantize kernel wrote) equals the emulated GEMM of the same operands bit for bit."""
+    from fp8 import ops
+    from fp8.fp4 import nvfp4_amax, nvfp4_mm, nvfp4_quantize
+    from fp8.gemm import Operand, mm
+    from fp8.launches import LaunchCounter
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(48, 64, generator=g), torch.randn(32, 64, generator=g)
+    with LaunchCounter() as counter:
+        amax2 = nvfp4_amax(x, 5, True)
+        nvfp4_quantize(x, amax2, 1, True, 32, 5, True, 1)
+    assert counter.launches == 2, counter.by_op
+
+    def operand(t):
+        d, inv, hw, gs = nvfp4_quantize(t, ops.amax(t), 1, False, 1, -1, False, 0)
+        return Operand(d.view(torch.float4_e2m1fn_x2), inv, (1, 16), hw_scale=hw, global_scale_inv=gs)
+
+    a, b = operand(x), operand(w).t
+    got = nvfp4_mm(a.data, b.data, a.hw_scale, a.global_scale_inv, b.hw_scale, b.global_scale_inv, torch.float32)
+    assert torch.equal(got, mm(a, b, torch.float32, "emulated"))
+    with LaunchCounter() as counter:
+        hardware = mm(a, b, torch.float32, "scaled_mm")  # the CPU's hardware path: one op, no swizzle kernel
+    assert counter.launches == 1, counter.by_op
+    assert torch.equal(hardware, got)

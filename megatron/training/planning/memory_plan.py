@@ -662,8 +662,10 @@ def _weight_transpose_bytes(cfg: PlannerConfig, t: _Tensor) -> int:
     recipe = _recipe(cfg, t.rows, t.cols)
     if recipe == "blockwise":
         return 4 * -(-t.rows // _TILE) * -(-t.cols // _TILE)
-    if recipe == "nvfp4":  # on every device: both packed E2M1 copies, both fp32 grids, the 0-d global (fp8.nvfp4)
-        return t.numel + 2 * 4 * -(-t.rows // 16) * -(-t.cols // 16) + 4
+    if recipe == "nvfp4":  # on every device: both packed E2M1 copies, their fp32 grids, swizzled E4M3 scales and 0-d
+        # global scales (fp8.nvfp4)
+        return (t.numel + 2 * 4 * -(-t.rows // 16) * -(-t.cols // 16) + _swizzled(t.rows, -(-t.cols // 16))
+                + _swizzled(t.cols, -(-t.rows // 16)) + 2 * 4)
     if not holds_weight_transposes(cfg, recipe):
         return 0
     if recipe == "mxfp8":  # the transpose, the scale_inv grid and both GEMMs' swizzled E8M0 scales (fp8.mxfp8)
@@ -847,6 +849,8 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     if tokens is None:
         if recipe == "rowwise":
             return width + 4
+        if recipe == "nvfp4":  # also the GEMM's swizzled E4M3 scales: a byte per 16 features, K blocks padded to 4
+            return elem * width + 4 * math.ceil(width / scale_block) + 4 * math.ceil(width / scale_block / 4)
         if tile:
             return elem * width + 4 * math.ceil(width / scale_block)
         return width
@@ -855,6 +859,10 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     payload = elem * width * (tokens + pad) / tokens
     if recipe == "rowwise":
         return payload + 4 * width / tokens
+    if recipe == "nvfp4":  # also the GEMM's swizzled E4M3 scales: rows padded to 128, K blocks to 4
+        k_blocks = math.ceil((tokens + pad) / scale_block)
+        return (payload + 4 * width * k_blocks / tokens
+                + math.ceil(width / 128) * 128 * math.ceil(k_blocks / 4) * 4 / tokens)
     if tile:
         return payload + 4 * width * math.ceil((tokens + pad) / scale_block) / tokens
     return payload
