@@ -15,7 +15,8 @@ summed over 64 backward passes before the FP8 all-reduce; results in ``loss_pari
 
 Scaling recipes (``--recipes``): O2 with each recipe (tensorwise, rowwise, blockwise, mxfp8), each with and without
 ``--fp8-activations``, O1 with mxfp8, and NVFP4 (``--fp4-format e2m1 --fp4-recipe nvfp4``) at O1 and at O2 with its
-defaults, without the random Hadamard transform, without stochastic rounding and without both, against the baseline
+defaults, without the random Hadamard transform, without stochastic rounding and without both, with every layer in
+NVFP4 and with the forward in high precision for the last 20% of the iterations, against the baseline
 (``none``), one single-process run each on the same
 data and seed; final train loss (mean of the last 10 logged iterations) and final validation loss, their relative
 difference to the baseline; results in ``loss_parity_recipes.json`` (``--recipe-names``: only those recipes and the
@@ -24,6 +25,8 @@ baseline)::
     python benchmarks/loss_parity.py --recipes --iters 300
     python benchmarks/loss_parity.py --recipes --recipe-names mxfp8 --iters 300
     python benchmarks/loss_parity.py --recipes --recipe-names nvfp4 --iters 300
+    python benchmarks/loss_parity.py --recipes --recipe-variants nvfp4 "nvfp4 BF16 forward last 20%" --iters 300 \
+        --out benchmarks/results/loss_parity_nvfp4_fused
 
 Mixture of experts (``--moe``): the demo GPT with each MLP a megatron-core MoE layer of 8 experts (each the demo's
 FFN, 128 -> 512 -> 128), top-2 routing, load-balancing loss 0.01, experts replicated over the data-parallel ranks
@@ -67,6 +70,9 @@ def main() -> None:
     p.add_argument("--recipes", action="store_true", help="O2 per scaling recipe, with and without --fp8-activations")
     p.add_argument("--recipe-names", nargs="+", default=None,
                    help="with --recipes: only these recipes (and the baseline), e.g. --recipe-names mxfp8")
+    p.add_argument("--recipe-variants", nargs="+", default=None,
+                   help="with --recipes: only these variants, by their full names (O2; LEVEL:NAME for another "
+                        "level) and the baseline, e.g. --recipe-variants nvfp4 'nvfp4 BF16 forward last 20%%' O1:nvfp4")
     p.add_argument("--moe", action="store_true", help="each MLP a mixture of 8 experts, top-2")
     p.add_argument("--expert-parallel", type=int, default=1, help="with --moe: expert-parallel size (all-to-all)")
     p.add_argument("--moe-fp8-dispatch", action="store_true", help="with --expert-parallel: tokens in FP8")
@@ -179,13 +185,16 @@ def dispatch_bytes(a) -> None:
 RECIPE_VARIANTS = [("none", "tensorwise", False)] + [
     ("O2", recipe, act) for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8") for act in (False, True)] + [
     ("O1", "mxfp8", False), ("O2", "nvfp4", False), ("O1", "nvfp4", False), ("O2", "nvfp4 no RHT", False),
-    ("O2", "nvfp4 no SR", False), ("O2", "nvfp4 no RHT no SR", False), ("O2", "nvfp4 all layers", False)]
+    ("O2", "nvfp4 no SR", False), ("O2", "nvfp4 no RHT no SR", False), ("O2", "nvfp4 all layers", False),
+    ("O2", "nvfp4 BF16 forward last 20%", False)]
 NVFP4_FLAGS = {"nvfp4": [], "nvfp4 no RHT": ["--no-fp4-hadamard"], "nvfp4 no SR": ["--no-fp4-stochastic-rounding"],
                "nvfp4 no RHT no SR": ["--no-fp4-hadamard", "--no-fp4-stochastic-rounding"],
-               "nvfp4 all layers": ["--num-layers-at-end-in-bf16", "0"]}
+               "nvfp4 all layers": ["--num-layers-at-end-in-bf16", "0"],
+               "nvfp4 BF16 forward last 20%": ["--fp4-bf16-forward-from-iteration", "{last20}"]}
 """NVFP4 (``--fp4-format e2m1 --fp4-recipe nvfp4``) with its defaults (random Hadamard transform of the
 weight-gradient operands, stochastic rounding of output gradients, the last layer in high precision), without each,
-and with every layer in NVFP4."""
+with every layer in NVFP4, and with the forward GEMMs in high precision for the last 20% of the iterations
+(``--fp4-bf16-forward-from-iteration``)."""
 
 
 def recipes(a) -> None:
@@ -194,7 +203,10 @@ def recipes(a) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     variants = [v for v in RECIPE_VARIANTS
-                if v[0] == "none" or not a.recipe_names or v[1].split(" ")[0] in a.recipe_names]
+                if v[0] == "none" or (not a.recipe_names and not a.recipe_variants)
+                or (a.recipe_names and v[1].split(" ")[0] in a.recipe_names)
+                or (a.recipe_variants and ((v[1] in a.recipe_variants and v[0] == "O2")
+                                           or f"{v[0]}:{v[1]}" in a.recipe_variants))]
     for level, recipe, act in variants:
         log = out.parent / f"{out.name}_{level}_{recipe.replace(' ', '_')}{'_act' if act else ''}.jsonl"
         log.unlink(missing_ok=True)
@@ -205,7 +217,9 @@ def recipes(a) -> None:
                "--fp8-opt-level", level, "--no-progress", "--log-interval", "10",
                "--log-json", str(log)] + (["--fp8-activations"] if act else [])
         if level != "none" and recipe in NVFP4_FLAGS:
-            cmd += ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", *NVFP4_FLAGS[recipe]]
+            last20 = str(a.iters - a.iters // 5 + 1)
+            cmd += ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4",
+                    *(f.replace("{last20}", last20) for f in NVFP4_FLAGS[recipe])]
         elif level != "none":  # an FP8 flag at the baseline is refused (it would have no effect)
             cmd += ["--fp8-recipe", recipe]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -215,11 +229,11 @@ def recipes(a) -> None:
                      "tokens_per_s": summary["tokens_per_s"]})
     base = rows[0]
     print(f"demo GPT (4 layers, hidden 128, 16 x 128 tokens per iteration), {a.iters} iterations, one process")
-    print(f"{'level':<6}{'recipe':<20}{'FP8 act':>8}{'train loss':>12}{'vs none':>9}{'val loss':>10}{'vs none':>9}")
+    print(f"{'level':<6}{'recipe':<30}{'FP8 act':>8}{'train loss':>12}{'vs none':>9}{'val loss':>10}{'vs none':>9}")
     for r in rows:
         r["train_vs_none"] = r["final_train_loss"] / base["final_train_loss"] - 1
         r["val_vs_none"] = r["final_val_loss"] / base["final_val_loss"] - 1
-        print(f"{r['level']:<6}{r['recipe']:<20}{'yes' if r['fp8_activations'] else 'no':>8}"
+        print(f"{r['level']:<6}{r['recipe']:<30}{'yes' if r['fp8_activations'] else 'no':>8}"
               f"{r['final_train_loss']:>12.4f}{r['train_vs_none']:>+9.2%}{r['final_val_loss']:>10.4f}"
               f"{r['val_vs_none']:>+9.2%}")
     out.with_suffix(".json").write_text(json.dumps({"iters": a.iters, "rows": rows}, indent=1) + "\n")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from torch import nn
@@ -30,7 +30,7 @@ from .precision_rules import PrecisionPlan, parse_precision_rules
 __all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
            "announce_fp8_selection", "fp8_selection_message", "ModuleFilter", "PLAIN_LINEAR_FORWARDS",
-           "linear_subclass_problem"]
+           "linear_subclass_problem", "set_high_precision_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -364,3 +364,18 @@ def convert_embeddings_to_float8(model: nn.Module, config: Float8LinearConfig | 
     if converted:
         logger.info("fp8: %d embedding table(s) in FP8 (E4M3, one scale per row)", len(converted))
     return model, converted
+
+
+def set_high_precision_forward(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every FP8 linear of ``model`` (each module attribute holding a :class:`Float8LinearConfig`:
+    :class:`Float8Linear`, fp8's parallel linears, MoE experts) to running its forward GEMM in high precision
+    (``enabled``; the backward GEMMs stay in the recipe's formats: :attr:`Float8LinearConfig.high_precision_forward`)
+    or back. Returns how many configs changed. Idempotent, so a loop may call it at every iteration from the one it
+    switches at (a resumed run switches again at its first iteration: nothing to save in checkpoints)."""
+    changed = 0
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, Float8LinearConfig) and value.high_precision_forward != enabled:
+                setattr(module, name, replace(value, high_precision_forward=enabled))
+                changed += 1
+    return changed

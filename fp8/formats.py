@@ -61,6 +61,6 @@ def get_format(fmt: str | torch.dtype | FP8Format) -> FP8Format:
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """An FP8 tensor as ``uint8`` (the same bytes, no conversion: how FP8 crosses collectives and files);
-    any other tensor unchanged."""
-    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
+    """An FP8 tensor (or packed FP4, ``torch.float4_e2m1fn_x2``: NVFP4's payloads) as ``uint8`` (the same bytes, no
+    conversion: how FP8 crosses collectives and files); any other tensor unchanged."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES or tensor.dtype == torch.float4_e2m1fn_x2 else tensor

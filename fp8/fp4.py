@@ -175,8 +175,8 @@ def hadamard_transform(x: torch.Tensor, h: torch.Tensor, dim: int) -> torch.Tens
     groups = moved.reshape(*moved.shape[:-1], size // NVFP4_K_BLOCK, NVFP4_K_BLOCK)
     hm = h.to(x.dtype)
     out = torch.zeros_like(groups)
-    for j in range(NVFP4_K_BLOCK):
-        out = out + groups[..., j:j + 1] * hm[j]
+    for j in range(NVFP4_K_BLOCK):  # out + x_j * h_j: the product is exact, so one rounding either way
+        out = torch.addcmul(out, groups[..., j:j + 1], hm[j])
     return out.reshape(moved.shape).movedim(-1, dim)
 
 

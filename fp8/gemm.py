@@ -390,12 +390,13 @@ class Operand:
 
     @property
     def t(self) -> "Operand":
-        """The transposed operand (views only; without :attr:`hw_scale`, which is for one orientation, except for
-        NVFP4: its data is packed along K, so a transpose never changes which dimension is K)."""
+        """The transposed operand (views only). :attr:`hw_scale` is kept where the operand's K is its own: NVFP4 data
+        is packed along K, and 1xk / kx1 tiles run along K, so a transpose never changes which dimension is K; a
+        square block's (a weight's 32x32) serves both orientations with different layouts, so it is dropped."""
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
+        own_k = self.global_scale_inv is not None or (self.block is not None and self.block[0] != self.block[1])
         return Operand(self.data.t(), scale, None if self.block is None else (self.block[1], self.block[0]),
-                       hw_scale=self.hw_scale if self.global_scale_inv is not None else None,
-                       global_scale_inv=self.global_scale_inv)
+                       hw_scale=self.hw_scale if own_k else None, global_scale_inv=self.global_scale_inv)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .blocks import dequantize_blocks
 from .formats import get_format
 from .eligibility import fp8_dims_problem
 from .gemm import GEMM_BACKENDS, Operand, mm
@@ -97,6 +98,11 @@ class Float8LinearConfig:
     recipe: str = "tensorwise"
     fp4_hadamard: bool = True
     fp4_stochastic_rounding: bool = True
+    high_precision_forward: bool = False
+    """The forward GEMM in the model's dtype on the weight's values (``x @ W^T``, W dequantized from its FP8/NVFP4
+    form at rest), the backward GEMMs in the recipe's formats as before: NVIDIA's NVFP4 recipe for the last part of
+    training (:func:`fp8.convert.set_high_precision_forward` switches a model; ``--fp4-bf16-forward-from-iteration``).
+    The input is still quantized for the weight-gradient GEMM (its column-wise operand only)."""
 
     @property
     def recipe_spec(self) -> Recipe:
@@ -237,11 +243,17 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     gathered = hooks.gather_input is not None
     wgrad = any(ctx.needs_input_grad[i] for i in ctx.weight_inputs)
     columnwise = wgrad and not gathered and not grouped
+    if config.high_precision_forward:
+        if grouped or gathered:
+            raise ValueError("high_precision_forward (--fp4-bf16-forward-from-iteration) runs on linears whose input is "
+                             "neither all-gathered (sequence parallelism) nor grouped (MoE experts); run it without "
+                             "--sequence-parallel and MoE, or without the switch")
+        return _high_precision_forward(ctx, x, x2d, weights[0], bias, quantizers, config, hooks, dtype, wgrad)
     key = (recipe.name, recipe.options, input_state.config if recipe.tensorwise else None, x2d.dtype, columnwise)
     if gathered:
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
         data, scale_inv = hooks.gather_input(rows.data, rows.scale_inv)
-        rows = Operand(data, scale_inv, rows.block)
+        rows = Operand(data, scale_inv, rows.block, global_scale_inv=rows.global_scale_inv)  # NVFP4's: agreed
     elif grouped:
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
     else:
@@ -292,6 +304,32 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     return out
 
 
+def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dtype, wgrad):
+    """:attr:`Float8LinearConfig.high_precision_forward`: ``x @ W^T`` in ``dtype`` with W dequantized from its form at
+    rest (exact in bf16: E4M3 values times power-of-two scales), the input's column-wise operand made for the weight
+    gradient; :func:`linear_backward` runs as for the FP8 forward (it reads only that operand and the weight)."""
+    weight = dequantize_blocks(w.payload, w.scale, w.block, dtype)
+    gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
+    out = torch.mm(x2d, weight.t()).to(gemm_dtype)
+    if hooks.reduce_output is not None:
+        out = hooks.reduce_output(out, dtype, True)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    cols = quantizers.input.weight_grad_operand(x2d, True) if wgrad else None
+    saved = cols if cols is not None else Operand(x2d.new_empty((0, 0)), x2d.new_empty((0,)), None)
+    hw = saved.hw_scale
+    ctx.fp8_weights = None if torch.compiler.is_compiling() else [w]
+    ctx.save_for_backward(saved.data, saved.scale_inv, w.payload, w.scale, *(() if hw is None else (hw,)))
+    ctx.saved_hw = hw is not None
+    ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, 1
+    ctx.saved_global = saved.global_scale_inv
+    ctx.group_cols, ctx.group_cols_block = [], None
+    ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes = quantizers, config, hooks, None
+    ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+    ctx.weight_dtypes = [w.dtype]
+    return out
+
+
 @dataclass(frozen=True)
 class Groups:
     """Rows of a grouped linear (MoE experts, rows sorted by group): ``sizes`` the groups' row counts on the host,
@@ -336,7 +374,7 @@ def linear_backward(ctx, grad_out):
                                                      columnwise=any(needs_dw) and not gathered and not grouped)
     if gathered:
         data, scale_inv = hooks.gather_grad_output(g_rows.data, g_rows.scale_inv)
-        g_rows = Operand(data, scale_inv, g_rows.block)
+        g_rows = Operand(data, scale_inv, g_rows.block, global_scale_inv=g_rows.global_scale_inv)
     saved = Operand(saved_data, saved_scale, ctx.saved_block, hw_scale=saved_hw, global_scale_inv=ctx.saved_global)
     grad_x = grad_b = None
     grad_ws = [None] * n

@@ -8,9 +8,9 @@ activations    x: 1x32 (along features)    dY: 1x32 (along features)   dY, x: 32
 weight         W: 32x32 blocks             W: the same 32x32 blocks
 =============  ==========================  ==========================  ==========================
 
-Activations and output gradients are quantized once per use into both orientations from one read of each 32x32 square
-(:func:`fp8.ops.quantize_tiles` with ``tile=32``: Triton on CUDA, its torch reference elsewhere), the tokens of the
-weight-gradient operands zero-padded to 32. Scales are fp8's power-of-two scales (:func:`fp8.ops.power_of_two_scale`:
+Activations and output gradients are quantized once per use into both orientations from one read of each 32x32 square,
+with both operands' swizzled E8M0 scales written by the same kernel (:func:`fp8.ops.quantize_mx`: Triton on CUDA, its
+torch reference elsewhere), the tokens of the weight-gradient operands zero-padded to 32. Scales are fp8's power-of-two scales (:func:`fp8.ops.power_of_two_scale`:
 the block's amax mapped into ``(224, 448]``, so no value saturates; the OCP spec's ``floor(log2(amax)) - 8`` exponent
 may put up to 2x of headroom past 448 and clamp), and a power of two is an E8M0 value exactly.
 
@@ -41,7 +41,7 @@ from .quantizers import LinearQuantizers, TileQuantizer, WeightQuantizer
 from .scaling import ScalingState
 from .tensor import Float8Tensor, cached_operand, refresh_cached_operands
 
-__all__ = ["MX_K_BLOCK", "MX_TILE", "MX_TILE_T", "MX_BLOCK", "MXWeightQuantizer", "make_quantizers",
+__all__ = ["MX_K_BLOCK", "MX_TILE", "MX_TILE_T", "MX_BLOCK", "MXWeightQuantizer", "MXTileQuantizer", "make_quantizers",
            "refresh_weight_operands"]
 
 
@@ -103,7 +103,33 @@ def refresh_weight_operands(params) -> None:
     refresh_cached_operands(weights, ("mx",), rebuild)
 
 
+class MXTileQuantizer(TileQuantizer):
+    """An MXFP8 activation role: 1x32 tiles and, from the same read, 32x1 tiles along the tokens written transposed
+    (:class:`fp8.quantizers.TileQuantizer` with ``tile=32``), each operand with the swizzled E8M0 scales the hardware
+    GEMM reads (:attr:`fp8.gemm.Operand.hw_scale`), all from one kernel (:func:`fp8.ops.quantize_mx`)."""
+
+    def __init__(self, fmt: str = "e4m3") -> None:
+        super().__init__(fmt, MX_K_BLOCK)
+
+    def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
+        if dst_cols is not None:
+            raise ValueError("the mxfp8 recipe quantizes grouped tokens group by group (fp8.linear's grouped core does)")
+        data, inv, hw, data_c, inv_c, hw_c = ops.quantize_mx(x, self.fmt, columnwise, self.pad)
+        return (Operand(data, inv, MX_TILE, hw),
+                Operand(data_c, inv_c, MX_TILE, hw_c) if columnwise else None)
+
+    def columnwise(self, x):
+        _, _, _, data_c, inv_c, hw_c = ops.quantize_mx(x, self.fmt, True, self.pad)
+        return Operand(data_c, inv_c, MX_TILE, hw_c)
+
+    def columnwise_from(self, rows, dst_cols=None, t_width=0):
+        if dst_cols is not None:
+            raise ValueError("the mxfp8 recipe quantizes grouped tokens group by group (fp8.linear's grouped core does)")
+        _, _, _, data_c, inv_c, hw_c = ops.quantize_mx(rows.data, self.fmt, True, self.pad, rows.scale_inv)
+        return Operand(data_c, inv_c, MX_TILE, hw_c)
+
+
 def make_quantizers(input_state: ScalingState, grad_output_state: ScalingState, weight_fmt: str) -> LinearQuantizers:
     """The quantizers of an MXFP8 linear: 1x32 / 32x1 tiles for the input and output gradient (E4M3, current scales:
-    the scaling states are not used), 32x32 blocks for the weight."""
-    return LinearQuantizers(TileQuantizer("e4m3", MX_K_BLOCK), TileQuantizer("e4m3", MX_K_BLOCK), MXWeightQuantizer())
+    the scaling states are not used) with their swizzled scales, 32x32 blocks for the weight."""
+    return LinearQuantizers(MXTileQuantizer(), MXTileQuantizer(), MXWeightQuantizer())

@@ -87,7 +87,12 @@ class NVFP4Quantizer(ActivationQuantizer):
         return self.state.rounding_seed()
 
     def _rows(self, x: torch.Tensor) -> Operand:
-        return _fused(nvfp4_quantize(x, ops.amax(x), 1, False, 1, -1, self.stochastic, self._seed()), NVFP4_TILE)
+        amax2 = ops.amax(x)
+        if self.state is not None and self.state.amax_comm is not None:
+            # a tensor-parallel linear: its ranks agree on the per-tensor scale, so rows all-gathered for sequence
+            # parallelism share one (the NVFP4 GEMM takes one per operand); one small all-reduce on the device
+            self.state.amax_comm.all_reduce(amax2, op=torch.distributed.ReduceOp.MAX, tag="fp8 amax").wait()
+        return _fused(nvfp4_quantize(x, amax2, 1, False, 1, -1, self.stochastic, self._seed()), NVFP4_TILE)
 
     def columnwise(self, x: torch.Tensor) -> Operand:
         amax2 = nvfp4_amax(x, self.signs, True) if self.hadamard else ops.amax(x)

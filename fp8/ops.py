@@ -23,6 +23,8 @@ written as NaN (``0x7F``), never saturated, so a non-finite value reaches the gr
 - :func:`scaled_fp16`: a weight gradient's fp32 GEMM output as a scaled FP16 buffer (scale from :func:`amax`).
 - :func:`apply_scales`: a row-wise GEMM's fp32 output times its row and column ``scale_inv`` (the epilogue).
 - :func:`update_scales_`: every delayed-scaling state of a model closes its step (multi-tensor: one launch).
+- :func:`quantize_mx`: MXFP8's activation operands (1x32 and transposed 32x1 tiles) with their swizzled E8M0 scales,
+  one pass;
 - :func:`mx_scales`: an MXFP8 operand's scale grid as the swizzled E8M0 scales ``F.scaled_mm`` reads (one pass);
   :func:`mx_mm` the MXFP8 GEMM's reference on them (the CPU's ``gemm_backend="scaled_mm"``; CUDA runs ``F.scaled_mm``).
 - :func:`block_mm`: the block-scaled FP8 GEMM (Triton on CUDA; its per-K-block fp32 reference elsewhere).
@@ -45,7 +47,7 @@ from .formats import get_format
 __all__ = [
     "power_of_two_scale", "amax", "cast_transpose", "cast_transpose_from_amax", "quantize_rows", "quantize_cols_t", "quantize_tiles",
     "transpose_fp8", "transpose_fp8_into_", "scaled_fp16", "apply_scales", "update_scales_", "block_mm", "padded", "TILE",
-    "mx_scales", "mx_mm",
+    "mx_scales", "mx_mm", "quantize_mx",
     "FP16_MAX", "FP16_HEADROOM_BITS",
 ]
 
@@ -274,6 +276,36 @@ def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE, transpose_c=False):
             x.new_empty((padded(m, pad), n), dtype=dtype), x.new_empty((-(-m // tile), n), dtype=torch.float32))
 
 
+@custom_op("fp8lm::quantize_mx", mutates_args=())
+def quantize_mx(x: Tensor, fmt: str, columnwise: bool, pad: int, x_scale_inv: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """MXFP8's activation operands in one pass: :func:`quantize_tiles` with ``tile=32`` and ``transpose_c`` (``(data,
+    scale_inv, data_c, scale_inv_c)``: 1x32 tiles, and 32x1 tiles along the tokens written transposed), plus the
+    swizzled E8M0 scales ``F.scaled_mm`` reads for each (:func:`mx_scales` of ``scale_inv`` over ``M`` rows and of
+    ``scale_inv_c`` over ``N`` rows; empty without ``columnwise``), returned as ``(data, scale_inv, hw, data_c,
+    scale_inv_c, hw_c)``: no swizzle kernel per GEMM operand."""
+    data, inv, data_c, inv_c = quantize_tiles(x, fmt, columnwise, pad, x_scale_inv, 32, True)
+    hw = mx_scales(inv, x.shape[0], 1)
+    hw_c = mx_scales(inv_c, x.shape[1], 1) if columnwise else hw.new_empty((0,))
+    return data, inv, hw, data_c, inv_c, hw_c
+
+
+@quantize_mx.register_fake
+def _(x, fmt, columnwise, pad, x_scale_inv=None):
+    m, n = x.shape
+    dtype = get_format(fmt).dtype
+    n_tiles = -(-n // 32)
+    hw = x.new_empty((-(-m // 128) * 128 * (-(-n_tiles // 4) * 4),), dtype=torch.float8_e8m0fnu)
+    if not columnwise:
+        return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // 32)), dtype=torch.float32), hw,
+                x.new_empty((0, 0), dtype=dtype), x.new_empty((0, 0), dtype=torch.float32),
+                x.new_empty((0,), dtype=torch.float8_e8m0fnu))
+    kb_c = -(-m // 32)
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((m, -(-n // 32)), dtype=torch.float32), hw,
+            x.new_empty((n, padded(m, pad)), dtype=dtype), x.new_empty((n, kb_c), dtype=torch.float32),
+            x.new_empty((-(-n // 128) * 128 * (-(-kb_c // 4) * 4),), dtype=torch.float8_e8m0fnu))
+
+
 # -- weights and weight gradients -----------------------------------------------------------------------------------
 @custom_op("fp8lm::transpose_fp8", mutates_args=())
 def transpose_fp8(payload: Tensor, scale: Tensor, pad: int) -> tuple[Tensor, Tensor]:
@@ -496,6 +528,11 @@ def _(x, fmt, pad, x_scale_inv=None):
 @quantize_tiles.register_kernel("cuda")
 def _(x, fmt, columnwise, pad, x_scale_inv=None, tile=TILE, transpose_c=False):
     return _triton().launch_quantize_tiles(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv, tile, transpose_c)
+
+
+@quantize_mx.register_kernel("cuda")
+def _(x, fmt, columnwise, pad, x_scale_inv=None):
+    return _triton().launch_quantize_mx(x, get_format(fmt).dtype, columnwise, pad, x_scale_inv)
 
 
 @transpose_fp8.register_kernel("cuda")

@@ -72,6 +72,14 @@ class ActivationQuantizer:
         """The column-wise operand of 2-D ``x`` alone (a group of rows of a per-token quantizer), from its values."""
         raise NotImplementedError
 
+    def weight_grad_operand(self, x: torch.Tensor, record: bool) -> Operand:
+        """The weight-gradient GEMM's operand of 2-D ``x`` alone, where the forward reads ``x`` in high precision
+        (:attr:`fp8.linear.Float8LinearConfig.high_precision_forward`): :meth:`columnwise` where the quantizer makes
+        it on its own, else :meth:`quantize`'s second operand (the tensor-wise cast writes both in one pass)."""
+        if type(self).columnwise is ActivationQuantizer.columnwise:
+            return self.quantize(x, record, True)[1]
+        return self.columnwise(x)
+
 
 def _zeros_t(features: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros((features, width), dtype=torch.uint8, device=device).view(dtype)

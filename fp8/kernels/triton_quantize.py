@@ -24,7 +24,7 @@ from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 __all__ = [
     "launch_amax", "launch_cast_transpose", "launch_quantize_rows", "launch_quantize_cols_t", "launch_quantize_tiles",
     "launch_transpose_fp8", "launch_scaled_fp16", "launch_apply_scales", "launch_update_scales", "launch_transpose_fp8_into",
-    "launch_sum_chunks", "launch_mx_scales", "pow2_scale", "amax_scratch",
+    "launch_sum_chunks", "launch_mx_scales", "launch_quantize_mx", "pow2_scale", "amax_scratch",
 ]
 
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -293,9 +293,10 @@ def launch_quantize_cols_t(x, fmt_dtype, pad, x_scale_inv):
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N, stride_m, stride_n, rows_c,
-                  n_tiles, m_tiles, IN_FMT: tl.constexpr, OUT_FMT: tl.constexpr, FMAX: tl.constexpr,
-                  COLUMNWISE: tl.constexpr, HAS_XS: tl.constexpr, TILE: tl.constexpr, TRANSPOSE_C: tl.constexpr):
+def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, hw_ptr, hw_c_ptr, M, N, stride_m, stride_n,
+                  rows_c, n_tiles, m_tiles, IN_FMT: tl.constexpr, OUT_FMT: tl.constexpr, FMAX: tl.constexpr,
+                  COLUMNWISE: tl.constexpr, HAS_XS: tl.constexpr, TILE: tl.constexpr, TRANSPOSE_C: tl.constexpr,
+                  SWIZZLE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -304,13 +305,14 @@ def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N,
     x = decode_to_f32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_n, mask=mask, other=0),
                       IN_FMT)
     if HAS_XS:  # an FP8 x dequantized by its 1x128 tile grid
-        x = x * tl.load(xs_ptr + rows * n_tiles + pid_n, mask=rows < M, other=1.0)[:, None]
+        x = x * tl.load(xs_ptr + rows * n_tiles + pid_n, mask=(rows < M) & (rows * 0 + pid_n < n_tiles),
+                        other=1.0)[:, None]
     finite = tl.abs(x) <= 3.4028234663852886e38
     mag = tl.where(finite & mask, tl.abs(x), 0.0)
     s = pow2_scale(tl.max(mag, axis=1), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
     y = tl.where(finite, tl.minimum(tl.maximum(x * s[:, None], -FMAX), FMAX), float("nan"))
     tl.store(data_ptr + rows[:, None] * N + cols[None, :], encode_f32(y, OUT_FMT), mask=mask)
-    tl.store(inv_ptr + rows * n_tiles + pid_n, 1.0 / s, mask=rows < M)
+    tl.store(inv_ptr + rows * n_tiles + pid_n, 1.0 / s, mask=(rows < M) & (rows * 0 + pid_n < n_tiles))
     if COLUMNWISE:
         sc = pow2_scale(tl.max(mag, axis=0), FMAX, 0, tl.full((TILE,), 1.0, tl.float32))
         yc = tl.where(finite, tl.minimum(tl.maximum(x * sc[None, :], -FMAX), FMAX), float("nan"))
@@ -322,9 +324,23 @@ def _tiles_kernel(x_ptr, xs_ptr, data_ptr, inv_ptr, data_c_ptr, inv_c_ptr, M, N,
         else:
             tl.store(data_c_ptr + rows[:, None] * N + cols[None, :], bits, mask=c_mask)
             tl.store(inv_c_ptr + pid_m * N + cols, 1.0 / sc, mask=(cols < N) & (cols * 0 + pid_m < m_tiles))
+    if SWIZZLE:  # MXFP8 (TILE 32): the E8M0 scales in cuBLAS's swizzled layout, every byte of its padded tiles
+        k_tiles = (n_tiles + 3) // 4
+        inside = (rows < M) & (rows * 0 + pid_n < n_tiles)
+        e = tl.where(inside, ((1.0 / s).to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+        off = ((rows // 128) * k_tiles + pid_n // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + pid_n % 4
+        tl.store(hw_ptr + off, e.to(tl.uint8))
+        if COLUMNWISE:
+            k_tiles_c = (m_tiles + 3) // 4
+            inside_c = (cols < N) & (cols * 0 + pid_m < m_tiles)
+            e_c = tl.where(inside_c, ((1.0 / sc).to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+            off_c = (((cols // 128) * k_tiles_c + pid_m // 4) * 512 + (cols % 32) * 16 + ((cols % 128) // 32) * 4
+                     + pid_m % 4)
+            tl.store(hw_c_ptr + off_c, e_c.to(tl.uint8))
 
 
-def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=128, transpose_c=False):
+def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=128, transpose_c=False,
+                          swizzle=False):
     m, n = x.shape
     n_tiles = -(-n // tile)
     m_tiles = -(-m // tile)
@@ -339,15 +355,30 @@ def launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv=None, tile=
         data_c = torch.empty((0, 0), dtype=fmt_dtype, device=x.device)
         inv_c = torch.empty((0, 0), dtype=torch.float32, device=x.device)
     grid = (max(1, triton.cdiv(max(m, rows_c), tile)), max(1, n_tiles))
+    hw = hw_c = None
+    if swizzle:  # the grid covers the swizzled layouts' padded tiles: rows (and features) to 128, K blocks to 4
+        grid = (-(-grid[0] // 4) * 4, -(-grid[1] // 4) * 4)
+        hw = torch.empty((-(-m // 128) * 128 * (-(-n_tiles // 4) * 4),), dtype=torch.uint8, device=x.device)
+        hw_c = torch.empty((-(-n // 128) * 128 * (-(-m_tiles // 4) * 4),) if columnwise else (0,), dtype=torch.uint8,
+                           device=x.device)
     src = payload_view(x)
     xs = x_scale_inv.to(torch.float32).contiguous() if x_scale_inv is not None else inv
     _tiles_kernel[grid](
         src, xs, payload_view(data), inv, payload_view(data_c) if columnwise else payload_view(data),
-        inv_c if columnwise else inv, m, n, src.stride(0), src.stride(1), rows_c, n_tiles, m_tiles,
+        inv_c if columnwise else inv, hw if swizzle else inv, hw_c if swizzle and columnwise else inv, m, n,
+        src.stride(0), src.stride(1), rows_c, n_tiles, m_tiles,
         IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype], COLUMNWISE=columnwise,
-        HAS_XS=x_scale_inv is not None, TILE=tile, TRANSPOSE_C=transpose_c, num_warps=8 if tile >= 128 else 4,
+        HAS_XS=x_scale_inv is not None, TILE=tile, TRANSPOSE_C=transpose_c, SWIZZLE=swizzle,
+        num_warps=8 if tile >= 128 else 4,
     )
+    if swizzle:
+        return data, inv, hw.view(torch.float8_e8m0fnu), data_c, inv_c, hw_c.view(torch.float8_e8m0fnu)
     return data, inv, data_c, inv_c
+
+
+def launch_quantize_mx(x, fmt_dtype, columnwise, pad, x_scale_inv=None):
+    """:func:`fp8.ops.quantize_mx`: the 32-tile kernel writing the swizzled E8M0 scales too."""
+    return launch_quantize_tiles(x, fmt_dtype, columnwise, pad, x_scale_inv, 32, True, swizzle=True)
 
 
 @triton.jit

@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--fp4-recipe nvfp4 without the random Hadamard transform of the weight-gradient operands")
     f.add_argument("--no-fp4-stochastic-rounding", dest="fp4_stochastic_rounding", action="store_false",
                    help="--fp4-recipe nvfp4 rounding output gradients to nearest instead of stochastically")
+    f.add_argument("--fp4-bf16-forward-from-iteration", type=int, default=None, metavar="N",
+                   help="--fp4-recipe nvfp4 with the forward GEMMs in BF16 from iteration N on (1-based, as the logs "
+                        "count; the backward GEMMs stay NVFP4), as NVIDIA's NVFP4 recipe does for the last part of "
+                        "training; decided from the iteration number, so a resumed run switches at the same iteration")
     f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
                    help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
                         "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
@@ -448,6 +452,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     )
     _check_no_silent_flags(args)
     _check_moe(args, dp)
+    if args.fp4_bf16_forward_from_iteration is not None:
+        for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--num-experts", args.num_experts)):
+            if on:
+                raise ConfigurationError(f"--fp4-bf16-forward-from-iteration with {flag}: the BF16 forward runs on "
+                                         f"linears whose input is neither all-gathered nor routed to experts; drop "
+                                         f"one of the two")
     _check_fp8_stats(args)
     high_precision_layers(args.first_last_layers_bf16, args.num_layers_at_start_in_bf16,  # checked at start-up
                           args.num_layers_at_end_in_bf16, args.num_layers)
@@ -520,10 +530,14 @@ def _resolve_fp4_recipe(args: argparse.Namespace) -> None:
             ("--fp4-format", "--fp4-recipe nvfp4")
         raise ConfigurationError(f"{given} needs {missing} (NVFP4: E2M1 values with the nvfp4 scaling recipe)")
     if args.fp4_recipe is None:
-        if not (args.fp4_hadamard and args.fp4_stochastic_rounding):
-            raise ConfigurationError("--no-fp4-hadamard and --no-fp4-stochastic-rounding apply to --fp4-recipe nvfp4; "
-                                     "add --fp4-format e2m1 --fp4-recipe nvfp4, or drop them")
+        if not (args.fp4_hadamard and args.fp4_stochastic_rounding) or args.fp4_bf16_forward_from_iteration is not None:
+            raise ConfigurationError("--no-fp4-hadamard, --no-fp4-stochastic-rounding and --fp4-bf16-forward-from-"
+                                     "iteration apply to --fp4-recipe nvfp4; add --fp4-format e2m1 --fp4-recipe nvfp4, "
+                                     "or drop them")
         return
+    n = args.fp4_bf16_forward_from_iteration
+    if n is not None and n < 1:
+        raise ConfigurationError(f"--fp4-bf16-forward-from-iteration {n}: iterations count from 1")
     if args.fp8_recipe not in ("tensorwise", "nvfp4"):
         raise ConfigurationError(f"--fp4-recipe nvfp4 and --fp8-recipe {args.fp8_recipe} both choose the linears' "
                                  f"recipe: pass one of them")
@@ -550,11 +564,6 @@ def check_recipe_hardware(args, target=None) -> None:
     problem = get_recipe(args.fp8_recipe).hardware_problem(target, args.fp8_gemm_backend)
     if problem is not None:
         raise ConfigurationError(f"{flag}: {problem}")
-    if (args.fp8_recipe == "nvfp4" and args.sequence_parallel and target.kind == "cuda"
-            and args.fp8_gemm_backend != "emulated"):
-        raise ConfigurationError("--fp4-recipe nvfp4 with --sequence-parallel: each rank's rows carry their own "
-                                 "per-tensor NVFP4 scale, which the NVFP4 GEMM of the gathered rows cannot take yet; "
-                                 "drop --sequence-parallel, or pass --fp8-gemm-backend emulated")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:

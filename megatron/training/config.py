@@ -111,6 +111,7 @@ class PrecisionConfig:
     fp4_recipe: str | None = None
     fp4_hadamard: bool = True
     fp4_stochastic_rounding: bool = True
+    fp4_bf16_forward_from_iteration: int | None = None
     fp8_gemm_backend: str = "auto"
     fp8_activations: bool = False
     first_last_layers_bf16: bool = _match(False)

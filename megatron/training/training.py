@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fp8.comm import Collectives, CommBytesCounter
 from fp8.comm_trace import CollectiveTrace
+from fp8.convert import set_high_precision_forward
 from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
 from fp8.tensor import Float8Tensor
@@ -512,6 +513,7 @@ def train_iterations(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
     for it in range(start, cfg.training.train_iters):
         if run.numerics is not None:
             run.numerics.begin_step(it + 1)
+        _scheduled_precision(cfg, run, it + 1)
         step = run.train_step(data, it)
         pending.add(it + 1, step, *sent.take(), run.mu())
         evaluate = bool(cfg.training.eval_interval) and ((it + 1) % cfg.training.eval_interval == 0 or it + 1 == cfg.training.train_iters)
@@ -539,6 +541,20 @@ def train_iterations(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
                       + (f"; checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""), flush=True)
             break
     return history
+
+
+def _scheduled_precision(cfg: RunConfig, run: TrainingRun, iteration: int) -> None:
+    """``--fp4-bf16-forward-from-iteration N``: from iteration ``N`` on, every NVFP4 linear runs its forward GEMM in
+    BF16 (:func:`fp8.set_high_precision_forward`; its backward stays NVFP4). Decided from the iteration number at
+    every iteration (idempotent), so a run resumed past ``N`` switches at its first iteration: no checkpoint state."""
+    switch = cfg.precision.fp4_bf16_forward_from_iteration
+    if switch is None or iteration < switch:
+        return
+    changed = sum(set_high_precision_forward(chunk) for chunk in run.bare_chunks)
+    if changed and _is_logging_rank():
+        print(f"iteration {iteration}: the forward GEMMs of {changed} NVFP4 linear(s) run in high precision (BF16 "
+              f"with --bf16) from now on (--fp4-bf16-forward-from-iteration {switch}); their backward stays NVFP4",
+              flush=True)
 
 
 class PendingRecords:

@@ -248,3 +248,49 @@ def test_the_gpu_op_sequence_on_the_cpu_equals_the_emulation_bit_for_bit():
     (loss0, grad0, w0, kept0), (loss1, grad1, w1, kept1) = results
     assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1) and all(map(torch.equal, w0, w1))
     assert kept0 == [0, 0] and kept1 == [4, 4]
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 96), (40, 160), (300, 64), (33, 32)])
+def test_quantize_mx_kernel_writes_the_tiles_and_their_swizzled_scales(rows, cols, seed):
+    """fp8lm::quantize_mx: the Triton kernel (TRITON_INTERPRET=1) equals its torch reference bit for bit (tiles, grids,
+    both swizzled E8M0 layouts with their zero padding), from high-precision x and from an FP8 x with its 1x32 grid;
+    the reference is quantize_tiles(tile=32, transpose_c) and mx_scales of each grid."""
+    import os
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernel tests run under TRITON_INTERPRET=1")
+    from fp8 import ops
+    from fp8.kernels import triton_quantize as tq
+
+    def bits(t):
+        return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)).to(dtype)
+        for columnwise in (False, True):
+            want = ops.quantize_mx(x, "e4m3", columnwise, 32)
+            got = tq.launch_quantize_mx(x, torch.float8_e4m3fn, columnwise, 32)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want)), (dtype, columnwise)
+        data, inv, data_c, inv_c = ops.quantize_tiles(x, "e4m3", True, 32, None, 32, True)
+        want = ops.quantize_mx(x, "e4m3", True, 32)
+        assert torch.equal(bits(want[0]), bits(data)) and torch.equal(want[4], inv_c)
+        assert torch.equal(bits(want[2]), bits(ops.mx_scales(inv, rows, 1)))
+        assert torch.equal(bits(want[5]), bits(ops.mx_scales(inv_c, cols, 1)))
+        fp8_x, fp8_inv = want[0], want[1]
+        want = ops.quantize_mx(fp8_x, "e4m3", True, 32, fp8_inv)
+        got = tq.launch_quantize_mx(fp8_x, torch.float8_e4m3fn, True, 32, fp8_inv)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want)), dtype
+
+
+def test_tile_operands_keep_their_hardware_scales_through_a_transpose():
+    """A 1x32 operand's swizzled scales follow it through ``.t`` (its K is its own), an NVFP4 operand's too; a square
+    block's (a 32x32 weight's: one layout per orientation) are dropped."""
+    from fp8 import ops
+    from fp8.gemm import Operand
+
+    x = torch.randn(64, 64)
+    data, inv, hw, data_c, inv_c, hw_c = ops.quantize_mx(x, "e4m3", True, 32)
+    assert Operand(data_c, inv_c, (1, 32), hw_c).t.hw_scale is hw_c
+    assert Operand(data, inv, (32, 32), hw).t.hw_scale is None

@@ -236,9 +236,49 @@ def test_megatron_fp4_flags():
     for flags, message in ((["--fp4-recipe", "nvfp4"], "needs --fp4-format e2m1"),
                            (["--fp4-format", "e2m1"], "needs --fp4-recipe nvfp4"),
                            (["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--fp8-recipe", "mxfp8"], "pass one"),
-                           (["--no-fp4-stochastic-rounding"], "apply to --fp4-recipe nvfp4")):
+                           (["--no-fp4-stochastic-rounding"], "apply to --fp4-recipe nvfp4"),
+                           (["--fp4-bf16-forward-from-iteration", "5"], "apply to --fp4-recipe nvfp4"),
+                           (fp4 + ["--fp4-bf16-forward-from-iteration", "0"], "count from 1")):
         with pytest.raises(ConfigurationError, match=message):
             validate_args(parse_args(base + flags), 1)
+    switch = fp4 + ["--fp4-bf16-forward-from-iteration", "5"]
+    assert validate_args(parse_args(base + switch), 1).fp4_bf16_forward_from_iteration == 5
+    tp2sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-gemm-backend", "emulated"]
+    with pytest.raises(ConfigurationError, match="--fp4-bf16-forward-from-iteration with --sequence-parallel"):
+        validate_args(parse_args(base + switch + tp2sp), 2)
+
+
+def test_high_precision_forward_runs_the_forward_gemm_on_the_weights_values_and_keeps_the_backward():
+    """Float8LinearConfig.high_precision_forward (fp8.set_high_precision_forward; what --fp4-bf16-forward-from-iteration
+    switches to), every recipe, fp32 and bf16: the output is ``x @ W^T + b`` in the model's dtype with W dequantized
+    from its form at rest, bit for bit, and the gradients equal the quantized forward's bit for bit (the backward
+    reads the same operands); switching is idempotent and reversible."""
+    import fp8
+    from fp8.blocks import dequantize_blocks
+    from fp8.linear import Float8LinearConfig
+
+    for recipe in ("nvfp4", "tensorwise", "rowwise", "blockwise", "mxfp8"):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            config = Float8LinearConfig(recipe=recipe, grad_accumulation="fp32", fp4_stochastic_rounding=False,
+                                        input=fp8.ScalingConfig("e4m3", "current"),
+                                        grad_output=fp8.ScalingConfig("e5m2", "current"))
+            layer = fp8.Float8Linear.from_linear(torch.nn.Linear(128, 128), config)
+            x = torch.randn(40, 128, dtype=dtype, requires_grad=True)
+            y = layer(x)
+            dy = torch.randn_like(y)
+            y.backward(dy)
+            grads = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+            x.grad = layer.weight.grad = layer.bias.grad = None
+            assert fp8.set_high_precision_forward(layer) == 1 and fp8.set_high_precision_forward(layer) == 0
+            y_hp = layer(x)
+            y_hp.backward(dy)
+            w = dequantize_blocks(layer.weight.payload, layer.weight.scale, layer.weight.block, dtype)
+            assert torch.equal(y_hp, (x @ w.t() + layer.bias.to(dtype)).to(y_hp.dtype)), (recipe, dtype)
+            assert not torch.equal(y_hp, y), (recipe, dtype)
+            assert all(torch.equal(a, b) for a, b in zip((x.grad, layer.weight.grad, layer.bias.grad), grads)), \
+                (recipe, dtype)
+            assert fp8.set_high_precision_forward(layer, False) == 1 and torch.equal(layer(x), y)
 
 
 # -- the fused kernels (fp8.fp4's custom ops; Triton under TRITON_INTERPRET=1 against their torch references) ---------

@@ -288,6 +288,7 @@ def test_each_op_is_one_launch():
         "quantize_rows": lambda: ops.quantize_rows(x, "e4m3"),
         "quantize_cols_t": lambda: ops.quantize_cols_t(x, "e4m3", 16),
         "quantize_tiles": lambda: ops.quantize_tiles(x, "e4m3", True, 128),
+        "quantize_mx": lambda: ops.quantize_mx(x, "e4m3", True, 32),
         "transpose_fp8": lambda: ops.transpose_fp8(payload, one, 16),
         "transpose_fp8_into_": lambda: ops.transpose_fp8_into_([payload] * 3, [one] * 3, [out] * 3, [inv] * 3),
         "update_scales_": lambda: ops.update_scales_(hist, scales, flags, [448.0] * 3, [0] * 3),
@@ -297,6 +298,25 @@ def test_each_op_is_one_launch():
         with LaunchCounter() as counter:
             call()
         assert counter.launches == 1, (name, counter.by_op)
+
+
+def test_fake_implementations_match_the_ops():
+    """Each block-scaled op's fake implementation (what torch.compile traces) gives its outputs' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8 import fp4
+
+    x = torch.randn(72, 96)
+    amax2 = ops.amax(x)
+    calls = [lambda t, a: ops.quantize_mx(t, "e4m3", True, 32), lambda t, a: ops.quantize_mx(t, "e4m3", False, 32),
+             lambda t, a: fp4.nvfp4_quantize(t, a, 1, True, 32, 5, True, 3),
+             lambda t, a: fp4.nvfp4_quantize(t[:64], a, 16, False, 1, -1, False, 0),
+             lambda t, a: (fp4.nvfp4_amax(t, 5, True),)]
+    for call in calls:
+        real = call(x, amax2)
+        with FakeTensorMode() as mode:
+            fake = call(mode.from_tensor(x), mode.from_tensor(amax2))
+        assert [(tuple(r.shape), r.dtype) for r in real] == [(tuple(f.shape), f.dtype) for f in fake]
 
 
 @pytest.mark.parametrize("rows,kb,repeat", [(96, 5, 1), (200, 8, 32), (33, 1, 1), (256, 3, 32)])

@@ -849,7 +849,7 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     if tokens is None:
         if recipe == "rowwise":
             return width + 4
-        if recipe == "nvfp4":  # also the GEMM's swizzled E4M3 scales: a byte per 16 features, K blocks padded to 4
+        if recipe in ("nvfp4", "mxfp8"):  # also the GEMM's swizzled scales: a byte per K block, padded to 4
             return elem * width + 4 * math.ceil(width / scale_block) + 4 * math.ceil(width / scale_block / 4)
         if tile:
             return elem * width + 4 * math.ceil(width / scale_block)
@@ -859,7 +859,7 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     payload = elem * width * (tokens + pad) / tokens
     if recipe == "rowwise":
         return payload + 4 * width / tokens
-    if recipe == "nvfp4":  # also the GEMM's swizzled E4M3 scales: rows padded to 128, K blocks to 4
+    if recipe in ("nvfp4", "mxfp8"):  # also the GEMM's swizzled scales (E4M3 / E8M0): rows to 128, K blocks to 4
         k_blocks = math.ceil((tokens + pad) / scale_block)
         return (payload + 4 * width * k_blocks / tokens
                 + math.ceil(width / 128) * 128 * math.ceil(k_blocks / 4) * 4 / tokens)
