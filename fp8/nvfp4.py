@@ -125,7 +125,8 @@ class NVFP4WeightQuantizer(WeightQuantizer):
     block = NVFP4_BLOCK
 
     @staticmethod
-    def _operands(payload, scale, weight) -> tuple[Operand, Operand]:
+    def _operands(payload, scale, weight) -> tuple[torch.Tensor, ...]:
+        """:func:`_operands_from`'s eight tensors, kept with the weight until it is written."""
         return cached_operand(weight, payload, scale, _KEY, lambda: _operands_from(payload, scale))
 
     def forward_b(self, payload, scale, weight, backend, target=None):

@@ -176,14 +176,15 @@ def _nvfp4_kernel(x_ptr, s_ptr, amax_ptr, data_ptr, inv_ptr, hw_ptr, ginv_ptr, R
                                           (BLOCK_R // BLOCK_ROWS, BLOCK_ROWS)), (BLOCK_R,))
         bad = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(bad, (BLOCK_R // BLOCK_ROWS, BLOCK_ROWS)), axis=1)[:, None],
                                          (BLOCK_R // BLOCK_ROWS, BLOCK_ROWS)), (BLOCK_R,))
-    wanted = tl.minimum(tl.math.div_rn(bmax * g, 6.0), 448.0)
+    wanted = tl.minimum(tl.math.div_rn(bmax * g, tl.zeros_like(bmax) + 6.0), 448.0)
     sbits = encode_f32(wanted, 3).to(tl.int32)
     sbits = tl.where(decode_to_f32(sbits, 3) < wanted, sbits + 1, sbits)  # rounded down: the next code up
     sbits = tl.where(bad > 0, 0x7F, sbits)
     s32 = decode_to_f32(sbits, 3)
     ok = s32 > 0  # False for an all-zero block and for NaN (a block with a non-finite value): codes 0
-    scaled_e = tl.where(ok[:, None], tl.math.div_rn(ve * g, tl.where(ok, s32, 1.0)[:, None]), 0.0)
-    scaled_o = tl.where(ok[:, None], tl.math.div_rn(vo * g, tl.where(ok, s32, 1.0)[:, None]), 0.0)
+    den = tl.broadcast_to(tl.where(ok, s32, 1.0)[:, None], (BLOCK_R, 8))  # libdevice's division: equal shapes
+    scaled_e = tl.where(ok[:, None], tl.math.div_rn(ve * g, den), 0.0)
+    scaled_o = tl.where(ok[:, None], tl.math.div_rn(vo * g, den), 0.0)
     scaled_e = tl.minimum(tl.maximum(scaled_e, -6.0), 6.0)
     scaled_o = tl.minimum(tl.maximum(scaled_o, -6.0), 6.0)
     if STOCHASTIC:
