@@ -273,6 +273,11 @@ def nvfp4_quantize(x: torch.Tensor, amax2: torch.Tensor, block_rows: int, transp
     ``F.scaled_mm`` reads: no swizzle kernel per GEMM), ``global_scale_inv`` 0-d. ``stochastic``: stochastic rounding
     from the draws of ``seed`` (the Triton kernel's ``tl.rand`` on CUDA, a ``torch.Generator`` here: the same law,
     not the same draws)."""
+    return _nvfp4_quantize_reference(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale)
+
+
+def _nvfp4_quantize_reference(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale):
+    """:func:`nvfp4_quantize`'s torch reference (its CPU implementation; CUDA runs it for an empty operand)."""
     values = _logical(x, transpose, pad, signs, x_scale)
     generator = None
     if stochastic:
@@ -331,4 +336,6 @@ def _(x, signs, transpose, x_scale=None):
 
 @nvfp4_quantize.register_kernel("cuda")
 def _(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale=None):
+    if _triton().is_empty_launch(x, transpose, pad):  # no program would write the global scale: the reference does
+        return _nvfp4_quantize_reference(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale)
     return _triton().launch_nvfp4_quantize(x, amax2, block_rows, transpose, pad, signs, stochastic, seed, x_scale)

@@ -248,7 +248,8 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
             raise ValueError("high_precision_forward (--fp4-bf16-forward-from-iteration) runs on linears whose input is "
                              "neither all-gathered (sequence parallelism) nor grouped (MoE experts); run it without "
                              "--sequence-parallel and MoE, or without the switch")
-        return _high_precision_forward(ctx, x, x2d, weights[0], bias, quantizers, config, hooks, dtype, wgrad)
+        return _high_precision_forward(ctx, x, x2d, weights[0], bias, quantizers, config, hooks, dtype, wgrad,
+                                       record)
     key = (recipe.name, recipe.options, input_state.config if recipe.tensorwise else None, x2d.dtype, columnwise)
     if gathered:
         rows, cols = quantizers.input.quantize(x2d, record, columnwise=False)
@@ -304,18 +305,20 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     return out
 
 
-def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dtype, wgrad):
+def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dtype, wgrad, record):
     """:attr:`Float8LinearConfig.high_precision_forward`: ``x @ W^T`` in ``dtype`` with W dequantized from its form at
     rest (exact in bf16: E4M3 values times power-of-two scales), the input's column-wise operand made for the weight
-    gradient; :func:`linear_backward` runs as for the FP8 forward (it reads only that operand and the weight)."""
-    weight = dequantize_blocks(w.payload, w.scale, w.block, dtype)
-    gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
-    out = torch.mm(x2d, weight.t()).to(gemm_dtype)
+    gradient; :func:`linear_backward` runs as for the FP8 forward (it reads only that operand and the weight). A
+    row-parallel linear's partial sums stay fp32 until its reduction, as the FP8 GEMM's do."""
     if hooks.reduce_output is not None:
-        out = hooks.reduce_output(out, dtype, True)
+        weight = dequantize_blocks(w.payload, w.scale, w.block, torch.float32)
+        out = hooks.reduce_output(torch.mm(x2d.to(torch.float32), weight.t()), dtype, record)
+    else:
+        weight = dequantize_blocks(w.payload, w.scale, w.block, dtype)
+        out = torch.mm(x2d, weight.t())
     if bias is not None:
         out = out + bias.to(out.dtype)
-    cols = quantizers.input.weight_grad_operand(x2d, True) if wgrad else None
+    cols = quantizers.input.weight_grad_operand(x2d, record) if wgrad else None
     saved = cols if cols is not None else Operand(x2d.new_empty((0, 0)), x2d.new_empty((0,)), None)
     hw = saved.hw_scale
     ctx.fp8_weights = None if torch.compiler.is_compiling() else [w]

@@ -22,7 +22,7 @@ import triton.language as tl
 from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 from .triton_quantize import pow2_scale, amax_scratch
 
-__all__ = ["launch_nvfp4_quantize", "launch_nvfp4_amax"]
+__all__ = ["launch_nvfp4_quantize", "launch_nvfp4_amax", "is_empty_launch"]
 
 _BLOCK_R = 128
 _FLT_MAX = 3.4028234663852886e38
@@ -211,9 +211,18 @@ def _nvfp4_kernel(x_ptr, s_ptr, amax_ptr, data_ptr, inv_ptr, hw_ptr, ginv_ptr, R
         tl.store(ginv_ptr, ginv)
 
 
+def is_empty_launch(x: torch.Tensor, transpose: bool, pad: int) -> bool:
+    """Whether :func:`launch_nvfp4_quantize`'s grid would be empty (no row or no K block): no program would run, so
+    the caller makes that operand with the torch reference (its global scale included)."""
+    rows, k = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    return rows == 0 or -(-k // max(pad, 16)) == 0
+
+
 def launch_nvfp4_quantize(x: torch.Tensor, amax2: torch.Tensor, block_rows: int, transpose: bool, pad: int,
                           signs: int, stochastic: bool, seed: int, x_scale: torch.Tensor | None = None):
     rows, k, stride_r, stride_k, s, ss_r, ss_k = _layout(x, transpose, x_scale)
+    if rows % block_rows:
+        raise ValueError(f"nvfp4_quantize: {rows} rows do not tile in blocks of {block_rows} rows")
     step = max(pad, 16)
     kp = -(-k // step) * step
     kb = kp // 16

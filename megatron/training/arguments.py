@@ -509,6 +509,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.vocab_size = 1024
     args.compare_levels = [lvl for lvl in _compare_levels(args) if lvl != args.fp8_opt_level]
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.compile_layers and args.fp8_recipe == "nvfp4" and args.fp4_stochastic_rounding:
+        raise ConfigurationError("--compile-layers with --fp4-recipe nvfp4: stochastic rounding draws a new seed per cast "
+                                 "on the host, which a compiled graph would hold fixed; add --no-fp4-stochastic-rounding "
+                                 "or drop --compile-layers")
     if args.compile_layers:
         from .model import check_compile_layers  # imports megatron-core: only when the flag is given
 

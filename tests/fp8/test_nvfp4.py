@@ -238,7 +238,8 @@ def test_megatron_fp4_flags():
                            (["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--fp8-recipe", "mxfp8"], "pass one"),
                            (["--no-fp4-stochastic-rounding"], "apply to --fp4-recipe nvfp4"),
                            (["--fp4-bf16-forward-from-iteration", "5"], "apply to --fp4-recipe nvfp4"),
-                           (fp4 + ["--fp4-bf16-forward-from-iteration", "0"], "count from 1")):
+                           (fp4 + ["--fp4-bf16-forward-from-iteration", "0"], "count from 1"),
+                           (fp4 + ["--compile-layers"], "add --no-fp4-stochastic-rounding")):
         with pytest.raises(ConfigurationError, match=message):
             validate_args(parse_args(base + flags), 1)
     switch = fp4 + ["--fp4-bf16-forward-from-iteration", "5"]
