@@ -291,18 +291,27 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     kept = [c for c in group_cols if c is not None]
     if kept:
         saved = Operand(saved.data.new_empty((0, 0)), saved.scale_inv.new_empty((0,)), saved.block)
-    hw = saved.hw_scale if not kept else None  # its scales in the GEMM's layout, where the kernel wrote them (NVFP4)
+    _save_for_backward(ctx, saved, cols is not None, weights, group_cols, quantizers, config, hooks, sizes, bias,
+                       x.shape)
+    return out
+
+
+def _save_for_backward(ctx, saved, columnwise, weights, group_cols, quantizers, config, hooks, sizes, bias, x_shape):
+    """What :func:`linear_backward` reads: ``saved`` (the weight gradient's operand, or the rows it is made from; its
+    scales in the GEMM's layout where a kernel wrote them, and NVFP4's 0-d per-tensor factor), the weights' payloads
+    and scales, the groups' own column-wise operands (``group_cols``: None where a group has no token)."""
+    kept = [c for c in group_cols if c is not None]
+    hw = saved.hw_scale if not kept else None
     ctx.save_for_backward(saved.data, saved.scale_inv, *(w.payload for w in weights), *(w.scale for w in weights),
                           *(c.data for c in kept), *(c.scale_inv for c in kept), *(() if hw is None else (hw,)))
     ctx.saved_hw = hw is not None
-    ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, len(weights)
-    ctx.saved_global = saved.global_scale_inv  # NVFP4's 0-d per-tensor factor (None for FP8 operands)
+    ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = columnwise, saved.block, len(weights)
+    ctx.saved_global = saved.global_scale_inv
     ctx.group_cols = [c is not None for c in group_cols]
     ctx.group_cols_block = kept[0].block if kept else None
     ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes = quantizers, config, hooks, sizes
-    ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+    ctx.has_bias, ctx.x_shape = bias is not None, x_shape
     ctx.weight_dtypes = [w.dtype for w in weights]
-    return out
 
 
 def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dtype, wgrad, record):
@@ -320,16 +329,8 @@ def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dty
         out = out + bias.to(out.dtype)
     cols = quantizers.input.weight_grad_operand(x2d, record) if wgrad else None
     saved = cols if cols is not None else Operand(x2d.new_empty((0, 0)), x2d.new_empty((0,)), None)
-    hw = saved.hw_scale
     ctx.fp8_weights = None if torch.compiler.is_compiling() else [w]
-    ctx.save_for_backward(saved.data, saved.scale_inv, w.payload, w.scale, *(() if hw is None else (hw,)))
-    ctx.saved_hw = hw is not None
-    ctx.saved_columnwise, ctx.saved_block, ctx.n_weights = cols is not None, saved.block, 1
-    ctx.saved_global = saved.global_scale_inv
-    ctx.group_cols, ctx.group_cols_block = [], None
-    ctx.quantizers, ctx.config, ctx.hooks, ctx.sizes = quantizers, config, hooks, None
-    ctx.has_bias, ctx.x_shape = bias is not None, x.shape
-    ctx.weight_dtypes = [w.dtype]
+    _save_for_backward(ctx, saved, cols is not None, [w], [], quantizers, config, hooks, None, bias, x.shape)
     return out
 
 
