@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from .activations import compress_activations
+from .distributed.fsdp import FSDPConfig, follow_fsdp
+from .distributed.sharding import is_dtensor
 from .convert import ModuleFilter, convert_embeddings_to_float8, convert_to_float8_linear, is_conv1d
 from .moe import is_fused_experts
 from .gemm import GemmTarget, scaled_mm_supported
@@ -60,6 +62,18 @@ def _check_not_initialized(model: nn.Module) -> None:
             f"model is already initialized for FP8 (it holds {found}); call fp8.initialize once, on the original "
             f"model and optimizer, and train with the (model, optimizer) it returns"
         )
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    """Refuse a model FSDP2 already sharded (DTensor parameters): its linears would be converted from this rank's rows
+    only, and the optimizer could not find its parameters' full masters."""
+    sharded = [fqn for fqn, p in model.named_parameters() if is_dtensor(p)]
+    if sharded:
+        raise ValueError(
+            f"model is already sharded ({len(sharded)} DTensor parameter(s), e.g. {_names(sharded, 2)}: "
+            f"fully_shard, or another DTensor parallelism, ran before fp8.initialize); call "
+            f"`model, optimizer = fp8.initialize(model, optimizer, level)` on the unsharded model first, then "
+            f"fully_shard each block and the root (docs/fsdp.md)")
 
 
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -193,6 +207,7 @@ def initialize(
     recipe: str | None = None,
     fp8_activations: bool = False,
     fp8_embeddings: bool = False,
+    fsdp: FSDPConfig | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -257,6 +272,11 @@ def initialize(
 
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
+
+    FSDP2 (docs/fsdp.md): ``fully_shard`` the returned model (each block, then the root) at O1 or O2; the returned
+    optimizer takes over the sharded parameters at its next call, FP8 weights stay sharded in FP8 and are all-gathered
+    in FP8, gradients are reduce-scattered as ``fsdp`` (a :class:`fp8.distributed.fsdp.FSDPConfig`; default FP8 on the
+    wire). A model already sharded is refused (initialize first).
     """
     opt_level = normalize_opt_level(opt_level)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -266,6 +286,10 @@ def initialize(
     if recipe is not None:
         get_recipe(recipe)  # a bad name fails at every level
     _check_not_initialized(model)
+    _check_not_sharded(model)
+    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
+        raise TypeError(f"fsdp= takes an fp8.distributed.fsdp.FSDPConfig, got {type(fsdp).__name__}")
+    fsdp = fsdp or FSDPConfig()
     if optimizer is not None:
         _check_optimizer_params(model, optimizer)
     if isinstance(precision, (OptimizerPrecision, str)):
@@ -305,6 +329,7 @@ def initialize(
         model, tables = convert_embeddings_to_float8(model, config, module_filter_fn)
         converted = converted + tables
     model = _with_activations(model, fp8_activations)
+    follow_fsdp(model, fsdp)
     if optimizer is None:
         return model, None
     _swap_expert_masters(optimizer, converted)
@@ -316,4 +341,5 @@ def initialize(
     else:
         weights = [FP8Weight(c.optimizer_param, c.module.weight, c.original_weight) for c in converted]
     return model, wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
-                                 process_group=process_group)
+                                 process_group=process_group,
+                                 **({} if opt_level == "O3" else {"comm_counter": fsdp.counter}))

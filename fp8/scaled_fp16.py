@@ -26,7 +26,7 @@ import torch
 from .cast import dequantize
 from .kernels import grad_accumulate
 from .kernels.backend import KERNEL_BACKENDS
-from .subclass_dispatch import ScaledTensor, dispatch, metadata_hash, on_values, to_copy
+from .subclass_dispatch import ScaledTensor, chunk_cat_values, dispatch, metadata_hash, on_values, to_copy
 from .scaling import FP16_HEADROOM_BITS, FP16_MAX, finite_amax, fp16_accumulation_scale, power_of_two_scale
 
 __all__ = ["ScaledFloat16Tensor", "to_scaled_fp16"]
@@ -219,4 +219,5 @@ _OP_TABLE = {
     aten.copy_.default: _copy_into,
     aten.add_.Tensor: _add_inplace,
     aten.zero_.default: _zero,
+    "fsdp::chunk_cat": chunk_cat_values,  # FSDP2's reduce-scatter copy-in: the value in the buffer's dtype
 }

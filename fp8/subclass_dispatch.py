@@ -57,7 +57,7 @@ def is_inplace(func) -> bool:
 def dispatch(kind: type, table: dict, on_values: Collection, func, args, kwargs, run_on_values: Callable):
     """``func`` on a ``kind`` through its ``table`` (op -> ``handler(func, args, kwargs)``), or, for ops in
     ``on_values`` (ops or overload packets), ``run_on_values(func, args, kwargs)``; any other op is refused."""
-    handler = table.get(func)
+    handler = table.get(func) or table.get(func._schema.name)  # an op of a library not imported here, by name
     if handler is not None:
         return handler(func, args, kwargs)
     if func in on_values or func.overloadpacket in on_values:
@@ -97,6 +97,18 @@ def to_copy(args, kwargs, like: Callable):
         return value.to(device=device) if device is not None else value
     data = torch.ops.aten._to_copy.default(src._data, device=device, **kwargs)
     return like(src, data, src._scale.to(device=data.device, copy=True))
+
+
+def chunk_cat_values(func, args, kwargs):
+    """FSDP2's ``fsdp::chunk_cat(tensors, dim, num_chunks, out=)`` (the copy of unsharded gradients into its
+    reduce-scatter buffer) with scaled tensors among ``tensors``: each is dequantized straight into ``out``'s dtype
+    (an fp32 reduction buffer gets the gradient's fp32 value, never a 16-bit rounding of it), then the copy."""
+    tensors, out = args[0], kwargs["out"]
+    # chunk_cat takes inputs of one dtype: the unit's plain gradients (e.g. bf16 under a MixedPrecisionPolicy) go to
+    # the buffer's dtype as well, as FSDP2 would cast them there
+    plain = [t.dequantize(out.dtype) if hasattr(t, "payload") and hasattr(t, "dequantize") else t.to(out.dtype)
+             for t in tensors]
+    return func(plain, *args[1:], **kwargs)
 
 
 def metadata_hash(key: tuple) -> str:

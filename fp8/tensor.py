@@ -33,7 +33,9 @@ from .gemm import fp8_mm_payload
 from .kernels import grad_accumulate
 from .kernels.backend import KERNEL_BACKENDS
 from .scaling import amax_of, compute_scale
-from .subclass_dispatch import ScaledTensor, as_list as _as_list, dispatch, metadata_hash, on_values, to_copy
+from .subclass_dispatch import (
+    ScaledTensor, as_list as _as_list, chunk_cat_values, dispatch, metadata_hash, on_values, to_copy,
+)
 
 __all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand", "refresh_cached_operands"]
 
@@ -166,6 +168,46 @@ class Float8Tensor(ScaledTensor):
                self.accumulate_backend, self.block)
         return metadata_hash(key)
 
+    # -- FSDP2's all-gather extension (torch.distributed.fsdp.fully_shard; docs/fsdp.md) -----------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """What FSDP2 all-gathers for this shard of an FP8 weight: its payload as bytes (1 per element, padded to
+        FSDP's padded shard rows) and, as metadata, its scale. The scale is one value on every rank of the shard
+        group (the optimizers agree it when they quantize the shards: :mod:`fp8.fsdp`), so the gathered weight is
+        one FP8 tensor, the same on every rank. Tensor-wise weights only (block scales would split at shard
+        boundaries: refused by :func:`fp8.fsdp.check_shardable`)."""
+        if self.block is not None:
+            raise NotImplementedError(
+                f"FSDP2 all-gathers tensor-wise FP8 weights only; this weight has block scales ({self.block}): use "
+                f"recipe='tensorwise' with fully_shard")
+        data = self._data
+        rows = -(-int(outer_size[0]) // mesh.size()) if len(outer_size) else 0
+        if data.dim() and data.shape[0] != rows:  # a shard shorter than FSDP's padded one: its padded rows
+            padded = (rows, *data.shape[1:])
+            need = (data.storage_offset() + rows * (data.stride(0) if data.dim() else 1)) * data.element_size()
+            if data.is_contiguous() and data.untyped_storage().nbytes() >= need:
+                data = data.as_strided(padded, data.stride(), data.storage_offset())
+            else:
+                grown = data.new_zeros(padded)
+                grown[: data.shape[0]].copy_(data)
+                data = grown
+        return (data.view(torch.uint8),), (self._scale,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded FP8 weight from the gathered bytes and the (agreed) scale: a :class:`Float8Tensor`
+        reporting ``param_dtype`` (a ``MixedPrecisionPolicy``'s, so its gradient matches the other parameters'),
+        sharing the shard's scale tensor (no copy). With ``out`` (FSDP's unsharded parameter from the previous
+        all-gather, whose storage FSDP refilled with the version counter preserved, as autograd's saved tensors need
+        between the forward and a backward that gathers again) nothing is left to do: the scale is shared, and the
+        optimizer's write of it after each step is what invalidates operands memoized from the weight."""
+        (data,) = all_gather_outputs
+        (scale,) = metadata
+        data = data.view(self._data.dtype)
+        if out is not None:
+            if out._scale is not scale:  # the shard's scale tensor was replaced (a load): share the new one
+                out._scale = scale
+            return None
+        return Float8Tensor(data, scale, param_dtype, self.accumulate_backend), (data,)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(Float8Tensor, OP_TABLE, DEQUANTIZE_OPS, func, args, kwargs or {}, _dequantized)
@@ -286,7 +328,8 @@ def _block_view(func, args, kwargs):
     else:
         raise NotImplementedError(
             f"{func} on a block-scaled Float8Tensor (block {src.block}) would split its scale blocks; call "
-            f".dequantize() first"
+            f".dequantize() first (FSDP2's fully_shard splits weights by rows: it shards tensor-wise FP8 weights only, "
+            f"fp8.initialize(..., recipe='tensorwise'))"
         )
     view._shares_scale = True
     return view
@@ -326,6 +369,21 @@ def _payload_copy(func, args, kwargs):
     if isinstance(data, (list, tuple)):
         return [_like(first, d, first._scale.clone()) for d in data]
     return _like(first, data, first._scale.clone())
+
+
+def _new_filled(func, args, kwargs):
+    """``new_zeros`` / ``new_empty`` of a Float8Tensor (FSDP2 pads shards with them): an FP8 tensor of the given
+    shape on a fresh payload with its own copy of the scale (a scale grid of the new shape for block scales); with a
+    ``dtype`` other than this tensor's, a plain tensor."""
+    src, size = args[0], list(args[1])
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != src.dtype:
+        return func(src._data, size, **{**kwargs, "dtype": dtype})
+    data = func(src._data, size, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    if src.block is None:
+        return _like(src, data, src._scale.clone())
+    grid = grid_shape(src.block, tuple(size))
+    return _like(src, data, torch.ones(grid, dtype=torch.float32, device=data.device))
 
 
 def _to_copy(func, args, kwargs):
@@ -429,12 +487,17 @@ OP_TABLE = {
     aten.add_.Tensor: _add_inplace,
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
+    aten.new_zeros.default: _new_filled,
+    aten.new_empty.default: _new_filled,
+    "fsdp::chunk_cat": chunk_cat_values,
 }
 """What each op means with a :class:`Float8Tensor` operand, ``{op: handler(func, args, kwargs)}``: views
 re-index the payload and share the scale; clone/cat/stack copy payloads; ``.to()`` moves FP8 or
 dequantizes on a dtype change; ``copy_`` into FP8 re-quantizes; ``add_`` into a whole FP8 gradient is the
 fused accumulation; ``mm``/``addmm`` (``torch.mm``, ``@``, ``torch.matmul`` and ``F.linear`` on operands
-they fold to 2-D) run the FP8 GEMM, a plain operand cast to E4M3 with a current scale. Ops in neither this
+they fold to 2-D) run the FP8 GEMM, a plain operand cast to E4M3 with a current scale; ``new_zeros``/``new_empty``
+make FP8 tensors with their own scale (FSDP2's shard padding); FSDP2's ``fsdp::chunk_cat`` (keyed by name: its
+library registers on import) copies an FP8 gradient's value into the reduce-scatter buffer's dtype. Ops in neither this
 table nor :data:`DEQUANTIZE_OPS` raise ``NotImplementedError``."""
 
 DEQUANTIZE_OPS = frozenset({

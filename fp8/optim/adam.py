@@ -52,6 +52,7 @@ class Adam(FP8Optimizer):
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
         scaling_module: nn.Module | None = None,
         kernel_backend: str = "auto",
+        comm_counter=None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -64,7 +65,7 @@ class Adam(FP8Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
-                         kernel_backend=kernel_backend)
+                         kernel_backend=kernel_backend, comm_counter=comm_counter)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
         beta1, beta2 = group["betas"]
@@ -98,9 +99,10 @@ class AdamW(Adam):
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
         scaling_module: nn.Module | None = None,
         kernel_backend: str = "auto",
+        comm_counter=None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, maximize=maximize, decoupled_weight_decay=True,
             precision=precision, initial_masters=initial_masters, scaling_module=scaling_module,
-            kernel_backend=kernel_backend,
+            kernel_backend=kernel_backend, comm_counter=comm_counter,
         )

@@ -25,6 +25,8 @@ from torch import nn
 from ..kernels.backend import KERNEL_BACKENDS, interpreter_enabled, resolve_backend, triton_available
 from ..blocks import quantize_to_blocks
 from ..cast import payload_and_scale, quantize
+from ..comm import Collectives, CommBytesCounter
+from ..distributed.sharding import ParamSlots, local, shard_state
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..recipes import refresh_weight_operands
 from ..tensor import Float8Tensor
@@ -84,8 +86,9 @@ def _grad_tensors(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     for p in params:
         if p.grad is None:
             continue
-        parts = payload_and_scale(p.grad)  # FP8 or FP16 payload with its scale(s)
-        out.extend(parts if parts is not None else (p.grad,))
+        grad = local(p.grad)  # under FSDP2: this rank's rows
+        parts = payload_and_scale(grad)  # FP8 or FP16 payload with its scale(s)
+        out.extend(parts if parts is not None else (grad,))
     return out
 
 
@@ -141,6 +144,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         *,
         scaling_module: nn.Module | None = None,
         kernel_backend: str = "auto",
+        comm_counter: CommBytesCounter | None = None,
     ) -> None:
         if kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
@@ -149,6 +153,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         self.precision = OptimizerPrecision.preset(precision) if isinstance(precision, str) else precision
         self.kernel_backend = kernel_backend
         self.scaling_module = scaling_module
+        self._slots = ParamSlots(scaling_module)
+        self._comm_counter = comm_counter
+        self._shard_comm: Collectives | None = None
         super().__init__(params, defaults)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -202,6 +209,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
     @torch.no_grad()
     def _init_state(self, p: torch.Tensor, group: dict, initial_master: torch.Tensor | None = None) -> None:
         state = self.state[p]
+        p = local(p)  # under FSDP2 the state holds this rank's rows, as local tensors
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key, role in self._moment_roles(group).items():
             # Each state its own storage: the step updates them in place (an unscaled format stores the value given).
@@ -220,7 +228,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     def _refresh_param(self, p: torch.Tensor, state: dict) -> None:
         """Write the stored master into the model parameter (FP8: re-quantized, current scale)."""
-        p.copy_(self._load(state, "master"))
+        local(p).copy_(self._load(state, "master"))
 
     def master_value(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of parameter ``p`` (its own value for FP32 parameters)."""
@@ -241,10 +249,38 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.follow_sharding()
         self._step_masked()
         # the weights' input-gradient operands (transposes) for the next step: one multi-tensor kernel for all
-        refresh_weight_operands(p for group in self.param_groups for p in group["params"])
+        refresh_weight_operands(local(p) for group in self.param_groups for p in group["params"])
         return loss
+
+    # -- FSDP2 ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def follow_sharding(self) -> None:
+        """Take over the parameters FSDP2 put in place since the last call (``fully_shard`` after ``fp8.initialize``):
+        in the param groups each old parameter becomes its sharded one, and its state (FP16 master, moments) is cut to
+        the rows this rank holds; the steps then agree every amax and the skip flag over the shard group, so the
+        scales (the FP8 weights' included) are the whole tensors' and every rank steps or skips together. Called by
+        :meth:`step`, :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when
+        nothing moved."""
+        moved = ParamSlots.sharded(self._slots.moved())
+        if not moved:
+            return
+        if self.precision.state_scaling == "delayed":
+            raise NotImplementedError(
+                "precision.state_scaling='delayed' is not supported under FSDP2 (its per-parameter path would scale "
+                "each rank's rows alone); use the default current state scaling with fully_shard")
+        swap = {id(old): (old, new) for _, old, new in moved}
+        for group in self.param_groups:
+            group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]
+        for old, new in swap.values():
+            state = self.state.pop(old, None)
+            if state:
+                self.state[new] = shard_state(state, old, new, as_dtensor=False)
+        self.__dict__.pop("_step_workspace", None)
+        self.__dict__.pop("_fused_adam_tables", None)
+        self._shard_comm = Collectives(moved[0][2].device_mesh.get_group(), self._comm_counter)
 
     @torch.no_grad()
     def _step_masked(self, agreed_ok: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,8 +296,8 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 if p.grad is not None and not self.state[p]:
                     self._init_state(p, group)
         device = self._skipped_counter.device
-        block_grads = any(getattr(p.grad, "block", None) is not None for p in params)
-        block_weights = any(getattr(p, "block", None) is not None for p in params)
+        block_grads = any(getattr(local(p.grad), "block", None) is not None for p in params)
+        block_weights = any(getattr(local(p), "block", None) is not None for p in params)
         delayed = any("master_amax" in self.state[p] for p in params)
         if params and not block_grads and not delayed:
             ok = self._multi_tensor_step(params, agreed_ok)
@@ -338,28 +374,41 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                             tables=[] if tables is None else tables["all"])
         for group, rows in groups:
             self._stage(1, group, lists, ws, rows, backend, None if tables is None else tables[rows.start])
+        if self._shard_comm is not None and self._shard_comm.world_size > 1:
+            self._agree_amaxes(ws)
         ops.state_scales_(*state, lists["kinds"], lists["moments"], ws.amax, ws.old, ws.new, backend=backend,
                           tables=[] if tables is None else tables["all"])
         for group, rows in groups:
             self._stage(2, group, lists, ws, rows, backend, None if tables is None else tables[rows.start])
-        blocked = [(p, self.state[p]) for p in params if isinstance(p, Float8Tensor) and p.block is not None]
+        blocked = [(local(p), self.state[p]) for p in params
+                   if isinstance(local(p), Float8Tensor) and local(p).block is not None]
         if blocked:  # kind 3: the block-scaled weights from their new masters, one launch for all
             ops.quantize_weight_blocks_([s["master"] for _, s in blocked], [s["master_scale"] for _, s in blocked],
                                         [p.payload for p, _ in blocked], [p.scale for p, _ in blocked],
                                         [b for p, _ in blocked for b in p.block], ws.bad, backend=backend)
-        written = [p for p in params if isinstance(p, Float8Tensor)]
+        written = [local(p) for p in params if isinstance(local(p), Float8Tensor)]
         if written:  # the ops bumped the payloads' and scales' versions; the weights themselves, as copy_ would
             torch.autograd.graph.increment_version(written)
         return (ws.bad == 0).reshape(())
+
+    def _agree_amaxes(self, ws: "_Workspace") -> None:
+        """FSDP2: every amax of the first pass and the skip flag, MAX over the shard group in one all-reduce, so each
+        state and FP8 weight is scaled as the whole tensor would be and a non-finite gradient on any rank's rows skips
+        the step on all."""
+        packed = torch.cat([ws.amax.reshape(-1), ws.bad.to(torch.float32)])
+        self._shard_comm.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, tag="fsdp optimizer amax").wait()
+        ws.amax.copy_(packed[:-1].view_as(ws.amax))
+        ws.bad.copy_(packed[-1:].to(torch.int32))
 
     def _append_row(self, lists: dict, p: torch.Tensor, group: dict, device: torch.device) -> None:
         """Add parameter ``p``'s row to the ops' ``lists``: its gradient, master (or itself), moments, the parameter
         refreshed from the master, their scales, step count, kind and hyper-parameters; empty placeholders where it
         has no such tensor."""
         state = self.state[p]
+        p, grad = local(p), local(p.grad)  # under FSDP2: this rank's rows
         empty = lambda: torch.empty(0, dtype=torch.float32, device=device)  # noqa: E731
-        parts = payload_and_scale(p.grad)
-        lists["grads"].append(parts[0] if parts is not None else p.grad)
+        parts = payload_and_scale(grad)
+        lists["grads"].append(parts[0] if parts is not None else grad)
         lists["grad_scales"].append(parts[1] if parts is not None else empty())
         if isinstance(p, Float8Tensor) and p.block is not None:  # quantized after the passes (_multi_tensor_step)
             kind, weight, weight_scale, param, param_scale = 3, state["master"], state["master_scale"], empty(), empty()
@@ -472,6 +521,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (FP8 gradients included)."""
+        self.follow_sharding()
         for p in chain.from_iterable(group["params"] for group in self.param_groups):
             if p.grad is None:
                 continue
@@ -492,6 +542,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's optimizer state dict plus ``skipped_steps`` and ``opt_level``."""
+        self.follow_sharding()
         state = super().state_dict()
         state["skipped_steps"] = self.skipped_steps
         state["opt_level"] = self.opt_level
@@ -504,6 +555,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         from .levels import check_opt_level
 
         check_opt_level(state_dict, self.opt_level, self)
+        self.follow_sharding()
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))

@@ -64,13 +64,16 @@ def convert_optimizer(
     initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
     *,
     scaling_module: nn.Module | None = None,
+    comm_counter=None,
 ) -> FP8Optimizer:
     """The FP8-aware optimizer equivalent to ``optimizer``: same class of update, same param groups and
     hyper-parameters, with each parameter whose ``id`` is in ``replace`` swapped for its FP8 version
     (whose master starts from ``initial_masters[new_param]``); ``scaling_module`` as
-    :class:`fp8.optim.base.FP8Optimizer`. Refuses optimizers that already stepped."""
+    :class:`fp8.optim.base.FP8Optimizer` (``comm_counter``: its FSDP2 scale agreements). Refuses optimizers that
+    already stepped."""
     target, groups, kwargs = converted_arguments(optimizer, replace)
-    return target(groups, **kwargs, precision=precision, initial_masters=initial_masters, scaling_module=scaling_module)
+    return target(groups, **kwargs, precision=precision, initial_masters=initial_masters, scaling_module=scaling_module,
+                  comm_counter=comm_counter)
 
 
 def _constructor_args(target: type[FP8Optimizer], defaults: dict) -> dict:

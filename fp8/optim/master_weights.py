@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from ..cast import payload_and_scale
+from ..comm import Collectives, CommBytesCounter
+from ..distributed.sharding import ParamSlots, local, shard_like, shard_state
 from ..recipes import refresh_weight_operands
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
@@ -57,12 +59,16 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         pairs: list[tuple[nn.Parameter, nn.Parameter]],
         model: nn.Module,
+        comm_counter: CommBytesCounter | None = None,
     ) -> None:
         # Not calling Optimizer.__init__: param groups and state are the wrapped optimizer's own.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.pairs = pairs
         self.model = model
+        self._slots = ParamSlots(model)
+        self._comm_counter = comm_counter
+        self._shard_comm: Collectives | None = None
         first = next((m for m, _ in pairs), None)
         if first is None:
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
@@ -100,8 +106,49 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         """The high-precision master copies of the FP8 weights, in model order."""
         return [master for master, _ in self.pairs]
 
+    # -- FSDP2 ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def follow_sharding(self) -> None:
+        """Take over the parameters FSDP2 put in place since the last call (``fully_shard`` after
+        ``fp8.initialize``): each FP8 weight's master and optimizer state cut to the rows this rank holds (DTensors
+        like the weight's shard), the wrapped optimizer's other parameters swapped for their shards; the steps then
+        agree the finiteness flag and the FP8 weights' amaxes over the shard group. Called by :meth:`step`,
+        :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when nothing moved."""
+        moved = ParamSlots.sharded(self._slots.moved())
+        if not moved:
+            return
+        new_of = {id(old): new for _, old, new in moved}
+        swap: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(old) -> (old, new, shard ref)
+        pairs = []
+        for master, weight in self.pairs:
+            new_weight = new_of.get(id(weight))
+            if new_weight is None:
+                pairs.append((master, weight))
+                continue
+            new_master = nn.Parameter(shard_like(master, new_weight), requires_grad=master.requires_grad)
+            swap[id(master)] = (master, new_master, new_weight)
+            pairs.append((new_master, new_weight))
+        for _, old, new in moved:
+            if id(old) not in swap and not isinstance(local(new), Float8Tensor):
+                swap[id(old)] = (old, new, new)
+        for group in self.optimizer.param_groups:
+            group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]
+        for old, new, ref in swap.values():
+            state = self.optimizer.state.pop(old, None)
+            if state:
+                self.optimizer.state[new] = shard_state(state, old, ref, as_dtensor=True)
+        self.pairs = pairs
+        mesh = moved[0][2].device_mesh
+        self._shard_comm = Collectives(mesh.get_group(), self._comm_counter)
+
+    def _agree(self, t: torch.Tensor, op, tag: str) -> None:
+        """All-reduce ``t`` in place over the shard group (after FSDP2 sharded the model); nothing otherwise."""
+        if self._shard_comm is not None and self._shard_comm.world_size > 1:
+            self._shard_comm.all_reduce(t, op=op, tag=tag).wait()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped optimizer's gradients and those of the FP8 weights."""
+        self.follow_sharding()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for _, fp8_weight in self.pairs:
             if set_to_none:
@@ -121,7 +168,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         (pretrain_gpt.py's ``--bf16`` optimizer: FP32 main gradients)."""
         by_dtype: dict[torch.dtype, list] = {}
         for master, fp8_weight in self.pairs:
-            grad = fp8_weight.grad
+            grad = fp8_weight.grad  # under FSDP2: a DTensor of the reduced fp32 rows, taken as it is below
             parts = payload_and_scale(grad) if grad is not None else None
             if grad is None:
                 master.grad = None
@@ -146,6 +193,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         ``torch._foreach_copy_``."""
         tensorwise, blocked, plain = [], [], []
         for master, fp8_weight in self.pairs:
+            master, fp8_weight = local(master), local(fp8_weight)  # under FSDP2: this rank's rows
             if not isinstance(fp8_weight, Float8Tensor):  # a high-precision weight (Megatron's BF16 training)
                 plain.append((master.detach(), fp8_weight.detach()))
             elif fp8_weight.block is None:
@@ -164,7 +212,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
                                         backend=self._backend())
             torch.autograd.graph.increment_version(weights)
         # the weights' GEMM operands for the next step (transposes, scale_inv): multi-tensor kernels for all
-        refresh_weight_operands([w for _, w in self.pairs])
+        refresh_weight_operands([local(w) for _, w in self.pairs])
 
     def _refresh_tensorwise(self, tensorwise: list) -> None:
         """The tensor-wise weights of :meth:`refresh_fp8_weights`: one multi-tensor amax, one multi-tensor cast."""
@@ -173,6 +221,8 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         backend = self._backend()
         amax = torch.zeros(len(masters), dtype=torch.float32, device=masters[0].device)
         ops.amaxes_(masters, amax, backend=backend)
+        # FSDP2: every rank's rows of a weight take the whole weight's scale (the gathered weight is one FP8 tensor)
+        self._agree(amax, torch.distributed.ReduceOp.MAX, "fsdp weight amax")
         ops.quantize_weights_(masters, amax, [w.payload for w in weights], [w.scale for w in weights], backend=backend)
         torch.autograd.graph.increment_version(weights)  # the op bumped payloads and scales; the weights, as copy_
 
@@ -205,9 +255,14 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.follow_sharding()
         device = self._skipped_counter.device
         params = [w for _, w in self.pairs] + [p for g in self.optimizer.param_groups for p in g["params"]]
         ok = grads_finite_flag(params).to(device)  # one multi-tensor check
+        if self._shard_comm is not None:  # FSDP2: each rank saw its rows only; skip on every rank or on none
+            flag = ok.to(torch.int32).reshape(1)
+            self._agree(flag, torch.distributed.ReduceOp.MIN, "fsdp finite flag")
+            ok = (flag > 0).reshape(())
         self.load_master_grads()
         stepped = self._stepped()
         if self._fused_found_inf():
@@ -254,15 +309,15 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         before = [(p, dict(self.optimizer.state[p])) for p in stepped]
         originals: dict[int, torch.Tensor] = {}
         for p, state in before:
-            originals.setdefault(id(p), p.detach())
+            originals.setdefault(id(p), local(p.detach()))
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    originals.setdefault(id(v), v)
+                    originals.setdefault(id(v), local(v))
         copies = dict(zip(originals, ops.clone_tensors(list(originals.values()), backend=backend)))
         self.optimizer.step()
         targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p, old_state in before:
-            targets.setdefault(id(p), (p.detach(), copies[id(p)]))
+            targets.setdefault(id(p), (local(p.detach()), copies[id(p)]))
             state = self.optimizer.state[p]
             for key, old in old_state.items():
                 if not isinstance(old, torch.Tensor):
@@ -270,10 +325,10 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 new, saved = state.get(key), copies[id(old)]
                 if new is None:
                     continue
-                if new.shape == saved.shape and new.dtype == saved.dtype and new.device == saved.device:
-                    targets.setdefault(id(new), (new, saved))  # restored in place (a replaced state: the new tensor)
+                if local(new).shape == saved.shape and new.dtype == saved.dtype and new.device == saved.device:
+                    targets.setdefault(id(new), (local(new), saved))  # restored in place (a replaced state: the new tensor)
                 else:
-                    state[key] = torch.where(ok, new, saved)
+                    state[key] = torch.where(ok, new, saved) if local(new) is new else new  # (a DTensor: kept)
         ops.restore_unless_([t for t, _ in targets.values()], [s for _, s in targets.values()], ok, backend=backend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -282,6 +337,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Wrapped optimizer state, the master weights (in model order) and ``skipped_steps``."""
+        self.follow_sharding()
         return {
             "optimizer": self.optimizer.state_dict(),
             "master_weights": [m.detach() for m in self.master_weights],
@@ -299,6 +355,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         from .levels import check_opt_level
 
         check_opt_level(state_dict, self.opt_level, self)
+        self.follow_sharding()
         masters = state_dict["master_weights"]
         if len(masters) != len(self.pairs):
             raise ValueError(

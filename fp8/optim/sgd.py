@@ -33,6 +33,7 @@ class SGD(FP8Optimizer):
         initial_masters: dict[torch.Tensor, torch.Tensor] | None = None,
         scaling_module: nn.Module | None = None,
         kernel_backend: str = "auto",
+        comm_counter=None,
     ) -> None:
         if not lr >= 0.0 or not momentum >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"invalid lr {lr}, momentum {momentum} or weight_decay {weight_decay}: must be >= 0")
@@ -43,7 +44,7 @@ class SGD(FP8Optimizer):
             maximize=maximize,
         )
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
-                         kernel_backend=kernel_backend)
+                         kernel_backend=kernel_backend, comm_counter=comm_counter)
 
     def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
         momentum = group["momentum"]

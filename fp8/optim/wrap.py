@@ -42,10 +42,11 @@ class FP8Weight(NamedTuple):
 
 def wrap_for_level(level: str, optimizer: torch.optim.Optimizer, weights: Sequence[FP8Weight], *,
                    scaling_module: nn.Module, precision: OptimizerPrecision | str | None = None,
-                   process_group=None, **sharded: Any) -> torch.optim.Optimizer:
+                   process_group=None, comm_counter=None, **sharded: Any) -> torch.optim.Optimizer:
     """The optimizer of FP8 opt level ``level`` over ``optimizer``'s parameters, ``weights`` being the FP8 ones.
     ``precision``: O2/O3's storage precision (default the FP8-LM preset ``"O2"``); ``process_group`` and
-    ``sharded`` (``expert_params``, ``expert_process_group``, ``counter``): O3's (:func:`convert_to_sharded`)."""
+    ``sharded`` (``expert_params``, ``expert_process_group``, ``counter``): O3's (:func:`convert_to_sharded`).
+    ``comm_counter`` (O1/O2): counts the scale agreements the optimizer runs once FSDP2 shards the model."""
     if level not in FP8_LEVELS:
         raise ValueError(f"no FP8 optimizer for opt level {level!r}: the FP8 levels are {', '.join(FP8_LEVELS)}")
     if level != "O3" and (process_group is not None or sharded):
@@ -54,10 +55,12 @@ def wrap_for_level(level: str, optimizer: torch.optim.Optimizer, weights: Sequen
         if precision is not None:
             raise ValueError("precision= (the optimizer's storage precision) applies to opt levels 'O2' and 'O3', "
                              "not 'O1' (whose optimizer is the given one, over high-precision masters)")
-        return MasterWeightOptimizer(optimizer, [(w.optimizer_param, w.weight) for w in weights], scaling_module)
+        return MasterWeightOptimizer(optimizer, [(w.optimizer_param, w.weight) for w in weights], scaling_module,
+                                     comm_counter=comm_counter)
     replace = {id(w.optimizer_param): w.weight for w in weights}
     initial = {w.weight: w.master for w in weights}
     if level == "O2":
-        return convert_optimizer(optimizer, replace, precision or "O2", initial, scaling_module=scaling_module)
+        return convert_optimizer(optimizer, replace, precision or "O2", initial, scaling_module=scaling_module,
+                                 comm_counter=comm_counter)
     return convert_to_sharded(optimizer, replace, precision or "O2", initial, process_group,
                               scaling_module=scaling_module, **sharded)

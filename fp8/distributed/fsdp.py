@@ -1,0 +1,278 @@
+"""FP8 models under FSDP2 (``torch.distributed.fsdp.fully_shard``): what travels, in what format, counted.
+
+``model, optimizer = fp8.initialize(model, optimizer, level)``, then ``fully_shard`` on each block and on the root, as
+FSDP2 users write it. What happens then (docs/fsdp.md):
+
+- **Weights at rest**: each rank keeps its rows of every FP8 weight, 1 byte per element (a ``DTensor`` whose local
+  tensor is a :class:`fp8.Float8Tensor` sharing the weight's one scale), and the optimizer's masters and moments of
+  those rows only (the optimizer cuts its full-size tensors to the rows FSDP2 gave each rank on its next call:
+  :mod:`fp8.distributed.sharding`).
+- **All-gather in FP8**: ``Float8Tensor.fsdp_pre_all_gather`` hands FSDP2 the payload's bytes, the scale rides as
+  metadata. The optimizers agree every weight's scale over the shard group when they quantize (one MAX all-reduce of
+  all amaxes per step), so every rank's rows were cast with the same scale and the gathered weight is one FP8 tensor,
+  identical on every rank, equal to the single-process weight.
+- **Reduce-scatter in FP8** (``FSDPConfig(reduce_scatter="fp8")``, the default): :class:`FP8ReduceScatter` puts
+  FSDP2's flat gradient buffer on the wire as E4M3 with one scale per parameter shared by all ranks (one MAX
+  all-reduce of the per-parameter amaxes, plus a non-finite flag), moves it with one all-to-all (1 byte per element),
+  and sums each rank's pieces in fp32. The sum never returns to FP8, so it cannot overflow: FP8-LM's automatic
+  scaling factor mu (:mod:`fp8.distributed.auto_scale`), which guards the re-quantized sum of an all-reduce, has
+  nothing to guard here; the shared scale from the global amax is the scaling. A non-finite gradient on any rank
+  makes the reduced gradient NaN, so the optimizer skips the step on every rank. ``"high"`` keeps FSDP2's own
+  reduce-scatter in its ``reduce_dtype`` (``MixedPrecisionPolicy``; fp32 by default, bf16 for 2 bytes), counted.
+- **Counted**: every FSDP2 all-gather and reduce-scatter of the model goes through :class:`fp8.comm.Collectives`
+  (``FSDPConfig(counter=...)``), so bytes on the wire are counted at the calls, and traced when the counter has a
+  trace.
+
+Set up by :func:`follow_fsdp`, a forward pre-hook ``fp8.initialize`` registers on the model: at the first forward
+after ``fully_shard`` it installs the comms on every ``FSDPModule`` and checks each FSDP2 unit (refusing, with the fix,
+what cannot work), then does nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import Collectives, CommBytesCounter
+from ..formats import E4M3
+from ..linear import Float8Linear
+from ..tensor import Float8Tensor
+from ..scaling import power_of_two_scale, set_amax_reduction_group
+from .sharding import is_dtensor, local
+
+__all__ = ["FSDPConfig", "REDUCE_SCATTER", "FP8ReduceScatter", "CountedAllGather", "fp8_reduce_scatter", "follow_fsdp",
+           "install_comms", "check_unit", "FSDPFollower"]
+
+logger = logging.getLogger(__name__)
+
+REDUCE_SCATTER = ("fp8", "high")
+"""Values of ``FSDPConfig.reduce_scatter``: ``"fp8"`` (E4M3 on the wire, per-parameter shared scales, fp32 sums) or
+``"high"`` (FSDP2's own reduce-scatter in its ``reduce_dtype``)."""
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How an ``fp8.initialize`` model communicates once FSDP2 shards it (``fp8.initialize(..., fsdp=...)``).
+
+    ``reduce_scatter``: :data:`REDUCE_SCATTER`. ``agree_amaxes``: below. ``counter``: a :class:`fp8.comm.CommBytesCounter` that counts (and,
+    with a trace, traces) every all-gather, reduce-scatter and scale agreement of the sharded model; None: uncounted.
+    """
+
+    reduce_scatter: str = "fp8"
+    counter: CommBytesCounter | None = None
+    agree_amaxes: bool = True
+    """The activations' and gradients' scaling states agree their amaxes over the shard group (MAX; one all-reduce of
+    all amaxes per step once their histories have started, :func:`fp8.set_amax_reduction_group`), so every rank casts
+    with the scales the whole batch would give, as one process does."""
+
+    def __post_init__(self) -> None:
+        if self.reduce_scatter not in REDUCE_SCATTER:
+            raise ValueError(
+                f"FSDPConfig.reduce_scatter must be one of {REDUCE_SCATTER}, got {self.reduce_scatter!r} ('fp8': E4M3 "
+                f"on the wire with shared per-parameter scales; 'high': FSDP2's reduce-scatter in its reduce_dtype)")
+        if self.counter is not None and not isinstance(self.counter, CommBytesCounter):
+            raise TypeError(f"FSDPConfig.counter must be an fp8.comm.CommBytesCounter or None, got "
+                            f"{type(self.counter).__name__}")
+
+
+class _Comms:
+    """One :class:`Collectives` per process group, counting into ``counter``."""
+
+    def __init__(self, counter: CommBytesCounter | None) -> None:
+        self.counter = counter
+        self._by_group: dict[str, Collectives] = {}
+
+    def __call__(self, group: dist.ProcessGroup) -> Collectives:
+        comm = self._by_group.get(group.group_name)
+        if comm is None:
+            comm = self._by_group[group.group_name] = Collectives(group, self.counter)
+        return comm
+
+
+class _Done:
+    """A finished work handle (the FP8 reduce-scatter waits for its own collectives)."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _finish(work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+class CountedAllGather:
+    """FSDP2's all-gather (its ``AllGather`` comm interface: ``allocate``, ``__call__``; installed with
+    ``FSDPModule.set_custom_all_gather``) through :class:`fp8.comm.Collectives`, tag ``"fsdp all-gather"``: for a
+    unit with FP8 weights, their payload bytes (FSDP2 packs a unit mixing FP8 and high-precision parameters as bytes)."""
+
+    def __init__(self, comms: _Comms) -> None:
+        self.comms = comms
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        return _finish(self.comms(group).all_gather(output_tensor, input_tensor, "fsdp all-gather"), async_op)
+
+
+class FP8ReduceScatter:
+    """FSDP2's reduce-scatter (its ``ReduceScatter`` comm interface; ``FSDPModule.set_custom_reduce_scatter``) for one
+    FSDP2 unit: with ``fp8``, :func:`fp8_reduce_scatter` with one scale per parameter of the unit (``lengths``: each
+    parameter's elements per rank, in FSDP2's order); otherwise FSDP2's own (its op, its buffer's dtype) through
+    :class:`fp8.comm.Collectives`, tag ``"fsdp reduce-scatter"``."""
+
+    def __init__(self, comms: _Comms, lengths: list[int], fp8: bool) -> None:
+        self.comms = comms
+        self.lengths = lengths
+        self.fp8 = fp8
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        comm = self.comms(group)
+        if not self.fp8:
+            return _finish(comm.reduce_scatter(output_tensor, input_tensor, "fsdp reduce-scatter", op=op), async_op)
+        fp8_reduce_scatter(output_tensor, input_tensor, comm, _averages(op), self.lengths)
+        return _Done() if async_op else None
+
+
+def _averages(op) -> bool:
+    """Whether FSDP2's reduce ``op`` is AVG (True) or SUM (False); any other op is refused."""
+    if op == dist.ReduceOp.AVG:
+        return True
+    if op == dist.ReduceOp.SUM:
+        return False
+    raise NotImplementedError(
+        f"the FP8 reduce-scatter takes FSDP2's SUM or AVG, got {op}; leave set_gradient_divide_factor unset, or "
+        f"use fp8.initialize(..., fsdp=FSDPConfig(reduce_scatter='high'))")
+
+
+@torch.no_grad()
+def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collectives, average: bool,
+                       lengths: list[int]) -> None:
+    """``output`` = this rank's chunk of the sum (or, ``average``, the mean) over ranks of ``input`` (FSDP2's flat
+    reduce-scatter buffer: ``N`` rows, row ``j`` for rank ``j``, each row the parameters' pieces of ``lengths``
+    elements), moved as E4M3:
+
+    1. each parameter's amax over its pieces (finite values) and a non-finite flag, agreed by one MAX all-reduce;
+    2. ``payload = e4m3(clamp(x * s_p))``, ``s_p = power_of_two_scale(amax_p, 448)``, the same on every rank;
+    3. one all-to-all of the bytes (row ``j`` to rank ``j``): ``(N-1)/N`` bytes per element of the buffer;
+    4. the ``N`` received rows summed in fp32 and divided by ``s_p`` (times ``N`` to average); all NaN where any rank
+       held a non-finite value (so the optimizer skips the step on every rank).
+
+    A buffer not laid out as ``lengths`` (a unit whose parameters did not all receive gradients) takes one scale.
+    """
+    world = comm.world_size
+    x = input.view(world, -1)
+    width = x.shape[1]
+    if sum(lengths) != width:
+        lengths = [width]
+    lengths_t = torch.tensor(lengths, device=x.device)
+    column_amax = x.abs().to(torch.float32).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
+    nonfinite = torch.isfinite(x).all().logical_not().to(torch.float32).reshape(1)
+    agreed = torch.cat([torch.segment_reduce(column_amax, "max", lengths=lengths_t), nonfinite])
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="fsdp fp8 grad amax").wait()
+    scale = power_of_two_scale(agreed[:-1], E4M3.max)
+    column_scale = torch.repeat_interleave(scale, lengths_t, output_size=width)
+    payload = (x.to(torch.float32) * column_scale).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+    received = torch.empty_like(payload)
+    comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
+    divisor = column_scale * world if average else column_scale
+    result = received.to(torch.float32).sum(dim=0) / divisor
+    result = torch.where(agreed[-1] > 0, float("nan"), result)
+    output.copy_(result.view(output.shape))
+
+
+def _unit_params(module: nn.Module) -> list:
+    """The ``FSDPParam`` records of an ``FSDPModule``'s unit, in FSDP2's order (its reduce-scatter layout)."""
+    state = module._get_fsdp_state()
+    group = state._fsdp_param_group
+    return [] if group is None else list(group.fsdp_params)
+
+
+def check_unit(fqn: str, module: nn.Module) -> None:
+    """Refuse an FSDP2 unit the FP8 model cannot run in, naming the fix: block-scaled FP8 weights (their scale blocks
+    would split at shard boundaries), and a unit whose gradients would have several dtypes (FSDP2 reduces one dtype
+    per unit: FP8 weights report fp32, a model's bf16 parameters bf16)."""
+    name = fqn or "<root>"
+    dtypes = {}
+    for fsdp_param in _unit_params(module):
+        shard = local(fsdp_param.sharded_param)
+        pname = fsdp_param._param_fqn or "?"
+        if isinstance(shard, Float8Tensor) and shard.block is not None:
+            raise NotImplementedError(
+                f"FSDP2 unit {name!r}: FP8 weight {pname!r} has block scales ({shard.block}); FSDP2 shards tensor-wise "
+                f"FP8 weights only: fp8.initialize(..., recipe='tensorwise') before fully_shard")
+        if fsdp_param.sharded_param.requires_grad:
+            dtypes.setdefault(fsdp_param.param_dtype or fsdp_param.orig_dtype, []).append(pname)
+    if len(dtypes) > 1:
+        found = "; ".join(f"{dtype}: {', '.join(names[:3])}" for dtype, names in dtypes.items())
+        raise TypeError(
+            f"FSDP2 unit {name!r} mixes FP8 weights with high-precision parameters of another dtype, so its gradients "
+            f"would have several dtypes ({found}), which FSDP2 cannot reduce together; keep the model's parameters in "
+            f"fp32 and give fully_shard mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) (FSDP2's mixed "
+            f"precision: FP8 weights then report bf16 too), or fully_shard the high-precision modules as units of "
+            f"their own")
+
+
+def install_comms(model: nn.Module, config: FSDPConfig) -> int:
+    """Check every FSDP2 unit of ``model`` (:func:`check_unit`) and give it the counted all-gather and the
+    reduce-scatter of ``config``; returns the number of units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    comms = _Comms(config.counter)
+    units = 0
+    for fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        check_unit(fqn, module)
+        params = _unit_params(module)
+        if not params:
+            continue
+        lengths = [int(p.padded_sharded_param_size.numel()) for p in params if p.sharded_param.requires_grad]
+        module.set_custom_all_gather(CountedAllGather(comms))
+        module.set_custom_reduce_scatter(FP8ReduceScatter(comms, lengths, config.reduce_scatter == "fp8"))
+        units += 1
+    return units
+
+
+class FSDPFollower:
+    """The forward pre-hook ``fp8.initialize`` registers on its model (:func:`follow_fsdp`): until the model is
+    sharded it checks, on the host, whether an FP8 weight became a DTensor; at the first forward after
+    ``fully_shard`` it installs the comms (:func:`install_comms`), logs the units, and stops looking."""
+
+    def __init__(self, model: nn.Module, config: FSDPConfig) -> None:
+        self.config = config
+        self.modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        self.done = False
+
+    def __call__(self, model: nn.Module, args) -> None:
+        if self.done or not any(is_dtensor(m._parameters.get("weight")) for m in self.modules):
+            return
+        units = install_comms(model, self.config)
+        if self.config.agree_amaxes:
+            weight = next(m._parameters["weight"] for m in self.modules if is_dtensor(m._parameters.get("weight")))
+            group = weight.device_mesh.get_group()
+            set_amax_reduction_group(model, group, Collectives(group, self.config.counter))
+        self.done = True
+        logger.info("fp8: FSDP2 sharding found: %d unit(s), FP8 all-gather, %s reduce-scatter", units,
+                    "FP8" if self.config.reduce_scatter == "fp8" else "high-precision")
+
+
+def follow_fsdp(model: nn.Module, config: FSDPConfig) -> FSDPFollower:
+    """Register :class:`FSDPFollower` on ``model`` (a forward pre-hook); returns it (``.done`` once set up)."""
+    follower = FSDPFollower(model, config)
+    model.register_forward_pre_hook(follower)
+    return follower

@@ -1,0 +1,118 @@
+"""Parameters that FSDP2 (``torch.distributed.fsdp.fully_shard``) replaced by row shards, as fp8's optimizers see them.
+
+``fully_shard`` swaps each parameter of a module for a new ``nn.Parameter`` holding a ``DTensor`` whose local tensor
+is this rank's rows (``Shard(0)``, ``torch.chunk``'s split: ``ceil(rows / N)`` rows per rank, the last ranks shorter
+or empty). An optimizer built before it (``fp8.initialize`` returns one) still holds the old, full parameters. This
+module finds what moved (:class:`ParamSlots`: each parameter by the module attribute that holds it) and cuts the
+optimizer's own full-size tensors (high-precision masters, moments) to the same rows (:func:`shard_like`,
+:func:`local_rows`), so they are sharded exactly like the weights they belong to.
+
+``torch.distributed.tensor`` is imported by whoever makes a DTensor (FSDP2); this module only looks for it in
+``sys.modules``, so ``import fp8`` does not pay for it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+__all__ = ["is_dtensor", "local", "ParamSlots", "local_rows", "shard_like", "shard_state", "check_fsdp_placement"]
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (never imports it: none exists before it is)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t):
+    """``t``'s local tensor if it is a DTensor (this rank's shard), else ``t`` itself (None stays None)."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def check_fsdp_placement(param: torch.Tensor, name: str) -> None:
+    """Refuse a sharded parameter fp8's optimizers cannot follow: anything but a 1-D mesh with ``Shard(0)``."""
+    placements = tuple(param.placements)
+    if len(placements) != 1 or type(placements[0]).__name__ != "Shard" or placements[0].dim != 0:
+        raise NotImplementedError(
+            f"{name}: fp8's optimizers follow parameters sharded by FSDP2 along dim 0 on a 1-D mesh; this one has "
+            f"placements {placements} on mesh {param.device_mesh}; call fully_shard with a 1-D mesh (no HSDP, no "
+            f"tensor parallel mesh) and the default shard_placement_fn")
+
+
+def local_rows(full_rows: int, sharded: torch.Tensor) -> slice:
+    """The rows of a ``full_rows``-row tensor that this rank holds in ``sharded`` (a ``Shard(0)`` DTensor, FSDP2's
+    ``torch.chunk`` split)."""
+    mesh = sharded.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunk = -(-full_rows // world)
+    start = min(rank * chunk, full_rows)
+    length = local(sharded).shape[0] if local(sharded).dim() else 0
+    if start + length > full_rows or length != max(0, min(chunk, full_rows - start)):
+        raise RuntimeError(f"a shard of {length} rows at row {start} does not match FSDP2's split of {full_rows} rows "
+                           f"over {world} ranks")
+    return slice(start, start + length)
+
+
+def shard_like(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of ``full`` (a tensor of ``sharded``'s global shape) as a DTensor of ``sharded``'s mesh and
+    placement: a copy of the rows, so the full tensor can be freed."""
+    from torch.distributed.tensor import DTensor
+
+    rows = local_rows(full.shape[0], sharded)
+    piece = full.detach()[rows].clone()
+    return DTensor.from_local(piece, sharded.device_mesh, sharded.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+class ParamSlots:
+    """Every parameter of ``model`` by the module attribute holding it, so an optimizer built before ``fully_shard``
+    can tell which of its parameters FSDP2 replaced, and by what. :meth:`moved` is a host-side scan (no tensor op)."""
+
+    def __init__(self, model: nn.Module | None) -> None:
+        self.slots: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+        if model is None:
+            return
+        for fqn, module in model.named_modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    self.slots.append((module, name, f"{fqn}.{name}" if fqn else name, param))
+
+    def moved(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, old, new)`` for each parameter replaced since the last call (each reported once)."""
+        found = []
+        for i, (module, name, fqn, old) in enumerate(self.slots):
+            new = module._parameters.get(name)
+            if new is not None and new is not old:
+                found.append((fqn, old, new))
+                self.slots[i] = (module, name, fqn, new)
+        return found
+
+    @staticmethod
+    def sharded(moved: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The entries of ``moved`` that FSDP2 sharded (DTensors of the old parameter's shape), each checked for a
+        placement the optimizers can follow; another replacement (a parameter re-assigned by hand) is refused."""
+        out = []
+        for fqn, old, new in moved:
+            if not is_dtensor(new) or tuple(new.shape) != tuple(old.shape):
+                raise RuntimeError(
+                    f"parameter {fqn!r} was replaced after fp8.initialize by a {type(new).__name__} of shape "
+                    f"{tuple(new.shape)}; fp8's optimizer follows only FSDP2's sharding (fully_shard); to replace "
+                    f"parameters, do it before fp8.initialize")
+            check_fsdp_placement(new, fqn)
+            out.append((fqn, old, new))
+        return out
+
+
+def shard_state(state: dict, old: torch.Tensor, new: torch.Tensor, as_dtensor: bool) -> dict:
+    """An optimizer state of full parameter ``old`` cut to ``new``'s local rows: tensors of ``old``'s shape are
+    sliced (as DTensors like ``new`` where ``as_dtensor``, else as local tensors), others (steps, scales) kept."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) == tuple(old.shape):
+            out[key] = shard_like(value, new) if as_dtensor else value.detach()[local_rows(old.shape[0], new)].clone()
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,114 @@
+"""fp8.initialize models under FSDP2 (fully_shard per block and at the root) on 2 and 4 gloo ranks, against the same
+model and optimizer in one process on the whole batch (tests/fsdp_worker.py): loss parity at O1/O2, FP8 shards with
+one scale on every rank, bytes on the wire counted at the calls, and the misuses refused with the fix named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fsdp_worker import STEPS, worker
+from tests.spawn import CachedLaunch
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+SEED = 1717
+LLAMA_TOL = 1e-3  # the issue's bound on the final loss; measured <= 2.3e-4 (2 ranks) and <= 2.7e-4 (4 ranks), seed 1717
+# The plain MLP regresses random targets near its noise floor, where FP8 rounding flips chaotically: measured final
+# relative gaps <= 4.2e-3 (2 ranks) and <= 5.6e-3 (4 ranks), the order of FSDP2's own fp32 reduce-scatter (7.3e-3).
+MLP_TOL = 1.5e-2
+
+_launch = CachedLaunch(worker, "fsdp")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def launched(request, tmp_path_factory):
+    seed, results = _launch(request.param, SEED, tmp_path_factory)
+    return request.param, results
+
+
+def _final_gap(results, kind, level, mode="fsdp"):
+    ref = results[0][(kind, level, "single")]["losses"]
+    got = results[0][(kind, level, mode)]["losses"]
+    assert len(ref) == len(got) == STEPS
+    return abs(got[-1] - ref[-1]) / abs(ref[-1])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_llama_loss_matches_one_process_after_20_steps(launched, level):
+    world, results = launched
+    assert _final_gap(results, "llama", level) <= LLAMA_TOL
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_mlp_loss_tracks_one_process(launched, level):
+    world, results = launched
+    assert _final_gap(results, "mlp", level) <= MLP_TOL
+    losses = results[0][("mlp", level, "fsdp")]["losses"]
+    assert losses[-1] < 0.9 * losses[0]  # it trains
+
+
+@pytest.mark.parametrize("case", [("mlp", "O1"), ("mlp", "O2"), ("llama", "O1"), ("llama", "O2")])
+def test_fp8_weights_stay_fp8_shards_with_one_scale_on_every_rank(launched, case):
+    world, results = launched
+    key = (*case, "fsdp")
+    out = results[0][key]
+    assert "Float8Tensor" in out["shard_types"]
+    for rank in range(1, world):
+        assert results[rank][key]["scales"] == out["scales"]  # agreed: the gathered weight is one FP8 tensor
+    # at rest, each rank holds its rows of every FP8 weight, 1 byte per element
+    local = [results[r][key]["local_fp8_bytes"] for r in range(world)]
+    assert sum(local) == out["fp8_elements"]
+
+
+@pytest.mark.parametrize("case", [("mlp", "O1"), ("mlp", "O2"), ("llama", "O1"), ("llama", "O2")])
+def test_all_gather_bytes_are_the_fp8_payload_and_the_plain_parameters(launched, case):
+    world, results = launched
+    out = results[0][(*case, "fsdp")]
+    per_step = out["step_bytes"][-1]
+    # each forward gathers every unit once; the backward re-gathers the blocks (resharded after forward), not the root
+    gathered = per_step["fsdp all-gather"] / ((world - 1) / world)
+    full = out["fp8_elements"] + out["plain_bytes"]  # FP8: 1 byte per element (FSDP2 pads rows to the rank count)
+    assert full <= gathered <= 2 * full + 64 * world
+    assert per_step["fsdp all-gather"] == pytest.approx(results[0][(*case, "fsdp")]["step_bytes"][1]["fsdp all-gather"])
+
+
+def test_fp8_reduce_scatter_sends_a_quarter_of_fsdp2s_fp32_bytes(launched):
+    world, results = launched
+    fp8_bytes = results[0][("mlp", "O2", "fsdp")]["step_bytes"][-1]
+    high = results[0][("mlp", "O2", "fsdp-high")]["step_bytes"][-1]
+    fp8_total = fp8_bytes["fsdp fp8 reduce-scatter"] + fp8_bytes["fsdp fp8 grad amax"]
+    assert fp8_total <= 0.27 * high["fsdp reduce-scatter"]
+    assert fp8_bytes["fsdp fp8 reduce-scatter"] == pytest.approx(high["fsdp reduce-scatter"] / 4)
+
+
+def test_optimizer_agreements_are_counted(launched):
+    world, results = launched
+    o1 = results[0][("mlp", "O1", "fsdp")]["step_bytes"][-1]
+    o2 = results[0][("mlp", "O2", "fsdp")]["step_bytes"][-1]
+    assert o1["fsdp weight amax"] > 0 and o1["fsdp finite flag"] > 0  # O1: one MAX of the amaxes, one MIN of the flag
+    assert o2["fsdp optimizer amax"] > 0  # O2: one all-reduce of all amaxes and the skip flag
+
+
+def test_misuse_is_refused_with_the_fix_named(launched):
+    world, results = launched
+    errors = results[0]["misuse"]
+    assert "fp8.initialize" in errors["sharded_first"] and "then" in errors["sharded_first"]
+    assert "opt_level='O2'" in errors["o3"]
+    assert "recipe='tensorwise'" in errors["blockwise"]
+    assert "uniform original parameter dtype" in errors["mixed_block"]  # FSDP2's own check, at fully_shard
+    assert errors["bf16_compute"] is None  # fp32 parameters with bf16 compute (MixedPrecisionPolicy) train
+
+
+def test_an_unsharded_model_is_unaffected_by_the_follower():
+    import fp8
+    from fp8.testing import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=8, vocab_size=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fp8.initialize(model, opt, "O2")
+    ids = torch.randint(0, 32, (2, 8))
+    model(ids)[0].float().mean().backward()
+    opt.step()
+    assert opt._shard_comm is None

@@ -1,0 +1,183 @@
+"""Worker of tests/fp8/test_fsdp.py: fp8.initialize models sharded by FSDP2 (fully_shard per block and at the root)
+on ``world`` gloo ranks, against the same model and optimizer in one process on the whole batch.
+
+For each case (a plain MLP and a tiny transformers Llama, at O1 and O2) every rank also runs the single-process
+reference itself (same seed, the whole batch), so the comparison needs no exchange. Recorded per case: both loss
+curves (the sharded one averaged over ranks), the bytes counted per tag, the FP8 weights' payload bytes, the scales
+of every rank's shards, and the error raised by each misuse.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+STEPS = 20
+BATCH = 8
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(64, 160), torch.nn.GELU(), torch.nn.Linear(160, 64))  # noqa: E731
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), block(), block(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 16))
+
+
+def mlp_blocks(model):
+    return [model[1], model[2]]
+
+
+def llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def llama_blocks(model):
+    return list(model.model.layers)
+
+
+def batches(kind: str, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(STEPS):
+        if kind == "mlp":
+            yield torch.randn(BATCH, 32, generator=g), torch.randn(BATCH, 16, generator=g)
+        else:
+            ids = torch.randint(0, 128, (BATCH, 16), generator=g)
+            yield ids, ids
+
+
+def loss_of(kind: str, model, x, y):
+    if kind == "mlp":
+        return (model(x).float() - y).pow(2).mean()
+    return model(input_ids=x, labels=y).loss
+
+
+def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, reduce_scatter: str = "fp8"):
+    import fp8
+    from fp8.comm import CommBytesCounter
+    from fp8.distributed.fsdp import FSDPConfig
+    from torch.distributed.fsdp import fully_shard
+
+    model = (mlp if kind == "mlp" else llama)(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    counter = CommBytesCounter()
+    model, optimizer = fp8.initialize(model, optimizer, level, fsdp=FSDPConfig(reduce_scatter, counter))
+    if shard:
+        for block in (mlp_blocks if kind == "mlp" else llama_blocks)(model):
+            fully_shard(block)
+        fully_shard(model)
+    losses, step_bytes = [], []
+    for x, y in batches(kind, seed):
+        if shard:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        before = counter.summary()["by_tag"]
+        loss = loss_of(kind, model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().clone().reshape(1)
+        if shard:
+            dist.all_reduce(value)  # the test's own reading, not counted
+            value /= world
+        losses.append(float(value))
+        after = counter.summary()["by_tag"]
+        step_bytes.append({k: after[k] - before.get(k, 0.0) for k in after})
+    out = {"losses": losses, "step_bytes": step_bytes}
+    if shard:
+        from fp8.distributed.sharding import local
+        from fp8.tensor import Float8Tensor
+
+        fp8_weights = [(n, local(p)) for n, p in model.named_parameters() if isinstance(local(p), Float8Tensor)]
+        out["fp8_elements"] = sum(p.numel() for n, p in model.named_parameters() if isinstance(local(p), Float8Tensor))
+        out["plain_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                 if not isinstance(local(p), Float8Tensor))
+        out["local_fp8_bytes"] = sum(w.payload.numel() for _, w in fp8_weights)
+        out["scales"] = {n: float(w.scale) for n, w in fp8_weights}
+        out["shard_types"] = sorted({type(local(p)).__name__ for _, p in model.named_parameters()})
+    return out
+
+
+def misuse(kind: str, seed: int, world: int) -> dict:
+    """The error each misuse raises (its message), or None."""
+    import fp8
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            errors[name] = f"{type(error).__name__}: {error}"
+
+    def sharded_first():
+        model = mlp(seed)
+        fully_shard(model)
+        fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+
+    def o3():
+        model = mlp(seed)
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3")
+        fully_shard(model)
+        model(torch.randn(2, 32)).sum().backward()
+        optimizer.step()
+
+    def mixed_block():
+        model = mlp(seed).to(torch.bfloat16)
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+        fully_shard(model)
+        model(torch.randn(2, 32, dtype=torch.bfloat16))
+
+    def blockwise():
+        model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe="blockwise")
+        fully_shard(model)
+        model(torch.randn(2, 128))
+
+    def bf16_compute():  # fp32 parameters, bf16 compute (FSDP2's mixed precision): accepted
+        model = mlp(seed)
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in mlp_blocks(model):
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        loss = model(torch.randn(4, 32)).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        if not torch.isfinite(loss):
+            raise RuntimeError("non-finite loss under MixedPrecisionPolicy")
+
+    attempt("sharded_first", sharded_first)
+    attempt("o3", o3)
+    attempt("mixed_block", mixed_block)
+    attempt("blockwise", blockwise)
+    attempt("bf16_compute", bf16_compute)
+    return errors
+
+
+def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
+    from tests.spawn import init_gloo_worker
+
+    init_gloo_worker(rank, world, port)
+    result = {}
+    for kind in ("mlp", "llama"):
+        for level in ("O1", "O2"):
+            result[(kind, level, "single")] = run(kind, level, seed, world, rank, shard=False)
+            result[(kind, level, "fsdp")] = run(kind, level, seed, world, rank, shard=True)
+    result[("mlp", "O2", "fsdp-high")] = run("mlp", "O2", seed, world, rank, shard=True, reduce_scatter="high")
+    result["misuse"] = misuse("mlp", seed, world)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
