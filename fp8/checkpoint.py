@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .comm import Collectives, CommBytesCounter
+from .distributed.sharding import is_dtensor, local
 from .formats import byte_view
 from .optim.base import FP8Optimizer
 from .optim.levels import OptLevelMismatchError, level_name
@@ -76,24 +77,43 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _rows_of(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (this rank's rows of a tensor shaped like ``param``, or a whole tensor) as DCP should see it: under FSDP2
+    (``param`` a ``Shard(0)`` DTensor) a DTensor of those rows in the parameter's global shape, sharing ``t``'s storage,
+    so DCP writes each rank's rows and reads them back at any world size, or into one process's whole tensors; else
+    ``t`` itself (0-d scales and steps, agreed over the shard group, stay whole)."""
+    if not is_dtensor(param) or t.dim() == 0 or tuple(t.shape[1:]) != tuple(param.shape[1:]) \
+            or t.shape[0] != local(param).shape[0]:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    shape = (param.shape[0], *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
 def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup | None,
            scaling_rank: int) -> dict[str, Any]:
-    """The flat state dict of this rank; its tensors share storage with the live ones (in-place load)."""
+    """The flat state dict of this rank; its tensors share storage with the live ones (in-place load). A model
+    sharded by FSDP2 contributes each rank's rows as DTensors (:func:`_rows_of`)."""
     module, mu = _split(model)
     if not isinstance(optimizer, FP8Optimizer):
         raise TypeError(
             f"fp8.checkpoint saves the FP8 optimizers of opt levels O2 and O3, got {type(optimizer).__name__}; "
             f"use torch.distributed.checkpoint with get_state_dict for other optimizers"
         )
+    optimizer.follow_sharding()  # FSDP2 sharded the model since the optimizer's last call: take the shards over
     out: dict[str, Any] = {}
     names = {}
     for name, p in module.named_parameters():
         names[id(p)] = name
-        if isinstance(p, Float8Tensor):
-            out[f"model/{name}/payload"] = byte_view(p.payload)
-            out[f"model/{name}/scale"] = p.scale
+        shard = local(p)
+        if isinstance(shard, Float8Tensor):
+            out[f"model/{name}/payload"] = _rows_of(byte_view(shard.payload), p)
+            out[f"model/{name}/scale"] = shard.scale
         else:
-            out[f"model/{name}"] = p.detach()
+            out[f"model/{name}"] = _rows_of(shard.detach(), p)
     for mod_name, mod in module.named_modules():
         for buf_name, buf in mod.named_buffers(recurse=False):
             if buf is None:
@@ -113,7 +133,7 @@ def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup |
                 optimizer._init_state(p, group_)
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim/{names[id(p)]}/{key}"] = byte_view(value)
+                    out[f"optim/{names[id(p)]}/{key}"] = _rows_of(byte_view(value), p)
     if mu is not None:
         for name, buf in mu.named_buffers():
             out[f"mu/{name}"] = buf
@@ -171,8 +191,8 @@ def _config(module: nn.Module, optimizer: FP8Optimizer) -> dict[str, Any]:
     return {
         "optimizer": type(optimizer).__name__,
         "precision": dataclasses.asdict(optimizer.precision),
-        "params": {n: [list(p.shape), str(p.payload.dtype if isinstance(p, Float8Tensor) else p.dtype)]
-                   for n, p in module.named_parameters()},
+        "params": {n: [list(p.shape), str(local(p).payload.dtype if isinstance(local(p), Float8Tensor) else p.dtype)]
+                   for n, p in module.named_parameters()},  # global shapes, storage dtypes (FSDP2: the shards')
     }
 
 

@@ -63,7 +63,8 @@ def loss_of(kind: str, model, x, y):
     return model(input_ids=x, labels=y).loss
 
 
-def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, reduce_scatter: str = "fp8"):
+def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, reduce_scatter: str = "fp8",
+        micro: int = 1):
     import fp8
     from fp8.comm import CommBytesCounter
     from fp8.distributed.fsdp import FSDPConfig
@@ -82,8 +83,14 @@ def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, re
         if shard:
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         before = counter.summary()["by_tag"]
-        loss = loss_of(kind, model, x, y)
-        loss.backward()
+        total = 0.0
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            if shard:  # FSDP2's gradient accumulation: no reduce-scatter until the last micro-batch
+                model.set_requires_gradient_sync(i == micro - 1)
+            loss = loss_of(kind, model, xs, ys) / micro
+            loss.backward()
+            total = total + loss.detach()
+        loss = total
         optimizer.step()
         optimizer.zero_grad()
         value = loss.detach().clone().reshape(1)
@@ -105,6 +112,86 @@ def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, re
         out["local_fp8_bytes"] = sum(w.payload.numel() for _, w in fp8_weights)
         out["scales"] = {n: float(w.scale) for n, w in fp8_weights}
         out["shard_types"] = sorted({type(local(p)).__name__ for _, p in model.named_parameters()})
+    return out
+
+
+RESUME_AT = 3  # the checkpoint is written after this many steps; the run then goes on for RESUME_AT more
+
+
+def snapshot(model, optimizer) -> dict:
+    """This rank's rows of every parameter (FP8 weights: payload bytes) and optimizer state, keyed as fp8.checkpoint
+    keys them, each with its first row (None for a whole tensor: scales, steps)."""
+    from fp8.distributed.sharding import is_dtensor, local, local_rows
+    from fp8.formats import byte_view
+    from fp8.tensor import Float8Tensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        shard = local(p)
+        start = local_rows(p.shape[0], p).start if is_dtensor(p) else 0
+        if isinstance(shard, Float8Tensor):
+            out[f"model/{name}/payload"] = (start, byte_view(shard.payload).clone())
+            out[f"model/{name}/scale"] = (None, shard.scale.clone())
+        else:
+            out[f"model/{name}"] = (start, shard.detach().clone())
+        for key, value in optimizer.state[p].items():
+            if isinstance(value, torch.Tensor):
+                rows = value.dim() > 0 and value.shape[0] == shard.shape[0] and value.shape[1:] == shard.shape[1:]
+                out[f"optim/{name}/{key}"] = (start if rows else None, byte_view(value).clone())
+    return out
+
+
+def train(model, optimizer, steps, world: int, rank: int, shard: bool, first: int = 0) -> list[float]:
+    losses = []
+    for step, (x, y) in enumerate(batches("llama", 0)):
+        if step < first:
+            continue
+        if step >= first + steps:
+            break
+        if shard:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = loss_of("llama", model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().clone().reshape(1)
+        if shard:
+            dist.all_reduce(value)
+            value /= world
+        losses.append(float(value))
+    return losses
+
+
+def sharded_llama(seed: int, level: str = "O2"):
+    import fp8
+    from torch.distributed.fsdp import fully_shard
+
+    model = llama(seed)
+    model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=2e-3), level)
+    for block in llama_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model, optimizer
+
+
+def checkpoint_case(seed: int, world: int, rank: int, out_dir: str) -> dict:
+    """Train RESUME_AT steps, save (fp8.checkpoint), snapshot, train RESUME_AT more. At 4 ranks also load the 2-rank
+    run's checkpoint (a sibling launch directory, when that launch ran), snapshot it, and continue from it."""
+    import glob
+
+    from fp8.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = sharded_llama(seed)
+    out = {"before": train(model, optimizer, RESUME_AT, world, rank, True), "ckpt": os.path.join(out_dir, "ckpt")}
+    save_checkpoint(out["ckpt"], model, optimizer)
+    out["saved"] = snapshot(model, optimizer)
+    out["after"] = train(model, optimizer, RESUME_AT, world, rank, True, first=RESUME_AT)
+    found = sorted(glob.glob(os.path.join(os.path.dirname(out_dir), "fsdp_world2*", "ckpt")))
+    if world != 2 and found:
+        model, optimizer = sharded_llama(seed)
+        load_checkpoint(found[0], model, optimizer)
+        out["resumed_from_2"] = snapshot(model, optimizer)
+        out["resumed_after"] = train(model, optimizer, RESUME_AT, world, rank, True, first=RESUME_AT)
     return out
 
 
@@ -177,7 +264,11 @@ def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
             result[(kind, level, "single")] = run(kind, level, seed, world, rank, shard=False)
             result[(kind, level, "fsdp")] = run(kind, level, seed, world, rank, shard=True)
     result[("mlp", "O2", "fsdp-high")] = run("mlp", "O2", seed, world, rank, shard=True, reduce_scatter="high")
+    for level in ("O1", "O2"):  # 2 micro-batches per step, accumulated (FSDP2: set_requires_gradient_sync(False))
+        result[("llama", level, "single-accum")] = run("llama", level, seed, world, rank, shard=False, micro=2)
+        result[("llama", level, "fsdp-accum")] = run("llama", level, seed, world, rank, shard=True, micro=2)
     result["misuse"] = misuse("mlp", seed, world)
+    result["checkpoint"] = checkpoint_case(seed, world, rank, out_dir)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -216,7 +216,8 @@ def check_unit(fqn: str, module: nn.Module) -> None:
                 f"FSDP2 unit {name!r}: FP8 weight {pname!r} has block scales ({shard.block}); FSDP2 shards tensor-wise "
                 f"FP8 weights only: fp8.initialize(..., recipe='tensorwise') before fully_shard")
         if fsdp_param.sharded_param.requires_grad:
-            dtypes.setdefault(fsdp_param.param_dtype or fsdp_param.orig_dtype, []).append(pname)
+            # the dtype its unsharded gradient will have: the policy's param_dtype, else the parameter's
+            dtypes.setdefault(fsdp_param.mp_policy.param_dtype or fsdp_param.sharded_param.dtype, []).append(pname)
     if len(dtypes) > 1:
         found = "; ".join(f"{dtype}: {', '.join(names[:3])}" for dtype, names in dtypes.items())
         raise TypeError(

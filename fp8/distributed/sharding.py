@@ -81,26 +81,29 @@ class ParamSlots:
                     self.slots.append((module, name, f"{fqn}.{name}" if fqn else name, param))
 
     def moved(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(name, old, new)`` for each parameter replaced since the last call (each reported once)."""
+        """``(name, old, new)`` for each parameter replaced by a DTensor since the last call (each reported once).
+        Other replacements are not reported and not recorded: FSDP2 puts its unsharded parameters in the modules
+        between a unit's all-gather and its reshard (the root stays unsharded after a forward without backward),
+        and swaps the sharded ones back after."""
         found = []
         for i, (module, name, fqn, old) in enumerate(self.slots):
             new = module._parameters.get(name)
-            if new is not None and new is not old:
+            if new is not None and new is not old and is_dtensor(new):
                 found.append((fqn, old, new))
                 self.slots[i] = (module, name, fqn, new)
         return found
 
     @staticmethod
     def sharded(moved: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """The entries of ``moved`` that FSDP2 sharded (DTensors of the old parameter's shape), each checked for a
-        placement the optimizers can follow; another replacement (a parameter re-assigned by hand) is refused."""
+        """The entries of ``moved``, each checked to be FSDP2's shard of the old parameter (its global shape, a
+        placement the optimizers can follow)."""
         out = []
         for fqn, old, new in moved:
-            if not is_dtensor(new) or tuple(new.shape) != tuple(old.shape):
+            if tuple(new.shape) != tuple(old.shape):
                 raise RuntimeError(
-                    f"parameter {fqn!r} was replaced after fp8.initialize by a {type(new).__name__} of shape "
-                    f"{tuple(new.shape)}; fp8's optimizer follows only FSDP2's sharding (fully_shard); to replace "
-                    f"parameters, do it before fp8.initialize")
+                    f"parameter {fqn!r} was replaced after fp8.initialize by a DTensor of global shape "
+                    f"{tuple(new.shape)}, not its shape {tuple(old.shape)}; fp8's optimizer follows FSDP2's sharding "
+                    f"(fully_shard) only")
             check_fsdp_placement(new, fqn)
             out.append((fqn, old, new))
         return out
