@@ -72,7 +72,9 @@ def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, re
 
     model = (mlp if kind == "mlp" else llama)(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    counter = CommBytesCounter()
+    from fp8.comm_trace import CollectiveTrace
+
+    counter = CommBytesCounter(trace=CollectiveTrace(rank) if shard else None)  # every call, for NCCL's rules
     model, optimizer = fp8.initialize(model, optimizer, level, fsdp=FSDPConfig(reduce_scatter, counter))
     if shard:
         for block in (mlp_blocks if kind == "mlp" else llama_blocks)(model):
@@ -102,6 +104,7 @@ def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, re
         step_bytes.append({k: after[k] - before.get(k, 0.0) for k in after})
     out = {"losses": losses, "step_bytes": step_bytes}
     if shard:
+        out["trace"] = list(counter.trace.calls)
         from fp8.distributed.sharding import local
         from fp8.tensor import Float8Tensor
 

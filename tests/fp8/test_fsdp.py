@@ -84,6 +84,18 @@ def test_fp8_reduce_scatter_sends_a_quarter_of_fsdp2s_fp32_bytes(launched):
     assert fp8_bytes["fsdp fp8 reduce-scatter"] == pytest.approx(high["fsdp reduce-scatter"] / 4)
 
 
+@pytest.mark.parametrize("case", [("mlp", "O1", "fsdp"), ("mlp", "O2", "fsdp-high"), ("llama", "O2", "fsdp"),
+                                  ("llama", "O2", "fsdp-accum")])
+def test_every_collective_follows_nccls_rules(launched, case):
+    from fp8.comm_trace import check_traces
+
+    world, results = launched
+    traces = {rank: results[rank][case]["trace"] for rank in range(world)}
+    kinds = {call.kind for call in traces[0]}
+    assert {"all_gather", "all_reduce"} <= kinds and ({"all_to_all"} <= kinds or "reduce_scatter" in kinds)
+    assert check_traces(traces) == []  # the same collectives, in the same order and sizes, on every rank
+
+
 def test_optimizer_agreements_are_counted(launched):
     world, results = launched
     o1 = results[0][("mlp", "O1", "fsdp")]["step_bytes"][-1]
