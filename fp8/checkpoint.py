@@ -33,6 +33,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,17 @@ def _rows_of(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                               stride=stride)
 
 
+def _reshard(module: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back in the modules (its root stays unsharded after a forward without a
+    backward, e.g. an evaluation), as FSDP2's own ``state_dict`` does."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for m in module.modules():
+        if isinstance(m, fsdp.FSDPModule):
+            m.reshard()
+
+
 def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup | None,
            scaling_rank: int) -> dict[str, Any]:
     """The flat state dict of this rank; its tensors share storage with the live ones (in-place load). A model
@@ -103,6 +115,7 @@ def _state(model: nn.Module, optimizer: FP8Optimizer, group: dist.ProcessGroup |
             f"fp8.checkpoint saves the FP8 optimizers of opt levels O2 and O3, got {type(optimizer).__name__}; "
             f"use torch.distributed.checkpoint with get_state_dict for other optimizers"
         )
+    _reshard(module)
     optimizer.follow_sharding()  # FSDP2 sharded the model since the optimizer's last call: take the shards over
     out: dict[str, Any] = {}
     names = {}

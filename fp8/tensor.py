@@ -202,6 +202,9 @@ class Float8Tensor(ScaledTensor):
         (data,) = all_gather_outputs
         (scale,) = metadata
         data = data.view(self._data.dtype)
+        # operands derived from a gathered weight are not memoized on it (cached_operand): they would outlive FSDP2's
+        # reshard, a full-size copy of every weight on every rank
+        scale._fp8_fsdp_gathered = True
         if out is not None:
             if out._scale is not scale:  # the shard's scale tensor was replaced (a load): share the new one
                 out._scale = scale
@@ -228,9 +231,11 @@ def cached_operand(weight: Float8Tensor | None, payload: torch.Tensor, scale: to
     :class:`Float8Tensor` bumps them (in-place ops, ``copy_``, ``load_state_dict``, the optimizers' refresh, the O3
     all-gather; :func:`_written` where the write itself does not), so a stale memo is never returned; it is dropped
     before its replacement is built. Not memoized (``build()`` each call) without a ``weight``, while
-    ``torch.compile`` traces, or for inference tensors."""
+    ``torch.compile`` traces, for inference tensors, or for a weight FSDP2 gathered (its scale marked by
+    :meth:`Float8Tensor.fsdp_post_all_gather`: a memo would outlive the reshard)."""
     if (weight is None or payload is not weight.__dict__.get("_data") or scale is not weight.__dict__.get("_scale")
-            or torch.compiler.is_compiling() or not _plain(payload) or payload.is_inference()):
+            or torch.compiler.is_compiling() or not _plain(payload) or payload.is_inference()
+            or getattr(scale, "_fp8_fsdp_gathered", False)):
         return build()
     versions = (weight._version, payload._version, scale._version)
     memos = weight.__dict__.setdefault(_OPERAND_MEMO, {})

@@ -12,9 +12,10 @@ FSDP2 users write it. What happens then (docs/fsdp.md):
   all amaxes per step), so every rank's rows were cast with the same scale and the gathered weight is one FP8 tensor,
   identical on every rank, equal to the single-process weight.
 - **Reduce-scatter in FP8** (``FSDPConfig(reduce_scatter="fp8")``, the default): :class:`FP8ReduceScatter` puts
-  FSDP2's flat gradient buffer on the wire as E4M3 with one scale per parameter shared by all ranks (one MAX
-  all-reduce of the per-parameter amaxes, plus a non-finite flag), moves it with one all-to-all (1 byte per element),
-  and sums each rank's pieces in fp32. The sum never returns to FP8, so it cannot overflow: FP8-LM's automatic
+  the FP8 weights' gradients of FSDP2's flat buffer on the wire as E4M3 with one scale per weight shared by all ranks
+  (one MAX all-reduce of the amaxes, plus a non-finite flag), moves them with one all-to-all (1 byte per element),
+  and sums each rank's pieces in fp32; the unit's high-precision parameters (norms, biases, embeddings) take one
+  reduce-scatter in the buffer's dtype. The sum never returns to FP8, so it cannot overflow: FP8-LM's automatic
   scaling factor mu (:mod:`fp8.distributed.auto_scale`), which guards the re-quantized sum of an all-reduce, has
   nothing to guard here; the shared scale from the global amax is the scaling. A non-finite gradient on any rank
   makes the reduced gradient NaN, so the optimizer skips the step on every rank. ``"high"`` keeps FSDP2's own
@@ -45,7 +46,7 @@ from ..tensor import Float8Tensor
 from ..scaling import power_of_two_scale, set_amax_reduction_group
 from .sharding import is_dtensor, local
 
-__all__ = ["FSDPConfig", "REDUCE_SCATTER", "FP8ReduceScatter", "CountedAllGather", "fp8_reduce_scatter", "follow_fsdp",
+__all__ = ["FSDPConfig", "REDUCE_SCATTER", "FP8ReduceScatter", "ReduceScatterLayout", "CountedAllGather", "fp8_reduce_scatter", "follow_fsdp",
            "install_comms", "check_unit", "FSDPFollower"]
 
 logger = logging.getLogger(__name__)
@@ -126,15 +127,50 @@ class CountedAllGather:
         return _finish(self.comms(group).all_gather(output_tensor, input_tensor, "fsdp all-gather"), async_op)
 
 
+class ReduceScatterLayout:
+    """One FSDP2 unit's reduce-scatter buffer as :func:`fp8_reduce_scatter` reads it: each parameter's elements per
+    rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``). Its index tensors are made once per
+    device (:meth:`plan`), so a reduce-scatter copies nothing from the host."""
+
+    def __init__(self, lengths: list[int], fp8: list[bool]) -> None:
+        self.lengths = list(lengths)
+        self.fp8 = list(fp8)
+        self._plans: dict[tuple, tuple] = {}
+
+    def plan(self, width: int, device: torch.device) -> tuple:
+        """``(fp8_columns, fp8_lengths, high_columns)`` for a buffer row of ``width`` elements: the columns of the FP8
+        weights' pieces (None: all of them) and their lengths (one scale each), the columns of the high-precision
+        parameters' pieces (None: none). A row not laid out as announced (a unit whose parameters did not all receive
+        gradients) is taken as one FP8 piece."""
+        key = (width, str(device))
+        plan = self._plans.get(key)
+        if plan is None:
+            if sum(self.lengths) != width:
+                plan = (None, torch.tensor([width], device=device), None)
+            elif all(self.fp8):
+                plan = (None, torch.tensor(self.lengths, device=device), None)
+            else:
+                starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+                cols = lambda keep: [c for st, n, f in zip(starts, self.lengths, self.fp8) if f == keep  # noqa: E731
+                                     for c in range(st, st + n)]
+                fp8_lengths = [n for n, f in zip(self.lengths, self.fp8) if f]
+                plan = (torch.tensor(cols(True), dtype=torch.long, device=device) if fp8_lengths else None,
+                        torch.tensor(fp8_lengths, device=device) if fp8_lengths else None,
+                        torch.tensor(cols(False), dtype=torch.long, device=device))
+                if not fp8_lengths:
+                    plan = (torch.zeros(0, dtype=torch.long, device=device), None, plan[2])
+            self._plans[key] = plan
+        return plan
+
+
 class FP8ReduceScatter:
     """FSDP2's reduce-scatter (its ``ReduceScatter`` comm interface; ``FSDPModule.set_custom_reduce_scatter``) for one
-    FSDP2 unit: with ``fp8``, :func:`fp8_reduce_scatter` with one scale per parameter of the unit (``lengths``: each
-    parameter's elements per rank, in FSDP2's order); otherwise FSDP2's own (its op, its buffer's dtype) through
-    :class:`fp8.comm.Collectives`, tag ``"fsdp reduce-scatter"``."""
+    FSDP2 unit: with ``fp8``, :func:`fp8_reduce_scatter` on the unit's ``layout``; otherwise FSDP2's own (its op, its
+    buffer's dtype) through :class:`fp8.comm.Collectives`, tag ``"fsdp reduce-scatter"``."""
 
-    def __init__(self, comms: _Comms, lengths: list[int], fp8: bool) -> None:
+    def __init__(self, comms: _Comms, layout: ReduceScatterLayout, fp8: bool) -> None:
         self.comms = comms
-        self.lengths = lengths
+        self.layout = layout
         self.fp8 = fp8
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -144,7 +180,7 @@ class FP8ReduceScatter:
         comm = self.comms(group)
         if not self.fp8:
             return _finish(comm.reduce_scatter(output_tensor, input_tensor, "fsdp reduce-scatter", op=op), async_op)
-        fp8_reduce_scatter(output_tensor, input_tensor, comm, _averages(op), self.lengths)
+        fp8_reduce_scatter(output_tensor, input_tensor, comm, op, self.layout)
         return _Done() if async_op else None
 
 
@@ -160,39 +196,52 @@ def _averages(op) -> bool:
 
 
 @torch.no_grad()
-def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collectives, average: bool,
-                       lengths: list[int]) -> None:
-    """``output`` = this rank's chunk of the sum (or, ``average``, the mean) over ranks of ``input`` (FSDP2's flat
-    reduce-scatter buffer: ``N`` rows, row ``j`` for rank ``j``, each row the parameters' pieces of ``lengths``
-    elements), moved as E4M3:
+def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collectives, op,
+                       layout: ReduceScatterLayout) -> None:
+    """``output`` = this rank's chunk of the sum (``op`` SUM) or mean (AVG) over ranks of ``input`` (FSDP2's flat
+    reduce-scatter buffer: ``N`` rows, row ``j`` for rank ``j``, each row the unit's parameters' pieces as ``layout``
+    says). The FP8 weights' pieces travel as E4M3:
 
-    1. each parameter's amax over its pieces (finite values) and a non-finite flag, agreed by one MAX all-reduce;
+    1. each FP8 weight's amax over its pieces (finite values) and a non-finite flag, agreed by one MAX all-reduce;
     2. ``payload = e4m3(clamp(x * s_p))``, ``s_p = power_of_two_scale(amax_p, 448)``, the same on every rank;
-    3. one all-to-all of the bytes (row ``j`` to rank ``j``): ``(N-1)/N`` bytes per element of the buffer;
+    3. one all-to-all of the bytes (row ``j`` to rank ``j``): ``(N-1)/N`` bytes per element;
     4. the ``N`` received rows summed in fp32 and divided by ``s_p`` (times ``N`` to average); all NaN where any rank
        held a non-finite value (so the optimizer skips the step on every rank).
 
-    A buffer not laid out as ``lengths`` (a unit whose parameters did not all receive gradients) takes one scale.
+    The high-precision parameters' pieces (norms, biases, embeddings: few elements, and values an E4M3 scale per
+    tensor could flush, such as rarely used embedding rows) take one reduce-scatter in the buffer's dtype.
     """
+    average = _averages(op)
     world = comm.world_size
     x = input.view(world, -1)
     width = x.shape[1]
-    if sum(lengths) != width:
-        lengths = [width]
-    lengths_t = torch.tensor(lengths, device=x.device)
-    column_amax = x.abs().to(torch.float32).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
-    nonfinite = torch.isfinite(x).all().logical_not().to(torch.float32).reshape(1)
-    agreed = torch.cat([torch.segment_reduce(column_amax, "max", lengths=lengths_t), nonfinite])
+    fp8_cols, fp8_lengths, high_cols = layout.plan(width, x.device)
+    out = output.view(-1)
+    if high_cols is not None:
+        high = x.index_select(1, high_cols)
+        reduced = torch.empty(high.shape[1], dtype=high.dtype, device=high.device)
+        comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
+        out.index_copy_(0, high_cols, reduced)
+    if fp8_lengths is None:
+        return
+    xf = x if fp8_cols is None else x.index_select(1, fp8_cols)
+    columns = xf.shape[1]
+    column_amax = xf.abs().to(torch.float32).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
+    nonfinite = torch.isfinite(xf).all().logical_not().to(torch.float32).reshape(1)
+    agreed = torch.cat([torch.segment_reduce(column_amax, "max", lengths=fp8_lengths), nonfinite])
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="fsdp fp8 grad amax").wait()
     scale = power_of_two_scale(agreed[:-1], E4M3.max)
-    column_scale = torch.repeat_interleave(scale, lengths_t, output_size=width)
-    payload = (x.to(torch.float32) * column_scale).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+    column_scale = torch.repeat_interleave(scale, fp8_lengths, output_size=columns)
+    payload = (xf.to(torch.float32) * column_scale).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
     received = torch.empty_like(payload)
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
     divisor = column_scale * world if average else column_scale
     result = received.to(torch.float32).sum(dim=0) / divisor
     result = torch.where(agreed[-1] > 0, float("nan"), result)
-    output.copy_(result.view(output.shape))
+    if fp8_cols is None:
+        out.copy_(result)
+    else:
+        out.index_copy_(0, fp8_cols, result.to(out.dtype))
 
 
 def _unit_params(module: nn.Module) -> list:
@@ -242,9 +291,11 @@ def install_comms(model: nn.Module, config: FSDPConfig) -> int:
         params = _unit_params(module)
         if not params:
             continue
-        lengths = [int(p.padded_sharded_param_size.numel()) for p in params if p.sharded_param.requires_grad]
+        grads = [p for p in params if p.sharded_param.requires_grad]
+        layout = ReduceScatterLayout([int(p.padded_sharded_param_size.numel()) for p in grads],
+                                     [isinstance(local(p.sharded_param), Float8Tensor) for p in grads])
         module.set_custom_all_gather(CountedAllGather(comms))
-        module.set_custom_reduce_scatter(FP8ReduceScatter(comms, lengths, config.reduce_scatter == "fp8"))
+        module.set_custom_reduce_scatter(FP8ReduceScatter(comms, layout, config.reduce_scatter == "fp8"))
         units += 1
     return units
 

@@ -80,8 +80,9 @@ class ParamSlots:
                 if param is not None:
                     self.slots.append((module, name, f"{fqn}.{name}" if fqn else name, param))
 
-    def moved(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(name, old, new)`` for each parameter replaced by a DTensor since the last call (each reported once).
+    def moved(self, record: bool = True) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, old, new)`` for each parameter replaced by a DTensor since the last recording call (each reported
+        once; ``record=False`` only looks, so a refusal raised from it is raised again at the next call).
         Other replacements are not reported and not recorded: FSDP2 puts its unsharded parameters in the modules
         between a unit's all-gather and its reshard (the root stays unsharded after a forward without backward),
         and swaps the sharded ones back after."""
@@ -90,7 +91,8 @@ class ParamSlots:
             new = module._parameters.get(name)
             if new is not None and new is not old and is_dtensor(new):
                 found.append((fqn, old, new))
-                self.slots[i] = (module, name, fqn, new)
+                if record:
+                    self.slots[i] = (module, name, fqn, new)
         return found
 
     @staticmethod

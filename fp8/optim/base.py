@@ -264,13 +264,13 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         scales (the FP8 weights' included) are the whole tensors' and every rank steps or skips together. Called by
         :meth:`step`, :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when
         nothing moved."""
-        moved = ParamSlots.sharded(self._slots.moved())
-        if not moved:
+        if not self._slots.moved(record=False):
             return
-        if self.precision.state_scaling == "delayed":
+        if self.precision.state_scaling == "delayed":  # refused at every call, not only the first
             raise NotImplementedError(
                 "precision.state_scaling='delayed' is not supported under FSDP2 (its per-parameter path would scale "
                 "each rank's rows alone); use the default current state scaling with fully_shard")
+        moved = ParamSlots.sharded(self._slots.moved())
         swap = {id(old): (old, new) for _, old, new in moved}
         for group in self.param_groups:
             group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]

@@ -221,11 +221,10 @@ class ShardedFP8Optimizer(FP8Optimizer):
         self._comm.all_reduce(flag, op=dist.ReduceOp.MIN, tag="finite").wait()
         return flag.reshape(()) > 0
 
-    @torch.no_grad()
     def follow_sharding(self) -> None:
         """O3 owns whole tensors per data-parallel rank: parameters sharded by FSDP2 (by rows) are refused, naming
         O2, which FSDP2 shards instead (its FP8 weights, FP16 masters and moments cut to each rank's rows)."""
-        moved = self._slots.moved()
+        moved = self._slots.moved(record=False)  # refused at every call, not only the first
         if moved:
             raise RuntimeError(
                 f"opt_level 'O3' shards the optimizer by whole tensors and needs fp8.distributed.DistributedDataParallel; "
@@ -233,6 +232,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
                 f"use opt_level='O2' with fully_shard (FSDP2 then shards O2's FP8 weights, FP16 masters and moments "
                 f"by rows, O3's memory; docs/fsdp.md)")
 
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """Update the owned parameters (skipped on every rank if any rank's gradients are not finite,
         decided on device from the ranks' agreed flag: no host sync), then all-gather every parameter

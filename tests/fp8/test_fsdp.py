@@ -13,17 +13,17 @@ from tests.spawn import CachedLaunch
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 SEED = 1717
-LLAMA_TOL = 1e-3  # the issue's bound on the final loss; measured <= 2.3e-4 (2 ranks) and <= 2.7e-4 (4 ranks), seed 1717
+LLAMA_TOL = 1e-3  # the issue's bound on the final loss; measured <= 5.2e-4 (2, 3 and 4 ranks), seed 1717
 # The plain MLP regresses random targets near its noise floor, where FP8 rounding flips chaotically: measured final
-# relative gaps <= 4.2e-3 (2 ranks) and <= 5.6e-3 (4 ranks), the order of FSDP2's own fp32 reduce-scatter (7.3e-3).
-MLP_TOL = 1.5e-2
-ACCUM_TOL = 2.5e-3  # measured <= 1.3e-3 (O2, 2 ranks), see the test
+# relative gaps up to 1.5e-2 (3 ranks, O2), the order of FSDP2's own fp32 reduce-scatter (7.4e-3 there).
+MLP_TOL = 3e-2
+ACCUM_TOL = 2.5e-3  # measured <= 1.1e-3 (O2), see the test
 RESUME_TOL = 1e-3  # a resumed run's next losses against the uninterrupted one; measured <= 2e-4
 
 _launch = CachedLaunch(worker, "fsdp")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])  # 3: uneven shards
 def launched(request, tmp_path_factory):
     seed, results = _launch(request.param, SEED, tmp_path_factory)
     return request.param, results
@@ -79,9 +79,11 @@ def test_fp8_reduce_scatter_sends_a_quarter_of_fsdp2s_fp32_bytes(launched):
     world, results = launched
     fp8_bytes = results[0][("mlp", "O2", "fsdp")]["step_bytes"][-1]
     high = results[0][("mlp", "O2", "fsdp-high")]["step_bytes"][-1]
-    fp8_total = fp8_bytes["fsdp fp8 reduce-scatter"] + fp8_bytes["fsdp fp8 grad amax"]
+    # the FP8 weights' gradients at 1 byte, the norms' and biases' in fp32, the amaxes
+    fp8_total = fp8_bytes["fsdp fp8 reduce-scatter"] + fp8_bytes["fsdp reduce-scatter"] + fp8_bytes["fsdp fp8 grad amax"]
     assert fp8_total <= 0.27 * high["fsdp reduce-scatter"]
-    assert fp8_bytes["fsdp fp8 reduce-scatter"] == pytest.approx(high["fsdp reduce-scatter"] / 4)
+    assert 4 * fp8_bytes["fsdp fp8 reduce-scatter"] + fp8_bytes["fsdp reduce-scatter"] == pytest.approx(
+        high["fsdp reduce-scatter"])
 
 
 @pytest.mark.parametrize("case", [("mlp", "O1", "fsdp"), ("mlp", "O2", "fsdp-high"), ("llama", "O2", "fsdp"),
@@ -118,7 +120,7 @@ def test_misuse_is_refused_with_the_fix_named(launched):
 def test_gradient_accumulation_without_sync_tracks_one_process(launched, level):
     world, results = launched
     # 2 micro-batches per step, FSDP2's set_requires_gradient_sync(False) on the first, against one process
-    # accumulating the same 2 micro-batches: measured final gaps 1.8e-4 (O1) and 1.3e-3 (O2) at 2 ranks
+    # accumulating the same 2 micro-batches: measured final gaps <= 4.3e-4 (O1) and <= 1.1e-3 (O2)
     assert _final_gap(results, "llama", level, "fsdp-accum") <= ACCUM_TOL
 
 
@@ -164,8 +166,62 @@ def test_resume_sharded_checkpoint_in_one_process_bit_for_bit(launched):
     for key in saved:
         assert torch.equal(saved[key], one[key]), key
     # and trains on from there as the sharded run did (measured <= 6e-5 at 4 ranks)
-    losses = train(model, optimizer, RESUME_AT, 1, 0, False, first=RESUME_AT)
+    losses = train(model, optimizer, RESUME_AT, world, 0, False, first=RESUME_AT)  # the launch's batches, whole
     assert all(abs(a - b) / b <= RESUME_TOL for a, b in zip(losses, results[0]["checkpoint"]["after"]))
+
+
+def test_three_ranks_hold_uneven_shards(launched):
+    world, results = launched
+    if world != 3:
+        pytest.skip("uneven shards: FP8 weights have rows in multiples of 16, which 3 ranks do not divide")
+    local = [results[r][("llama", "O2", "fsdp")]["local_fp8_bytes"] for r in range(world)]
+    assert len(set(local)) > 1  # FSDP2 padded the shorter shards: the padded all-gather and re-pad paths ran
+
+
+class _OneRank:
+    """A stand-in for fp8.comm.Collectives on one rank (``fp8_reduce_scatter``'s arithmetic without a group)."""
+
+    world_size = 1
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def all_reduce(self, t, op=None, tag=""):
+        return self._Done()
+
+    def all_to_all(self, out, inp, tag):
+        out.copy_(inp)
+        return self._Done()
+
+    def reduce_scatter(self, out, inp, tag, op=None):
+        out.copy_(inp)
+        return self._Done()
+
+
+def test_fp8_reduce_scatter_scales_each_fp8_weight_and_keeps_high_precision_exact(gen):
+    import torch.distributed as dist
+    from fp8.distributed.fsdp import ReduceScatterLayout, fp8_reduce_scatter
+
+    # three FP8 weights of very different magnitudes, a norm weight in between
+    parts = [torch.randn(96, generator=gen) * 1e-6, torch.randn(40, generator=gen), torch.randn(32, generator=gen),
+             torch.randn(64, generator=gen) * 1e3]
+    layout = ReduceScatterLayout([p.numel() for p in parts], [True, True, False, True])
+    x = torch.cat(parts)
+    out = torch.empty_like(x)
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.SUM, layout)
+    ref = x.double()
+    pieces = out.split([p.numel() for p in parts])
+    for i, (got, want) in enumerate(zip(pieces, ref.split([p.numel() for p in parts]))):
+        if i == 2:
+            assert torch.equal(got, want.float())  # high precision: not quantized
+        else:  # E4M3 with its own power-of-two scale: half an ulp (2**-4 relative) above 2**-6 of the amax
+            err = (got.double() - want).abs()
+            bound = torch.maximum(want.abs() * 2.0**-4, want.abs().max() * 2.0**-9 * 2.0**-6)
+            assert (err <= bound).all(), i
+    x[5] = float("inf")
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.AVG, layout)
+    assert torch.isnan(out[:136]).all() and torch.isnan(out[168:]).all()  # the step is skipped on every rank
 
 
 def test_an_unsharded_model_is_unaffected_by_the_follower():
