@@ -183,6 +183,27 @@ def sharded_llama(seed: int, level: str = "O2"):
     return model, optimizer
 
 
+def activation_checkpointing_case(seed: int, world: int, rank: int) -> dict:
+    """5 steps of the sharded Llama at O2 without and with transformers' activation checkpointing (non-reentrant:
+    the blocks' forwards run again in the backward, FSDP2 gathering their FP8 weights again)."""
+    import fp8
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for checkpointing in (False, True):
+        model = llama(seed)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=2e-3), "O2")
+        for block in llama_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        model.train()
+        out[checkpointing] = train(model, optimizer, 5, world, rank, True)
+    return out
+
+
 def checkpoint_case(seed: int, world: int, rank: int, out_dir: str) -> dict:
     """Train RESUME_AT steps, save (fp8.checkpoint), snapshot, train RESUME_AT more. At 4 ranks also load the 2-rank
     run's checkpoint (a sibling launch directory, when that launch ran), snapshot it, and continue from it."""
@@ -194,6 +215,10 @@ def checkpoint_case(seed: int, world: int, rank: int, out_dir: str) -> dict:
     out = {"before": train(model, optimizer, RESUME_AT, world, rank, True), "ckpt": os.path.join(out_dir, "ckpt")}
     save_checkpoint(out["ckpt"], model, optimizer)
     out["saved"] = snapshot(model, optimizer)
+    from fp8.integrations.transformers import high_precision_state_dict
+
+    export = high_precision_state_dict(model, optimizer)  # a collective: every rank, the same whole tensors
+    out["export"] = export if rank == 0 else {k: v.sum() for k, v in export.items()}
     out["after"] = train(model, optimizer, RESUME_AT, world, rank, True, first=RESUME_AT)
     found = sorted(glob.glob(os.path.join(os.path.dirname(out_dir), "fsdp_world2*", "ckpt")))
     if world == 4 and found:
@@ -278,6 +303,7 @@ def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         result[("llama", level, "fsdp-accum")] = run("llama", level, seed, world, rank, shard=True, micro=2)
     result["misuse"] = misuse("mlp", seed, world)
     result["checkpoint"] = checkpoint_case(seed, world, rank, out_dir)
+    result["activation_checkpointing"] = activation_checkpointing_case(seed, world, rank)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

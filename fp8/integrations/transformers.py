@@ -58,6 +58,7 @@ from ..precision_rules import parse_precision_rules
 from ..recipes import RECIPES, get_recipe
 from ..stats import FP8Statistics
 from ..scaling import ScalingState
+from ..distributed.sharding import is_dtensor, local
 from ..tensor import Float8Tensor
 
 __all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of", "conv1d_names"]
@@ -81,8 +82,10 @@ def fp8_optimizer_of(optimizer) -> FP8Optimizer | MasterWeightOptimizer | None:
 def _master_values(optimizer) -> dict[int, torch.Tensor]:
     """``id(model parameter) -> its master value`` for the parameters ``optimizer`` keeps a master of."""
     inner = fp8_optimizer_of(optimizer)
+    if inner is not None:
+        inner.follow_sharding()  # FSDP2 sharded the model since the optimizer's last call: its shards' masters
     if isinstance(inner, MasterWeightOptimizer):  # O1: (master, FP8 weight) pairs
-        return {id(fp8_weight): master.detach() for master, fp8_weight in inner.pairs}
+        return {id(fp8_weight): local(master.detach()) for master, fp8_weight in inner.pairs}
     if isinstance(inner, FP8Optimizer):  # O2: state["master"] (FP8 weights; 16-bit parameters)
         return {id(p): inner.master_value(p) for group in inner.param_groups for p in group["params"]
                 if "master" in inner.state.get(p, {})}
@@ -92,7 +95,8 @@ def _master_values(optimizer) -> dict[int, torch.Tensor]:
 def _model_dtype(model: nn.Module) -> torch.dtype:
     """The most common dtype of ``model``'s high-precision floating parameters (FP8 weights report fp32
     whatever the model's dtype, so they are not counted); float32 if there are none."""
-    counts = Counter(p.dtype for p in model.parameters() if not isinstance(p, Float8Tensor) and p.is_floating_point())
+    counts = Counter(p.dtype for p in model.parameters()
+                     if not isinstance(local(p), Float8Tensor) and p.is_floating_point())
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
@@ -110,6 +114,10 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     ``(in_features, out_features)``, as ``Conv1D`` stores them. MoE experts (:class:`fp8.moe.Float8Experts`) are written
     fused (``gate_up_proj``, ``down_proj``), each expert's slice from its master. For ``model.save_pretrained(dir,
     state_dict=high_precision_state_dict(model, optimizer))``.
+
+    A model sharded by FSDP2 (docs/fsdp.md) gives the same whole tensors on every rank: each parameter's rows (its
+    master's, or its dequantized FP8 rows) are all-gathered, one collective per parameter in the model's order, so
+    call it on every rank (and write from one).
     """
     masters = _master_values(optimizer)
     transposed = {f"{name}.weight" for name in conv1d}
@@ -120,6 +128,8 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         if any(key.startswith(prefix) for prefix in scaling):
             continue
         master = masters.get(id(value))
+        sharded = value if is_dtensor(value) else None
+        value = local(value)
         is_fp8 = isinstance(value, Float8Tensor)
         target = dtype or (fp8_dtype if is_fp8 else value.dtype)
         if master is not None:
@@ -128,6 +138,8 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             value = value.dequantize(torch.float32)
         if not isinstance(value, Float8Tensor) and value.is_floating_point():
             value = value.detach().to(target)
+        if sharded is not None:
+            value = _whole(value.detach().contiguous(), sharded)
         if key in transposed and is_fp8:
             value = value.t()
         out[key] = value.detach().contiguous()
@@ -137,6 +149,17 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             for key, value in module.fused_weights(lambda p: masters.get(id(p)), dtype or fp8_dtype).items():
                 out[prefix + key] = value.contiguous()
     return out
+
+
+def _whole(rows: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``rows`` are this rank's rows, laid out as FSDP2's ``sharded`` parameter: one
+    all-gather over its mesh."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size((sharded.shape[0], *rows.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False, shape=shape,
+                              stride=stride).full_tensor()
 
 
 def conv1d_names(model: nn.Module) -> list[str]:

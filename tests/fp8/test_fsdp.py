@@ -170,6 +170,31 @@ def test_resume_sharded_checkpoint_in_one_process_bit_for_bit(launched):
     assert all(abs(a - b) / b <= RESUME_TOL for a, b in zip(losses, results[0]["checkpoint"]["after"]))
 
 
+def test_hf_export_of_a_sharded_run_equals_the_single_process_export(launched):
+    import fp8
+    from fp8.checkpoint import load_checkpoint
+    from fp8.integrations.transformers import high_precision_state_dict
+
+    world, results = launched
+    exported = results[0]["checkpoint"]["export"]  # high_precision_state_dict on the sharded model (rank 0)
+    for rank in range(1, world):  # every rank gathered the same whole tensors
+        sums = results[rank]["checkpoint"]["export"]
+        assert all(torch.equal(sums[k], v.sum()) for k, v in exported.items())
+    model = llama(SEED)
+    model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=2e-3), "O2")
+    load_checkpoint(results[0]["checkpoint"]["ckpt"], model, optimizer)
+    one = high_precision_state_dict(model, optimizer)
+    assert exported.keys() == one.keys() and len(one) > 10
+    for key, value in one.items():  # the masters, from the same checkpoint: bit for bit
+        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
+
+
+def test_activation_checkpointing_changes_nothing(launched):
+    world, results = launched
+    runs = results[0]["activation_checkpointing"]
+    assert len(runs[True]) == 5 and runs[True] == runs[False]  # the recomputed forwards give the same bits
+
+
 def test_three_ranks_hold_uneven_shards(launched):
     world, results = launched
     if world != 3:
