@@ -273,7 +273,7 @@ def initialize(
     Call it after moving the model to its device and dtype, before wrapping it for data
     parallelism. Returns ``(model, optimizer)``; ``optimizer`` may be None (inference, frozen).
 
-    FSDP2 (docs/fsdp.md): ``fully_shard`` the returned model (each block, then the root) at O1 or O2; the returned
+    FSDP2 (docs/fsdp.md): ``fully_shard`` the returned model (each block, then the root) at O1, O2 or O3; the returned
     optimizer takes over the sharded parameters at its next call, FP8 weights stay sharded in FP8 and are all-gathered
     in FP8, gradients are reduce-scattered as ``fsdp`` (a :class:`fp8.distributed.fsdp.FSDPConfig`; default FP8 on the
     wire). A model already sharded is refused (initialize first).
@@ -342,4 +342,4 @@ def initialize(
         weights = [FP8Weight(c.optimizer_param, c.module.weight, c.original_weight) for c in converted]
     return model, wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
                                  process_group=process_group,
-                                 **({} if opt_level == "O3" else {"comm_counter": fsdp.counter}))
+                                 **({"counter": fsdp.counter} if opt_level == "O3" else {"comm_counter": fsdp.counter}))

@@ -189,7 +189,7 @@ def activation_checkpointing_case(seed: int, world: int, rank: int) -> dict:
     import fp8
     from torch.distributed.fsdp import fully_shard
 
-    out = {}
+    out = {"forwards": {}}
     for checkpointing in (False, True):
         model = llama(seed)
         if checkpointing:
@@ -200,7 +200,33 @@ def activation_checkpointing_case(seed: int, world: int, rank: int) -> dict:
             fully_shard(block)
         fully_shard(model)
         model.train()
+        calls = []
+        handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: calls.append(1))
         out[checkpointing] = train(model, optimizer, 5, world, rank, True)
+        handle.remove()
+        out["forwards"][checkpointing] = len(calls)  # with checkpointing, the backward runs each forward again
+    return out
+
+
+def reduce_scatter_case(seed: int, world: int, rank: int) -> dict:
+    """fp8.distributed.fsdp.fp8_reduce_scatter on a buffer laid out as FSDP2's (three FP8 weights of very different
+    magnitudes and a high-precision parameter): this rank's output, and every rank's input (made here from seeds, so
+    the test recomputes the float64 reference)."""
+    from fp8.comm import Collectives
+    from fp8.distributed.fsdp import ReduceScatterLayout, fp8_reduce_scatter
+
+    lengths, scales = [48, 20, 16, 32], [1e-6, 1.0, 3.0, 1e3]
+    layout = ReduceScatterLayout(lengths, [True, True, False, True])
+    g = torch.Generator().manual_seed(seed + 100 * rank)
+    rows = [torch.cat([torch.randn(world, n, generator=g) * s for n, s in zip(lengths, scales)], dim=1)
+            for _ in range(1)][0]
+    comm = Collectives()
+    out = {}
+    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        result = torch.empty(sum(lengths))
+        fp8_reduce_scatter(result, rows.clone().reshape(-1), comm, op, layout)
+        out[name] = result
+    out["input"] = rows
     return out
 
 
@@ -248,13 +274,6 @@ def misuse(kind: str, seed: int, world: int) -> dict:
         fully_shard(model)
         fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
 
-    def o3():
-        model = mlp(seed)
-        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3")
-        fully_shard(model)
-        model(torch.randn(2, 32)).sum().backward()
-        optimizer.step()
-
     def mixed_block():
         model = mlp(seed).to(torch.bfloat16)
         model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
@@ -281,9 +300,28 @@ def misuse(kind: str, seed: int, world: int) -> dict:
             raise RuntimeError("non-finite loss under MixedPrecisionPolicy")
 
     attempt("sharded_first", sharded_first)
-    attempt("o3", o3)
     attempt("mixed_block", mixed_block)
     attempt("blockwise", blockwise)
+
+    def placement():  # a sharding the optimizers cannot follow: refused at every step, never trained silently
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Linear(48, 48))  # 48: 2, 3 and 4 divide it
+        model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+        fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+        messages = []
+        for _ in range(2):
+            try:
+                optimizer.step()
+            except NotImplementedError as error:
+                messages.append(str(error))
+        if len(messages) != 2:
+            raise RuntimeError(f"refused {len(messages)} time(s) of 2")
+        raise NotImplementedError(messages[1])
+
+    attempt("placement", placement)
     attempt("bf16_compute", bf16_compute)
     return errors
 
@@ -297,6 +335,7 @@ def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         for level in ("O1", "O2"):
             result[(kind, level, "single")] = run(kind, level, seed, world, rank, shard=False)
             result[(kind, level, "fsdp")] = run(kind, level, seed, world, rank, shard=True)
+    result[("llama", "O3", "fsdp")] = run("llama", "O3", seed, world, rank, shard=True)  # O3's owners hand over
     result[("mlp", "O2", "fsdp-high")] = run("mlp", "O2", seed, world, rank, shard=True, reduce_scatter="high")
     for level in ("O1", "O2"):  # 2 micro-batches per step, accumulated (FSDP2: set_requires_gradient_sync(False))
         result[("llama", level, "single-accum")] = run("llama", level, seed, world, rank, shard=False, micro=2)
@@ -304,6 +343,7 @@ def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
     result["misuse"] = misuse("mlp", seed, world)
     result["checkpoint"] = checkpoint_case(seed, world, rank, out_dir)
     result["activation_checkpointing"] = activation_checkpointing_case(seed, world, rank)
+    result["reduce_scatter"] = reduce_scatter_case(seed, world, rank)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -17,8 +17,9 @@ FSDP2 users write it. What happens then (docs/fsdp.md):
   and sums each rank's pieces in fp32; the unit's high-precision parameters (norms, biases, embeddings) take one
   reduce-scatter in the buffer's dtype. The sum never returns to FP8, so it cannot overflow: FP8-LM's automatic
   scaling factor mu (:mod:`fp8.distributed.auto_scale`), which guards the re-quantized sum of an all-reduce, has
-  nothing to guard here; the shared scale from the global amax is the scaling. A non-finite gradient on any rank
-  makes the reduced gradient NaN, so the optimizer skips the step on every rank. ``"high"`` keeps FSDP2's own
+  nothing to guard here; the shared scale from the global amax is the scaling. A non-finite FP8 weight gradient on any
+  rank makes all the unit's reduced FP8 weight gradients NaN; the optimizers' finiteness check, agreed over the shard
+  group, then skips the step on every rank (as for a non-finite high-precision gradient). ``"high"`` keeps FSDP2's own
   reduce-scatter in its ``reduce_dtype`` (``MixedPrecisionPolicy``; fp32 by default, bf16 for 2 bytes), counted.
 - **Counted**: every FSDP2 all-gather and reduce-scatter of the model goes through :class:`fp8.comm.Collectives`
   (``FSDPConfig(counter=...)``), so bytes on the wire are counted at the calls, and traced when the counter has a
@@ -41,7 +42,9 @@ from torch import nn
 
 from ..comm import Collectives, CommBytesCounter
 from ..formats import E4M3
+from ..embedding import Float8Embedding
 from ..linear import Float8Linear
+from ..moe import Float8Experts
 from ..tensor import Float8Tensor
 from ..scaling import power_of_two_scale, set_amax_reduction_group
 from .sharding import is_dtensor, local
@@ -129,38 +132,41 @@ class CountedAllGather:
 
 class ReduceScatterLayout:
     """One FSDP2 unit's reduce-scatter buffer as :func:`fp8_reduce_scatter` reads it: each parameter's elements per
-    rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``). Its index tensors are made once per
-    device (:meth:`plan`), so a reduce-scatter copies nothing from the host."""
+    rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``): each parameter is one run of columns
+    of the buffer's rows. The per-weight lengths tensor is made once per device (:meth:`fp8_lengths`), so a
+    reduce-scatter copies nothing from the host."""
 
     def __init__(self, lengths: list[int], fp8: list[bool]) -> None:
-        self.lengths = list(lengths)
+        self.lengths = [int(n) for n in lengths]
         self.fp8 = list(fp8)
-        self._plans: dict[tuple, tuple] = {}
+        starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        self.fp8_runs = [(st, n) for st, n, f in zip(starts, self.lengths, self.fp8) if f]
+        self.high_runs = [(st, n) for st, n, f in zip(starts, self.lengths, self.fp8) if not f]
+        self.width = sum(self.lengths)
+        self._lengths_on: dict[str, torch.Tensor] = {}
 
-    def plan(self, width: int, device: torch.device) -> tuple:
-        """``(fp8_columns, fp8_lengths, high_columns)`` for a buffer row of ``width`` elements: the columns of the FP8
-        weights' pieces (None: all of them) and their lengths (one scale each), the columns of the high-precision
-        parameters' pieces (None: none). A row not laid out as announced (a unit whose parameters did not all receive
-        gradients) is taken as one FP8 piece."""
-        key = (width, str(device))
-        plan = self._plans.get(key)
-        if plan is None:
-            if sum(self.lengths) != width:
-                plan = (None, torch.tensor([width], device=device), None)
-            elif all(self.fp8):
-                plan = (None, torch.tensor(self.lengths, device=device), None)
-            else:
-                starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
-                cols = lambda keep: [c for st, n, f in zip(starts, self.lengths, self.fp8) if f == keep  # noqa: E731
-                                     for c in range(st, st + n)]
-                fp8_lengths = [n for n, f in zip(self.lengths, self.fp8) if f]
-                plan = (torch.tensor(cols(True), dtype=torch.long, device=device) if fp8_lengths else None,
-                        torch.tensor(fp8_lengths, device=device) if fp8_lengths else None,
-                        torch.tensor(cols(False), dtype=torch.long, device=device))
-                if not fp8_lengths:
-                    plan = (torch.zeros(0, dtype=torch.long, device=device), None, plan[2])
-            self._plans[key] = plan
-        return plan
+    def fp8_lengths(self, device: torch.device) -> torch.Tensor:
+        """The FP8 weights' lengths as a device tensor (``segment_reduce``, ``repeat_interleave``), made once."""
+        t = self._lengths_on.get(str(device))
+        if t is None:
+            t = self._lengths_on[str(device)] = torch.tensor([n for _, n in self.fp8_runs], device=device)
+        return t
+
+
+def _runs(x: torch.Tensor, runs: list[tuple[int, int]], whole: bool) -> torch.Tensor:
+    """The columns of ``runs`` of the ``(N, width)`` buffer ``x``, side by side (``x`` itself when they are all)."""
+    if whole:
+        return x
+    return torch.cat([x.narrow(1, start, n) for start, n in runs], dim=1)
+
+
+def _write_runs(out: torch.Tensor, runs: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """``out[run] = values[piece]`` for each run, in one multi-tensor copy."""
+    if len(runs) == 1 and runs[0][1] == out.numel():
+        out.copy_(values)
+        return
+    torch._foreach_copy_([out.narrow(0, start, n) for start, n in runs],
+                         list(values.split([n for _, n in runs])))
 
 
 class FP8ReduceScatter:
@@ -205,26 +211,32 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
     1. each FP8 weight's amax over its pieces (finite values) and a non-finite flag, agreed by one MAX all-reduce;
     2. ``payload = e4m3(clamp(x * s_p))``, ``s_p = power_of_two_scale(amax_p, 448)``, the same on every rank;
     3. one all-to-all of the bytes (row ``j`` to rank ``j``): ``(N-1)/N`` bytes per element;
-    4. the ``N`` received rows summed in fp32 and divided by ``s_p`` (times ``N`` to average); all NaN where any rank
-       held a non-finite value (so the optimizer skips the step on every rank).
+    4. the ``N`` received rows summed in fp32 and divided by ``s_p`` (times ``N`` to average); all the FP8 weights'
+       values NaN where any rank held a non-finite one (the optimizers' agreed finiteness check then skips the step on
+       every rank, as it does for a non-finite high-precision gradient).
 
     The high-precision parameters' pieces (norms, biases, embeddings: few elements, and values an E4M3 scale per
-    tensor could flush, such as rarely used embedding rows) take one reduce-scatter in the buffer's dtype.
+    tensor could flush, such as rarely used embedding rows) take one reduce-scatter in the buffer's dtype; so does
+    the whole buffer when it is not laid out as ``layout`` (a parameter without a gradient this step) or holds no FP8
+    weight.
     """
     average = _averages(op)
     world = comm.world_size
     x = input.view(world, -1)
     width = x.shape[1]
-    fp8_cols, fp8_lengths, high_cols = layout.plan(width, x.device)
     out = output.view(-1)
-    if high_cols is not None:
-        high = x.index_select(1, high_cols)
+    if width != layout.width or not layout.fp8_runs:
+        # a layout this unit did not announce (a parameter without a gradient this step) or no FP8 weight: FSDP2's
+        # own reduce-scatter in the buffer's dtype (never E4M3 under a scale another tensor set)
+        comm.reduce_scatter(output, input, "fsdp reduce-scatter", op=op).wait()
+        return
+    if layout.high_runs:
+        high = _runs(x, layout.high_runs, False)
         reduced = torch.empty(high.shape[1], dtype=high.dtype, device=high.device)
         comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
-        out.index_copy_(0, high_cols, reduced)
-    if fp8_lengths is None:
-        return
-    xf = x if fp8_cols is None else x.index_select(1, fp8_cols)
+        _write_runs(out, layout.high_runs, reduced)
+    xf = _runs(x, layout.fp8_runs, not layout.high_runs)
+    fp8_lengths = layout.fp8_lengths(x.device)
     columns = xf.shape[1]
     column_amax = xf.abs().to(torch.float32).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
     nonfinite = torch.isfinite(xf).all().logical_not().to(torch.float32).reshape(1)
@@ -237,11 +249,8 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
     divisor = column_scale * world if average else column_scale
     result = received.to(torch.float32).sum(dim=0) / divisor
-    result = torch.where(agreed[-1] > 0, float("nan"), result)
-    if fp8_cols is None:
-        out.copy_(result)
-    else:
-        out.index_copy_(0, fp8_cols, result.to(out.dtype))
+    result = torch.where(agreed[-1] > 0, float("nan"), result).to(out.dtype)
+    _write_runs(out, layout.fp8_runs, result)
 
 
 def _unit_params(module: nn.Module) -> list:
@@ -260,6 +269,12 @@ def check_unit(fqn: str, module: nn.Module) -> None:
     for fsdp_param in _unit_params(module):
         shard = local(fsdp_param.sharded_param)
         pname = fsdp_param._param_fqn or "?"
+        owner = fsdp_param._module_info.module
+        if isinstance(owner, (Float8Experts, Float8Embedding)):
+            raise NotImplementedError(
+                f"FSDP2 unit {name!r}: {type(owner).__name__} weight {pname!r}: fp8's optimizers do not follow FP8 MoE "
+                f"experts or FP8 embedding tables sharded by FSDP2 yet; keep them out of FP8 before fully_shard "
+                f"(fp8.initialize(..., module_filter_fn=...) for experts, fp8_embeddings=False)")
         if isinstance(shard, Float8Tensor) and shard.block is not None:
             raise NotImplementedError(
                 f"FSDP2 unit {name!r}: FP8 weight {pname!r} has block scales ({shard.block}); FSDP2 shards tensor-wise "

@@ -95,6 +95,13 @@ class ParamSlots:
                     self.slots[i] = (module, name, fqn, new)
         return found
 
+    def take_sharded(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """:meth:`moved`, each entry checked by :meth:`sharded` before any is recorded: a refused sharding is refused
+        again at the next call, never taken as followed."""
+        found = self.sharded(self.moved(record=False))
+        self.moved()
+        return found
+
     @staticmethod
     def sharded(moved: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """The entries of ``moved``, each checked to be FSDP2's shard of the old parameter (its global shape, a

@@ -270,7 +270,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             raise NotImplementedError(
                 "precision.state_scaling='delayed' is not supported under FSDP2 (its per-parameter path would scale "
                 "each rank's rows alone); use the default current state scaling with fully_shard")
-        moved = ParamSlots.sharded(self._slots.moved())
+        moved = self._slots.take_sharded()
         swap = {id(old): (old, new) for _, old, new in moved}
         for group in self.param_groups:
             group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]

@@ -114,7 +114,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         like the weight's shard), the wrapped optimizer's other parameters swapped for their shards; the steps then
         agree the finiteness flag and the FP8 weights' amaxes over the shard group. Called by :meth:`step`,
         :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when nothing moved."""
-        moved = ParamSlots.sharded(self._slots.moved())
+        moved = self._slots.take_sharded()
         if not moved:
             return
         new_of = {id(old): new for _, old, new in moved}

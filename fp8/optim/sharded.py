@@ -176,7 +176,10 @@ class ShardedFP8Optimizer(FP8Optimizer):
         return id(p) in self._expert_ids
 
     def owns(self, p: torch.Tensor) -> bool:
-        """Whether this rank owns ``p`` (holds its optimizer state and receives its gradient)."""
+        """Whether this rank owns ``p`` (holds its optimizer state and receives its gradient); under FSDP2 every rank
+        holds its rows of every parameter."""
+        if self._fsdp:
+            return True
         comm = self._expert_comm if id(p) in self._expert_ids else self._comm
         return self._owner.get(id(p), -1) == comm.rank
 
@@ -221,27 +224,58 @@ class ShardedFP8Optimizer(FP8Optimizer):
         self._comm.all_reduce(flag, op=dist.ReduceOp.MIN, tag="finite").wait()
         return flag.reshape(()) > 0
 
+    # -- under FSDP2 ------------------------------------------------------------------------------
+    _fsdp = False
+    """Whether FSDP2 sharded the model (:meth:`follow_sharding`): the states are then cut by rows as FSDP2 cuts the
+    parameters, every rank holds its rows of every parameter, and the step is O2's on those rows."""
+
+    @torch.no_grad()
     def follow_sharding(self) -> None:
-        """O3 owns whole tensors per data-parallel rank: parameters sharded by FSDP2 (by rows) are refused, naming
-        O2, which FSDP2 shards instead (its FP8 weights, FP16 masters and moments cut to each rank's rows)."""
-        moved = self._slots.moved(record=False)  # refused at every call, not only the first
-        if moved:
-            raise RuntimeError(
-                f"opt_level 'O3' shards the optimizer by whole tensors and needs fp8.distributed.DistributedDataParallel; "
-                f"FSDP2 sharded {len(moved)} of this model's parameters (e.g. {moved[0][0]!r}) after fp8.initialize: "
-                f"use opt_level='O2' with fully_shard (FSDP2 then shards O2's FP8 weights, FP16 masters and moments "
-                f"by rows, O3's memory; docs/fsdp.md)")
+        """FSDP2 sharded the model since the last call (``fully_shard`` after ``fp8.initialize(..., "O3")``): each
+        parameter's owner hands its states (FP16 master, moments, scales, step) to every rank (one broadcast per state
+        tensor, in parameter order, tag ``"o3 fsdp handover"``), then every rank keeps the rows FSDP2 gave it (as O2
+        does under FSDP2) and the optimizer steps as O2 on its rows from then on: FSDP2 reduce-scatters the gradients
+        and all-gathers the weights, so the owners' reduction and gather are not used any more."""
+        if self._fsdp:
+            FP8Optimizer.follow_sharding(self)
+            return
+        moved = self._slots.moved(record=False)
+        if not moved:
+            return
+        if self._experts:
+            raise NotImplementedError(
+                "opt_level 'O3' with expert_params under FSDP2: fp8's FSDP2 support does not follow expert parameters "
+                "yet; shard without expert parallelism")
+        sharded_world = moved[0][2].device_mesh.size()
+        if sharded_world != self.world_size:
+            raise ValueError(
+                f"FSDP2 shards over {sharded_world} ranks, the O3 optimizer over {self.world_size} (its process_group); "
+                f"give fp8.initialize the process group FSDP2 shards over")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._owner:
+                    continue
+                if not self.owns(p):  # the layout of the owner's states, to receive them into
+                    FP8Optimizer._init_state(self, p, group)
+                state = self.state[p]
+                for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)):
+                    self._comm.broadcast(state[key], "o3 fsdp handover", src=self.owner(p)).wait()
+        self._fsdp = True
+        self._comm_counter = self._comm.counter
+        FP8Optimizer.follow_sharding(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """Update the owned parameters (skipped on every rank if any rank's gradients are not finite,
         decided on device from the ranks' agreed flag: no host sync), then all-gather every parameter
         from its owner (FP8 weights: payload + scale; unchanged values after a skipped step)."""
+        self.follow_sharding()
+        if self._fsdp:
+            return FP8Optimizer.step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.follow_sharding()
         self._check_grads_reduced()
         self._step_masked(self._agreed_finite())
         self.gather_params()
@@ -253,7 +287,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
         """Copy every parameter from its owner to all ranks: FP8 weights as ``uint8`` payload plus fp32
         scale (tags ``"fp8 weights"``, ``"fp8 weight scales"``), others in their own dtype (``"weights"``). Nothing
         with ``gather_weights=False`` (the caller gathers what it needs from the same owners)."""
-        if not self.gather_weights:
+        if not self.gather_weights or self._fsdp:  # under FSDP2, FSDP2 gathers the weights
             return
         finishers = []
         for params, comm, prefix in (([p for p in self._sharded_params if id(p) not in self._expert_ids], self._comm,
@@ -284,6 +318,9 @@ class ShardedFP8Optimizer(FP8Optimizer):
         most ``max_norm``; returns the global norm before clipping, identical on every rank."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"O3 clips with norm_type 2 or inf, got {norm_type}")
+        if self._fsdp:  # FSDP2's gradients are DTensors of each rank's rows: torch's clipping takes the global norm
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         grads = [p.grad for p in self.owned_params if p.grad is not None]
         # Partial norms live on the parameters' device (the process group's: CUDA for NCCL), also on a rank
         # that owns no gradient this step; the all-reduce then needs no host copy. A fixed number of ops (grad_norms).

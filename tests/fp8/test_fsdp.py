@@ -87,7 +87,7 @@ def test_fp8_reduce_scatter_sends_a_quarter_of_fsdp2s_fp32_bytes(launched):
 
 
 @pytest.mark.parametrize("case", [("mlp", "O1", "fsdp"), ("mlp", "O2", "fsdp-high"), ("llama", "O2", "fsdp"),
-                                  ("llama", "O2", "fsdp-accum")])
+                                  ("llama", "O2", "fsdp-accum"), ("llama", "O3", "fsdp")])
 def test_every_collective_follows_nccls_rules(launched, case):
     from fp8.comm_trace import check_traces
 
@@ -110,10 +110,19 @@ def test_misuse_is_refused_with_the_fix_named(launched):
     world, results = launched
     errors = results[0]["misuse"]
     assert "fp8.initialize" in errors["sharded_first"] and "then" in errors["sharded_first"]
-    assert "opt_level='O2'" in errors["o3"]
     assert "recipe='tensorwise'" in errors["blockwise"]
+    assert "1-D mesh" in errors["placement"]  # raised at the second step too (the worker checks both)
     assert "uniform original parameter dtype" in errors["mixed_block"]  # FSDP2's own check, at fully_shard
     assert errors["bf16_compute"] is None  # fp32 parameters with bf16 compute (MixedPrecisionPolicy) train
+
+
+def test_o3_under_fsdp2_hands_its_owners_states_over_and_trains_as_o2(launched):
+    world, results = launched
+    o3 = results[0][("llama", "O3", "fsdp")]["losses"]
+    assert o3 == results[0][("llama", "O2", "fsdp")]["losses"]  # bit for bit: the same states, cut the same way
+    ref = results[0][("llama", "O2", "single")]["losses"]  # O3 in one process is O2 (tests/fp8/test_recipes_distributed)
+    assert abs(o3[-1] - ref[-1]) / ref[-1] <= LLAMA_TOL
+    assert results[0][("llama", "O3", "fsdp")]["step_bytes"][-1]["fsdp optimizer amax"] > 0
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -193,6 +202,29 @@ def test_activation_checkpointing_changes_nothing(launched):
     world, results = launched
     runs = results[0]["activation_checkpointing"]
     assert len(runs[True]) == 5 and runs[True] == runs[False]  # the recomputed forwards give the same bits
+    assert runs["forwards"][True] == 2 * runs["forwards"][False] > 0  # and checkpointing did recompute them
+
+
+def test_fp8_reduce_scatter_across_ranks_against_float64(launched):
+    world, results = launched
+    lengths, fp8 = [48, 20, 16, 32], [True, True, False, True]
+    inputs = [results[r]["reduce_scatter"]["input"].double() for r in range(world)]  # (world, width) per rank
+    for rank in range(world):
+        want_sum = sum(x[rank] for x in inputs)
+        magnitude = sum(x[rank].abs() for x in inputs)
+        for name, divisor in (("sum", 1), ("avg", world)):
+            got = results[rank]["reduce_scatter"][name].double()
+            start = 0
+            for n, is_fp8 in zip(lengths, fp8):
+                piece = slice(start, start + n)
+                err = (got[piece] - want_sum[piece] / divisor).abs()
+                if is_fp8:  # each rank's value rounded once to E4M3 under the weight's shared scale
+                    amax = max(x[:, piece].abs().max() for x in inputs)
+                    bound = (magnitude[piece] * 2.0**-4 + world * amax * 2.0**-17) / divisor
+                else:  # fp32 sums of the high-precision parameter
+                    bound = magnitude[piece] * 1e-6 / divisor
+                assert (err <= bound).all(), (rank, name, start)
+                start += n
 
 
 def test_three_ranks_hold_uneven_shards(launched):
@@ -244,6 +276,9 @@ def test_fp8_reduce_scatter_scales_each_fp8_weight_and_keeps_high_precision_exac
             err = (got.double() - want).abs()
             bound = torch.maximum(want.abs() * 2.0**-4, want.abs().max() * 2.0**-9 * 2.0**-6)
             assert (err <= bound).all(), i
+    mismatch = ReduceScatterLayout([100], [True])  # not this buffer's layout: FSDP2's own reduce-scatter, exact
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.SUM, mismatch)
+    assert torch.equal(out, x)
     x[5] = float("inf")
     fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.AVG, layout)
     assert torch.isnan(out[:136]).all() and torch.isnan(out[168:]).all()  # the step is skipped on every rank
