@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .comm import Collectives, CommBytesCounter
-from .distributed.sharding import is_dtensor, local
+from .distributed.sharding import is_dtensor, local, rows_as_dtensor
 from .formats import byte_view
 from .optim.base import FP8Optimizer
 from .optim.levels import OptLevelMismatchError, level_name
@@ -86,12 +86,7 @@ def _rows_of(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(param) or t.dim() == 0 or tuple(t.shape[1:]) != tuple(param.shape[1:]) \
             or t.shape[0] != local(param).shape[0]:
         return t
-    from torch.distributed.tensor import DTensor
-
-    shape = (param.shape[0], *t.shape[1:])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+    return rows_as_dtensor(t, param)
 
 
 def _reshard(module: nn.Module) -> None:

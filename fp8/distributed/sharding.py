@@ -18,7 +18,8 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["is_dtensor", "local", "ParamSlots", "local_rows", "shard_like", "shard_state", "check_fsdp_placement"]
+__all__ = ["is_dtensor", "local", "ParamSlots", "local_rows", "rows_as_dtensor", "shard_like", "shard_state",
+           "swap_params", "check_fsdp_placement"]
 
 
 def is_dtensor(t) -> bool:
@@ -54,6 +55,17 @@ def local_rows(full_rows: int, sharded: torch.Tensor) -> slice:
         raise RuntimeError(f"a shard of {length} rows at row {start} does not match FSDP2's split of {full_rows} rows "
                            f"over {world} ranks")
     return slice(start, start + length)
+
+
+def rows_as_dtensor(rows: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """``rows`` (this rank's rows of a tensor with ``sharded``'s number of rows) as a DTensor of ``sharded``'s mesh and
+    placement in its global shape, sharing ``rows``' storage (no copy, no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size((sharded.shape[0], *rows.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False, shape=shape,
+                              stride=stride)
 
 
 def shard_like(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
@@ -116,6 +128,19 @@ class ParamSlots:
             check_fsdp_placement(new, fqn)
             out.append((fqn, old, new))
         return out
+
+
+def swap_params(param_groups: list[dict], state: dict, swap: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                as_dtensor: bool) -> None:
+    """An optimizer's ``param_groups`` and ``state`` moved to FSDP2's shards: ``swap`` maps ``id(old)`` to ``(old, new,
+    ref)``; ``old`` becomes ``new`` in the groups and its state, cut to the rows of ``ref`` (``shard_state``), is
+    ``new``'s."""
+    for group in param_groups:
+        group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]
+    for old, new, ref in swap.values():
+        moved = state.pop(old, None)
+        if moved:
+            state[new] = shard_state(moved, old, ref, as_dtensor)
 
 
 def shard_state(state: dict, old: torch.Tensor, new: torch.Tensor, as_dtensor: bool) -> dict:

@@ -58,7 +58,7 @@ from ..precision_rules import parse_precision_rules
 from ..recipes import RECIPES, get_recipe
 from ..stats import FP8Statistics
 from ..scaling import ScalingState
-from ..distributed.sharding import is_dtensor, local
+from ..distributed.sharding import is_dtensor, local, rows_as_dtensor
 from ..tensor import Float8Tensor
 
 __all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of", "conv1d_names"]
@@ -139,7 +139,7 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         if not isinstance(value, Float8Tensor) and value.is_floating_point():
             value = value.detach().to(target)
         if sharded is not None:
-            value = _whole(value.detach().contiguous(), sharded)
+            value = rows_as_dtensor(value.detach().contiguous(), sharded).full_tensor()  # one all-gather
         if key in transposed and is_fp8:
             value = value.t()
         out[key] = value.detach().contiguous()
@@ -149,17 +149,6 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             for key, value in module.fused_weights(lambda p: masters.get(id(p)), dtype or fp8_dtype).items():
                 out[prefix + key] = value.contiguous()
     return out
-
-
-def _whole(rows: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of which ``rows`` are this rank's rows, laid out as FSDP2's ``sharded`` parameter: one
-    all-gather over its mesh."""
-    from torch.distributed.tensor import DTensor
-
-    shape = torch.Size((sharded.shape[0], *rows.shape[1:]))
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False, shape=shape,
-                              stride=stride).full_tensor()
 
 
 def conv1d_names(model: nn.Module) -> list[str]:

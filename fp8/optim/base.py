@@ -26,7 +26,7 @@ from ..kernels.backend import KERNEL_BACKENDS, interpreter_enabled, resolve_back
 from ..blocks import quantize_to_blocks
 from ..cast import payload_and_scale, quantize
 from ..comm import Collectives, CommBytesCounter
-from ..distributed.sharding import ParamSlots, local, shard_state
+from ..distributed.sharding import ParamSlots, local, swap_params
 from ..scaling import amax_of, discard_step_amaxes, update_scales
 from ..recipes import refresh_weight_operands
 from ..tensor import Float8Tensor
@@ -271,13 +271,8 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
                 "precision.state_scaling='delayed' is not supported under FSDP2 (its per-parameter path would scale "
                 "each rank's rows alone); use the default current state scaling with fully_shard")
         moved = self._slots.take_sharded()
-        swap = {id(old): (old, new) for _, old, new in moved}
-        for group in self.param_groups:
-            group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]
-        for old, new in swap.values():
-            state = self.state.pop(old, None)
-            if state:
-                self.state[new] = shard_state(state, old, new, as_dtensor=False)
+        swap_params(self.param_groups, self.state, {id(old): (old, new, new) for _, old, new in moved},
+                    as_dtensor=False)
         self.__dict__.pop("_step_workspace", None)
         self.__dict__.pop("_fused_adam_tables", None)
         self._shard_comm = Collectives(moved[0][2].device_mesh.get_group(), self._comm_counter)

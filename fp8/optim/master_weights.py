@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cast import payload_and_scale
 from ..comm import Collectives, CommBytesCounter
-from ..distributed.sharding import ParamSlots, local, shard_like, shard_state
+from ..distributed.sharding import ParamSlots, local, shard_like, swap_params
 from ..recipes import refresh_weight_operands
 from ..scaling import discard_step_amaxes, update_scales
 from ..tensor import Float8Tensor
@@ -131,12 +131,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         for _, old, new in moved:
             if id(old) not in swap and not isinstance(local(new), Float8Tensor):
                 swap[id(old)] = (old, new, new)
-        for group in self.optimizer.param_groups:
-            group["params"] = [swap[id(p)][1] if id(p) in swap else p for p in group["params"]]
-        for old, new, ref in swap.values():
-            state = self.optimizer.state.pop(old, None)
-            if state:
-                self.optimizer.state[new] = shard_state(state, old, ref, as_dtensor=True)
+        swap_params(self.optimizer.param_groups, self.optimizer.state, swap, as_dtensor=True)
         self.pairs = pairs
         mesh = moved[0][2].device_mesh
         self._shard_comm = Collectives(mesh.get_group(), self._comm_counter)
