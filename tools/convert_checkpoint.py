@@ -7,10 +7,18 @@ megatron-core ``GPTModel`` names, shards merged, read with
     python tools/convert_checkpoint.py CHECKPOINT_DIR OUT.safetensors [--dtype bf16|fp32] [--source master|fp8]
         [--iteration N]
     python tools/convert_checkpoint.py --format hf SAVE_DIR OUTDIR [--dtype bfloat16|float32] [...]
+    python tools/convert_checkpoint.py --quantization fp8 SAVE_DIR OUTDIR [--fp8-format compressed-tensors|fp8-block]
 
 ``--format hf`` (``pretrain_gpt.py`` checkpoints): a transformers directory (``config.json``,
 ``model.safetensors``, the tokenizer when the run had one): ``LlamaForCausalLM`` or ``GPT2LMHeadModel``,
 mapped by ``megatron.training.checkpointing.hf_export`` (its docstring lists the mapping).
+
+``--quantization fp8`` (``pretrain_gpt.py`` checkpoints of Llama-style runs; implies ``--format hf``): the same
+directory with the FP8 weights as trained, not dequantized, in a serving format vLLM, SGLang and transformers load
+(``--fp8-format``: ``compressed-tensors``, the default, or ``fp8-block``, DeepSeek-V3's 128x128 blocks; docs/serving.md):
+E4M3 payloads bit for bit, their scales as dequantization multipliers, embeddings, norms and high-precision layers in
+``--dtype``. What a format cannot hold exactly (for example row-parallel shards with different tensor-wise scales in one
+per-channel scale) is re-quantized from the exact values and reported with its error.
 
 Keys are the model's own parameter and buffer names (``fp8.initialize`` keeps them), so the file loads
 into the unconverted model with ``load_state_dict(safetensors.torch.load_file(...))``. Values:
@@ -134,13 +142,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("output", help="the .safetensors file to write (--format hf: the directory to write)")
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="hf: a transformers model directory (pretrain_gpt.py checkpoints)")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default=None,
+                        help="hf: a transformers model directory (pretrain_gpt.py checkpoints); default safetensors, "
+                             "hf with --quantization fp8")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: the FP8 weights as trained, in a serving format (--fp8-format), not dequantized")
+    parser.add_argument("--fp8-format", choices=("compressed-tensors", "fp8-block"), default="compressed-tensors",
+                        help="the serving format of --quantization fp8 (docs/serving.md)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--source", choices=("master", "fp8"), default="master")
     parser.add_argument("--iteration", type=int, default=None,
                         help="pretrain_gpt.py --save directories: this iteration instead of the latest")
     args = parser.parse_args(argv)
+    if args.quantization == "fp8":
+        if args.format == "safetensors":
+            parser.error("--quantization fp8 writes a transformers directory: drop --format safetensors (or pass "
+                         "--format hf)")
+        if args.source != "master":
+            parser.error("--quantization fp8 writes the FP8 weights the model computed with (their payloads): drop "
+                         "--source")
+        args.format = "hf"
+    elif args.fp8_format != "compressed-tensors":
+        parser.error("--fp8-format applies to --quantization fp8: add --quantization fp8")
+    args.format = args.format or "safetensors"
     if args.format == "hf":
         return _main_hf(parser, args)
     try:
@@ -193,11 +217,28 @@ def _main_hf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                              "latest_checkpointed_iteration.txt, no megatron meta): pass a --save directory or one "
                              "of its iter_XXXXXXX directories")
         args.iteration = check_step(args.checkpoint, args.iteration, "--iteration")  # as pretrain_gpt.py --load
-        summary = export_hf(args.checkpoint, args.output, DTYPES[args.dtype], args.iteration, args.source)
+        if args.quantization == "fp8":
+            from megatron.training.checkpointing.hf_export import export_hf_fp8
+
+            report, summary = export_hf_fp8(args.checkpoint, args.output, args.fp8_format, DTYPES[args.dtype],
+                                            args.iteration)
+        else:
+            summary = export_hf(args.checkpoint, args.output, DTYPES[args.dtype], args.iteration, args.source)
     except (ValueError, OSError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     tokenizer = (f"tokenizer {summary['tokenizer']}" if summary["tokenizer"] else
                  "no tokenizer (the run had none: --mock-data/--vocab-size)")
+    if args.quantization == "fp8":
+        requantized = summary["requantized"]
+        exactness = ("every FP8 payload as trained" if not requantized else
+                     f"{len(requantized)} weight(s) re-quantized (largest error "
+                     f"{max(e for e, _ in requantized.values()):.3g} of the weight's amax): "
+                     + ", ".join(sorted(requantized)[:4]))
+        print(f"wrote {args.output}: {summary['architecture']}, {args.fp8_format} ({summary['strategy']} scales), "
+              f"{len(report.fp8_weights)} FP8 linears, {report.bytes_on_disk:,} bytes on disk for "
+              f"{summary['elements']:,} parameters ({report.bytes_per_parameter:.3f} B/param), others {args.dtype}; "
+              f"{exactness}; vocabulary {summary['vocab']}; {tokenizer}")
+        return
     print(f"wrote {args.output}: {summary['architecture']}, {summary['tensors']} tensors, "
           f"{summary['elements']:,} elements, {args.dtype}, vocabulary {summary['vocab']}; {tokenizer}")
 

@@ -329,6 +329,25 @@ class FP8TrainerMixin:
         super()._save(output_dir, state_dict=state_dict)
 
 
+    # -- serving: the FP8 weights as trained ----------------------------------------------------
+    def export_fp8(self, output_dir: str, format: str = "compressed-tensors", **kwargs):
+        """Write the trained model to ``output_dir`` in a serving format with its FP8 weights as trained
+        (:func:`fp8.export.export_fp8`: ``"compressed-tensors"`` or ``"fp8-block"``; vLLM, SGLang and transformers load
+        it), with the model's config and the trainer's tokenizer (``processing_class``). Returns the
+        :class:`fp8.export.ExportReport`. Call it after ``train()`` (the model is FP8 from then on)."""
+        from ..export import export_fp8
+
+        if not self.fp8_enabled:
+            raise ValueError("export_fp8 writes FP8 weights: this trainer runs fp8_opt_level='none' (high precision); "
+                             "use save_model, or train with fp8_opt_level='O1' or 'O2'")
+        if self._fp8_optimizer is None:
+            raise ValueError("export_fp8: the model is not FP8 yet (fp8.initialize runs when train() creates the "
+                             "optimizer): call trainer.train() first")
+        kwargs.setdefault("tokenizer", self.processing_class)
+        return export_fp8(self.accelerator.unwrap_model(self.model), output_dir, format, conv1d=self._fp8_conv1d,
+                          **kwargs)
+
+
 class FP8Trainer(FP8TrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` training in FP8: ``FP8Trainer(..., fp8_opt_level="O2")``; the FP8 keywords are
     :class:`FP8TrainerMixin`'s, everything else is ``Trainer``'s."""

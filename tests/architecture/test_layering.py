@@ -47,7 +47,7 @@ LAYERS = (
     ("fp8.distributed",),
     ("fp8.parallel",),
     ("fp8.optim",),
-    ("fp8.checkpoint",),
+    ("fp8.checkpoint", "fp8.export"),  # export: trained FP8 weights in serving formats, and their import
     ("fp8.initialize",),
     ("fp8.integrations",),  # other libraries' trainers (transformers.Trainer) on fp8.initialize; never imported by fp8
     ("fp8",),  # the package's __init__: the public API, above everything

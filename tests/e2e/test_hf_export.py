@@ -48,6 +48,9 @@ CASES = {  # name: (flags, processes)
     # data-parallel ranks (the optimizer state sharded); exported from the masters (--source master, the default)
     "gpt2_pp2_O1": (["--vocab-size", "256", "--fp8-opt-level", "O1", "--pipeline-model-parallel-size", "2"], 2),
     "llama_dp2_O3": (LLAMA + ["--vocab-size", "256", "--fp8-opt-level", "O3"], 2),
+    # FP8 weights merged from two tensor-parallel shards (column- and row-parallel), untied FP8-free output layer
+    "llama_tp2_O2": (LLAMA + ["--vocab-size", "250", "--fp8-opt-level", "O2", "--tensor-model-parallel-size", "2",
+                              "--untie-embeddings-and-output-weights"], 2),
 }
 
 
@@ -110,6 +113,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name,architecture", [("llama_none", "LlamaForCausalLM"), ("gpt2_none", "GPT2LMHeadModel"),
+                                               ("llama_tp2_O2", "LlamaForCausalLM"),
                                                ("llama_tp2", "LlamaForCausalLM"), ("llama_O2", "LlamaForCausalLM"),
                                                ("gpt2_O2", "GPT2LMHeadModel"), ("gpt2_pp2_O1", "GPT2LMHeadModel"),
                                                ("llama_dp2_O3", "LlamaForCausalLM")])
@@ -117,9 +121,9 @@ def test_exported_model_reproduces_megatron_logits(exported, name, architecture)
     stdout, outdir, reference = exported[name]
     config = json.loads((outdir / "config.json").read_text())
     assert config["architectures"] == [architecture]
-    vocab = 250 if name == "llama_tp2" else 256
+    vocab = 250 if name.startswith("llama_tp2") else 256
     assert config["vocab_size"] == vocab and reference.shape[-1] >= vocab
-    assert config["tie_word_embeddings"] is (name != "llama_tp2")
+    assert config["tie_word_embeddings"] is not name.startswith("llama_tp2")
     logits = _hf_logits(outdir)
     assert logits.shape == (len(TOKENS), len(TOKENS[0]), vocab)
     reference = reference[..., :vocab]
@@ -200,3 +204,68 @@ def test_sentencepiece_run_exports_a_fast_tokenizer_with_the_training_ids(tmp_pa
         ids = tokenizer.encode(line)
         assert ids == sp.encode(line), line
         assert tokenizer.decode(ids) == line
+
+
+# -- --quantization fp8: the FP8 weights as trained, in a serving format (docs/serving.md) ----------------------------
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8-block"])
+@pytest.mark.parametrize("name", ["llama_O2", "llama_tp2_O2", "llama_dp2_O3"])
+def test_fp8_export_holds_the_trained_payloads_and_serves_the_logits(exported, tmp_path, name, fmt):
+    """The exported E4M3 weights times their multipliers are the values the megatron model computed with (the
+    ``--source fp8`` high-precision export's, bit for bit, so nothing was re-quantized); transformers loads the
+    directory (compressed-tensors: its per-token activation quantization) and reproduces the megatron logits within
+    the O2 bound; the payload bytes of one weight equal the checkpoint's own."""
+    pytest.importorskip("compressed_tensors", reason="pip install -e '.[test]' (compressed-tensors)")
+    from safetensors.torch import load_file
+
+    from fp8.blocks import expand_scales
+    from megatron.training.checkpointing.checkpoint import read_checkpoint_fp8
+
+    save = exported["root"] / name
+    outdir = tmp_path / "fp8"
+    proc = _check(_convert("--quantization", "fp8", "--fp8-format", fmt, str(save), str(outdir)))
+    assert "every FP8 payload as trained" in proc.stdout, proc.stdout
+    tensors = load_file(str(outdir / "model.safetensors"))
+    values = load_file(str(exported[name][1] / "model.safetensors"))  # the --source fp8 / master export, float32
+    if "O2" not in name:  # the fixture exported the masters: compare with a --source fp8 export of the checkpoint
+        _check(_convert("--format", "hf", "--source", "fp8", "--dtype", "float32", str(save), str(tmp_path / "hp")))
+        values = load_file(str(tmp_path / "hp" / "model.safetensors"))
+    suffix = "_scale_inv" if fmt == "fp8-block" else "_scale"
+    fp8_keys = [k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8_keys) == 2 * 7  # q, k, v, o, gate, up, down of each layer
+    for key in fp8_keys:
+        payload, inv = tensors[key].float(), tensors[key + suffix]
+        grid = inv.reshape(()) if inv.numel() == 1 else (inv if inv.shape[1] == 1 and fmt != "fp8-block" else
+                                                         expand_scales(inv, (128, 128), tuple(payload.shape)))
+        assert torch.equal(payload * grid, values[key]), key
+    for key, t in tensors.items():  # the rest in bf16 (the default --dtype), equal to the values rounded
+        if t.dtype != torch.float8_e4m3fn and not key.endswith(suffix):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, values[key].to(torch.bfloat16)), key
+    args, state, _ = read_checkpoint_fp8(save)  # o_proj is linear_proj unsplit: the checkpoint's bytes themselves
+    assert torch.equal(tensors["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8),
+                       state["decoder.layers.1.self_attention.linear_proj.weight"].view(torch.uint8))
+    config = json.loads((outdir / "config.json").read_text())
+    qc = config["quantization_config"]
+    if fmt == "fp8-block":
+        assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    else:
+        assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
+    expected_ignored = ["lm_head"]  # tied (O2, O3) or the untied output layer kept in high precision (TP2)
+    assert qc["ignore" if fmt == "compressed-tensors" else "modules_to_not_convert"] == expected_ignored
+    logits = _hf_logits(outdir)
+    vocab = config["vocab_size"]
+    rel = _rel(logits, exported[name][2][..., :vocab])
+    MEASURED[f"{name}_fp8_{fmt}"] = rel
+    print(f"{name} --quantization fp8 {fmt}: relative Frobenius error of the logits {rel:.3g}")
+    assert rel < FP8_BOUND, rel
+
+
+def test_fp8_export_is_refused_for_gpt2_and_high_precision_runs(exported, tmp_path):
+    proc = _convert("--quantization", "fp8", str(exported["root"] / "gpt2_O2"), str(tmp_path / "a"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Conv1D" in proc.stderr
+    proc = _convert("--quantization", "fp8", str(exported["root"] / "llama_none"), str(tmp_path / "b"))
+    assert proc.returncode == 2 and "no FP8 weight" in proc.stderr and "--format hf" in proc.stderr
+    proc = _convert("--quantization", "fp8", "--format", "safetensors", str(exported["root"] / "llama_O2"),
+                    str(tmp_path / "c"))
+    assert proc.returncode == 2 and "drop --format safetensors" in proc.stderr
+    proc = _convert("--fp8-format", "fp8-block", str(exported["root"] / "llama_O2"), str(tmp_path / "d.safetensors"))
+    assert proc.returncode == 2 and "add --quantization fp8" in proc.stderr

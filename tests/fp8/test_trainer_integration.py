@@ -168,6 +168,30 @@ def test_save_model_writes_the_masters_as_plain_weights(tmp_path, runs):
     assert 0 < rel < LOGIT_REL_BOUND, rel  # FP8 weights and inputs vs the masters: E4M3 rounding, not more
 
 
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8-block"])
+def test_export_fp8_writes_the_trained_fp8_weights_for_serving(tmp_path, runs, fmt):
+    """``trainer.export_fp8``: the FP8 weights as trained (payload bytes), loaded by transformers (compressed-tensors
+    through its package) within the FP8-vs-reloaded logit bound; a none-level trainer is refused."""
+    pytest.importorskip("compressed_tensors", reason="pip install -e '.[test]' (compressed-tensors)")
+    from safetensors.torch import load_file
+
+    trainer = runs["O2"]
+    report = trainer.export_fp8(str(tmp_path / "served"), fmt)
+    saved = load_file(str(tmp_path / "served" / "model.safetensors"))
+    linears = {n: m for n, m in trainer.model.named_modules() if isinstance(m, fp8.Float8Linear)}
+    assert set(report.fp8_weights) == set(linears) and not report.requantized
+    for name, module in linears.items():
+        assert torch.equal(saved[f"{name}.weight"].view(torch.uint8), module.weight.payload.view(torch.uint8)), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "served"), dtype=torch.float32)
+    ids = PermutationLanguage(n=8, seed=7).x
+    trainer.model.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model(ids).logits.double(), loaded(ids).logits.double()
+    assert ((ours - theirs).norm() / theirs.norm()).item() < LOGIT_REL_BOUND
+    with pytest.raises(ValueError, match="fp8_opt_level='none'"):
+        runs["none"].export_fp8(str(tmp_path / "none"))
+
+
 def test_high_precision_state_dict_at_o1_and_in_bf16(tmp_path):
     model = tiny_llama().to(torch.bfloat16)
     reference = {k: v.clone() for k, v in model.state_dict().items()}

@@ -56,12 +56,12 @@ from fp8.optim.base import FP8Optimizer
 from fp8.optim.master_weights import MasterWeightOptimizer
 from fp8.optim.precision import STORAGE_FORMATS, decode, encode
 from fp8.scaling import ScalingState
-from fp8.blocks import dequantize_blocks
+from fp8.blocks import dequantize_blocks, expand_scales
 from fp8.tensor import Float8Tensor, to_float8
 
 from ..config import RESUME_MATCH, RESUME_SCHEDULE, RunConfig
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_checkpoint_fp8", "is_megatron_checkpoint", "checkpoint_dir", "latest_iteration",
            "check_step", "describe_no_checkpoint", "CheckpointMismatchError", "CheckpointNotFoundError", "FORMAT",
            "LATEST"]
 
@@ -716,6 +716,14 @@ def fp8_value(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_blocks(payload, scale, (-(-rows // grid_rows), -(-cols // grid_cols)))
 
 
+def fp8_scales(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of every element of a saved FP8 weight (:func:`fp8_value`'s layouts)."""
+    if scale.dim() < 2:
+        return scale.to(torch.float32).reshape(()).expand(payload.shape).contiguous()
+    (rows, cols), (grid_rows, grid_cols) = payload.shape, scale.shape
+    return expand_scales(scale, (-(-rows // grid_rows), -(-cols // grid_cols)), (rows, cols)).contiguous()
+
+
 def _fit_vocab(e: _Entry, full: torch.Tensor, ranks: dict) -> torch.Tensor:
     """``full`` with as many vocabulary rows as this layout pads to (zero rows added, padding rows cut)."""
     if e.name not in _VOCAB_PARAMS or full.dim() == 0 or e.dim != 0:
@@ -799,17 +807,9 @@ def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
-def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
-                    source: str = "fp8") -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(args, state)`` of a ``pretrain_gpt.py --save`` checkpoint, read in this process (no
-    ``torch.distributed`` needed): ``path`` is the ``--save`` directory (its latest checkpoint, or
-    ``iteration``'s) or one ``iter_XXXXXXX`` directory. ``args``: the saved run's arguments; ``state``:
-    the whole model in megatron-core ``GPTModel`` names (global layer numbers, tensor-parallel shards
-    merged; tied output weights appear once, as ``embedding.word_embeddings.weight``), every tensor fp32.
-    FP8 weights: dequantized (``source="fp8"``, the weights the model computed with) or their optimizer
-    master copies decoded (``source="master"``, O1-O3: the more precise value)."""
-    if source not in ("fp8", "master"):
-        raise ValueError(f"source must be 'fp8' or 'master', got {source!r}")
+def _load_saved(path: str | os.PathLike, iteration: int | None, source: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of a ``pretrain_gpt.py`` checkpoint read in this process (:func:`read_checkpoint`): every
+    ``model/`` entry, and the masters with ``source="master"``."""
     path = Path(path)
     if (path / LATEST).exists() or iteration is not None:
         iteration = latest_iteration(path) if iteration is None else iteration
@@ -827,6 +827,21 @@ def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
         request = {k: _empty(v) for k, v in md.items() if k.startswith(wanted) and not isinstance(v, BytesStorageMetadata)
                    and (k.startswith("model/") or k.endswith(("/master", "/master_scale")))}
         dcp.load(request, storage_reader=reader, no_dist=True)
+    return meta, request
+
+
+def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
+                    source: str = "fp8") -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(args, state)`` of a ``pretrain_gpt.py --save`` checkpoint, read in this process (no
+    ``torch.distributed`` needed): ``path`` is the ``--save`` directory (its latest checkpoint, or
+    ``iteration``'s) or one ``iter_XXXXXXX`` directory. ``args``: the saved run's arguments; ``state``:
+    the whole model in megatron-core ``GPTModel`` names (global layer numbers, tensor-parallel shards
+    merged; tied output weights appear once, as ``embedding.word_embeddings.weight``), every tensor fp32.
+    FP8 weights: dequantized (``source="fp8"``, the weights the model computed with) or their optimizer
+    master copies decoded (``source="master"``, O1-O3: the more precise value)."""
+    if source not in ("fp8", "master"):
+        raise ValueError(f"source must be 'fp8' or 'master', got {source!r}")
+    meta, request = _load_saved(path, iteration, source)
     tp = int(meta["layout"]["tp"])
     state: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
@@ -842,3 +857,29 @@ def read_checkpoint(path: str | os.PathLike, iteration: int | None = None,
             values = [request[f"model/{k}"].to(torch.float32) for k in keys]
         state[name] = _merge(values, info["dim"], info["stride"]) if info["sharded"] else values[0]
     return meta["args"], state
+
+
+def read_checkpoint_fp8(path: str | os.PathLike, iteration: int | None = None
+                        ) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(args, state, scales)`` of a ``pretrain_gpt.py`` checkpoint as :func:`read_checkpoint` reads it, except that
+    each FP8 weight is its E4M3/E5M2 payload as trained (tensor-parallel shards merged), not a value: ``state[name]``
+    holds the payload and ``scales[name]`` the fp32 scale of every element (``value = payload / scale``: each shard's
+    tensor-wise scale, or the scale of its block, spread over the elements it covers: 4 bytes per element, for the
+    conversion only). Other tensors as :func:`read_checkpoint`'s (fp32)."""
+    meta, request = _load_saved(path, iteration, "fp8")
+    tp = int(meta["layout"]["tp"])
+    state: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, info in meta["params"].items():
+        keys = [f"{name}/tp{i}" for i in range(tp)] if info["sharded"] else [name]
+        if info["fp8"]:
+            fp8 = getattr(torch, info["fp8"])
+            payloads = [request[f"model/{k}/payload"].view(fp8) for k in keys]
+            spread = [fp8_scales(p, request[f"model/{k}/scale"]) for p, k in zip(payloads, keys)]
+            merged = [_merge(t, info["dim"], info["stride"]) if info["sharded"] else t[0] for t in
+                      ([p.view(torch.uint8) for p in payloads], spread)]
+            state[name], scales[name] = merged[0].view(fp8), merged[1]
+        else:
+            values = [request[f"model/{k}"].to(torch.float32) for k in keys]
+            state[name] = _merge(values, info["dim"], info["stride"]) if info["sharded"] else values[0]
+    return meta["args"], state, scales

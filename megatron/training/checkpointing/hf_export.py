@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HFExportError", "architecture_of", "hf_state_dict", "hf_config", "export_hf", "write_tokenizer"]
+__all__ = ["HFExportError", "architecture_of", "hf_state_dict", "hf_config", "export_hf", "export_hf_fp8", "write_tokenizer"]
 
 LAYERNORM_EPS = 1e-5  # megatron-core TransformerConfig.layernorm_epsilon (the trainer does not change it)
 ROPE_THETA = 10000.0  # megatron-core GPTModel(rotary_base=10000), rotary_percent 1.0, not interleaved
@@ -315,3 +315,75 @@ def export_hf(checkpoint: str | os.PathLike, outdir: str | os.PathLike, dtype: t
         tokenizer = str(outdir / ("tokenizer.model" if skipped else "tokenizer.json"))
     return {"architecture": config.architectures[0], "arch": arch, "tensors": len(tensors),
             "elements": sum(t.numel() for t in tensors.values()), "vocab": vocab, "tokenizer": tokenizer}
+
+
+def _serving_strategy(weights: dict[str, "torch.Tensor"], format: str) -> str:
+    """The one strategy every FP8 linear of a compressed-tensors export takes (serving engines fuse q/k/v and
+    gate/up, which must share one): the first of tensor, channel, block that holds every weight exactly, else the one
+    that re-quantizes the fewest (channel on a tie)."""
+    from fp8.export import serving_weight
+
+    if format == "fp8-block":
+        return "block"
+    inexact = {}
+    for strategy in ("tensor", "channel", "block"):
+        inexact[strategy] = sum(serving_weight(w, strategy).requantized for w in weights.values())
+        if inexact[strategy] == 0:
+            return strategy
+    return min(("channel", "tensor", "block"), key=lambda s: inexact[s])
+
+
+def export_hf_fp8(checkpoint: str | os.PathLike, outdir: str | os.PathLike, format: str = "compressed-tensors",
+                  dtype: torch.dtype = torch.bfloat16, iteration: int | None = None):
+    """Write the transformers directory ``outdir`` for the checkpoint with its FP8 weights as trained, in the serving
+    ``format`` (:data:`fp8.export.FORMATS`): each FP8 linear's E4M3 payload (tensor-parallel shards merged, q/k/v and
+    gate/up split as :func:`hf_state_dict` splits values) and its scales in one strategy for the whole model
+    (:func:`_serving_strategy`: per tensor when every weight has one scale, e.g. tensorwise at TP1; per output channel
+    when each row has one, e.g. tensorwise column-parallel shards or rowwise; 128x128 blocks for ``fp8-block``),
+    re-quantized only where that strategy cannot hold the trained scales (listed in the report, with the error);
+    embeddings, norms and high-precision linears in ``dtype``. ``LlamaForCausalLM`` only (GPT-2's Conv1D layers have no
+    FP8 serving layout). Returns the :class:`fp8.export.ExportReport` and the summary of :func:`export_hf`."""
+    from fp8.export import serving_weight, write_fp8_checkpoint
+    from fp8.tensor import Float8Tensor
+
+    from .checkpoint import read_checkpoint_fp8
+
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise ValueError(f"output {str(outdir)!r} is a file: --quantization fp8 writes a directory")
+    args, state, scales = read_checkpoint_fp8(checkpoint, iteration)
+    arch = architecture_of(args)
+    if arch != "llama":
+        raise HFExportError(f"--quantization fp8 writes LlamaForCausalLM ({_LLAMA_FLAGS}); this run maps to GPT-2, "
+                            "whose Conv1D layers no FP8 serving format loads: export it in high precision (--format "
+                            "hf without --quantization)")
+    if not scales:
+        raise HFExportError("the checkpoint holds no FP8 weight (--fp8-opt-level none): export it with --format hf")
+    vocab = real_vocab_size(args)
+    payloads = {k: (v.view(torch.uint8) if k in scales else v) for k, v in state.items()}
+    spread = {k: scales.get(k, torch.zeros(v.shape)) for k, v in state.items()}
+    hf_values, hf_scales = hf_state_dict(args, payloads, vocab), hf_state_dict(args, spread, vocab)
+    fp8_dtype = {state[k].dtype for k in scales}.pop()
+    fp8_weights, high = {}, {}
+    for key, value in hf_values.items():
+        scale = hf_scales[key]
+        if key.endswith(".weight") and value.dtype == torch.uint8 and scale.numel() and bool((scale > 0).all()):
+            fp8_weights[key.removesuffix(".weight")] = Float8Tensor(value.contiguous().view(fp8_dtype),
+                                                                    scale.contiguous(), torch.float32, block=(1, 1))
+        else:
+            high[key] = value.to(dtype).contiguous()
+    strategy = _serving_strategy(fp8_weights, format)
+    served = {name: serving_weight(w, strategy) for name, w in fp8_weights.items()}
+    linears = [k.removesuffix(".weight") for k in hf_values if k.endswith(("_proj.weight", "lm_head.weight"))]
+    tied = not args.get("untie_embeddings_and_output_weights")
+    ignored = [n for n in linears if n not in served] + (["lm_head"] if tied else [])
+    config = hf_config(args, vocab, dtype)
+    report = write_fp8_checkpoint(outdir, format, served, high, ignored, config.to_dict())
+    tokenizer = None
+    if args.get("tokenizer_model"):
+        skipped = write_tokenizer(args["tokenizer_model"], outdir)
+        tokenizer = str(outdir / ("tokenizer.model" if skipped else "tokenizer.json"))
+    summary = {"architecture": config.architectures[0], "arch": arch, "tensors": len(served) * 2 + len(high),
+               "elements": report.parameters, "vocab": vocab, "tokenizer": tokenizer, "strategy": strategy,
+               "requantized": report.requantized}
+    return report, summary
