@@ -49,7 +49,7 @@ from .blocks import BLOCK, ROWWISE, block_size, dequantize_blocks, expand_scales
 from .blocks import quantize_to_blocks
 from .distributed.sharding import is_dtensor
 from .linear import Float8Linear
-from .moe import Float8Experts
+from .moe import Float8Experts, is_fused_experts
 from .optim.base import FP8Optimizer
 from .optim.master_weights import MasterWeightOptimizer
 from .scaling import ScalingState
@@ -63,6 +63,15 @@ FORMATS = ("compressed-tensors", "fp8-block")
 
 SERVING_BLOCK = 128
 """The block edge of the ``fp8-block`` format and of compressed-tensors' ``block`` strategy (DeepSeek-V3's)."""
+
+EXPERT_LAYOUTS = {
+    "MixtralExperts": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen2MoeExperts": (None, ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeExperts": (None, ("gate_proj", "up_proj", "down_proj")),
+}
+"""The checkpoint layout serving engines read for each transformers experts class (the one transformers'
+``save_pretrained`` writes): the MoE block's name in the checkpoint (Mixtral's ``block_sparse_moe``, where the model
+says ``mlp``; None: unchanged) and each expert's gate, up and down projection names (``{experts}.{e}.{proj}.weight``)."""
 
 _E4M3 = torch.float8_e4m3fn
 _SAFETENSORS_FILE = "model.safetensors"
@@ -199,11 +208,13 @@ def _linears(model: nn.Module) -> tuple[dict[str, Float8Linear], list[str]]:
     """``(FP8 linears by name, names of the high-precision nn.Linear modules)``; refuses what cannot be exported."""
     fp8, plain = {}, []
     for name, module in model.named_modules():
-        if isinstance(module, Float8Experts):
-            raise ValueError(f"{name}: FP8 MoE experts (Float8Experts) are not exported in a serving format yet; export "
-                             "the model with fp8.initialize(..., module_filter_fn=...) keeping the experts in high "
-                             "precision, or write the high-precision export (fp8.integrations.transformers."
-                             "high_precision_state_dict)")
+        if isinstance(module, Float8Experts) or is_fused_experts(module):
+            kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
+            if kind not in EXPERT_LAYOUTS:
+                raise ValueError(f"{name}: experts module {kind} has no known serving layout (known: "
+                                 f"{', '.join(EXPERT_LAYOUTS)})")
+            if is_dtensor(next(module.parameters())):
+                raise ValueError(f"{name}: the model is sharded (FSDP2 DTensor weights); export from one process")
         if isinstance(module, Float8Linear):
             if is_dtensor(module.weight):
                 raise ValueError(f"{name}: the model is sharded (FSDP2 DTensor weights); export from one process: "
@@ -211,7 +222,7 @@ def _linears(model: nn.Module) -> tuple[dict[str, Float8Linear], list[str]]:
             fp8[name] = module
         elif isinstance(module, nn.Linear):
             plain.append(name)
-    if not fp8:
+    if not fp8 and not any(isinstance(m, Float8Experts) for m in model.modules()):
         raise ValueError("the model holds no FP8 linear (fp8.Float8Linear): call fp8.initialize(model, optimizer, "
                          "'O1'|'O2'|'O3') first; a model trained in high precision is exported with save_pretrained")
     return fp8, plain
@@ -389,8 +400,16 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
     weights: dict[str, ServingWeight] = {}
     high: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Float8Experts) or is_fused_experts(m)}
+    fused_keys = {f"{name}.{p}" for name in experts for p in ("gate_up_proj", "down_proj")}
+    expert_ignored: list[str] = []
+    for name, module in experts.items():  # per expert, in the layout serving engines read
+        fp8_parts, hp_parts = _expert_weights(name, module, format, dtype)
+        weights.update(fp8_parts)
+        high.update(hp_parts)
+        expert_ignored += [k.removesuffix(".weight") for k in hp_parts]
     for key, value in model.state_dict(keep_vars=True).items():
-        if any(key.startswith(prefix) for prefix in scaling):
+        if any(key.startswith(prefix) for prefix in scaling) or key in fused_keys:
             continue
         name = fp8_keys.get(key)
         if name is not None:
@@ -405,7 +424,63 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
         value = value.detach()
         high[key] = value.to(dtype) if value.is_floating_point() else value
     ignored = [name for name in plain if f"{name}.weight" in high or _is_tied(model, f"{name}.weight")]
+    routers = [f"{name.rsplit('.', 1)[0]}.gate" for name in experts if "." in name]
+    ignored += expert_ignored + [r for r in routers if f"{r}.weight" in high]  # MoE routers: not nn.Linear
+    renames = _block_renames(experts)
+    if renames:
+        weights = {_renamed(k, renames): v for k, v in weights.items()}
+        high = {_renamed(k, renames): v for k, v in high.items()}
+        ignored = [_renamed(k, renames) for k in ignored]
     return write_fp8_checkpoint(directory, format, weights, high, ignored, config_dict, tokenizer, max_shard_bytes)
+
+
+def _expert_weights(name: str, module: nn.Module, format: str, dtype: torch.dtype
+                    ) -> tuple[dict[str, ServingWeight], dict[str, torch.Tensor]]:
+    """One experts module's projections per expert (:data:`EXPERT_LAYOUTS`): ``{experts}.{e}.{proj}`` -> the FP8 weight
+    in the format's strategy (a :class:`fp8.Float8Experts`: each expert's gate/up rows share its fused projection's
+    tensor-wise scale, so both halves keep their bytes), or ``{experts}.{e}.{proj}.weight`` -> the high-precision
+    weight in ``dtype`` (experts left in high precision, listed as not quantized)."""
+    kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
+    gate, up, down = EXPERT_LAYOUTS[kind][1]
+    fp8_parts: dict[str, ServingWeight] = {}
+    hp_parts: dict[str, torch.Tensor] = {}
+    if isinstance(module, Float8Experts):
+        inter = module.intermediate_dim
+        for e, (gate_up, down_weight) in enumerate(zip(module.gate_up, module.down)):
+            w = gate_up.weight
+            for proj, rows in ((gate, slice(0, inter)), (up, slice(inter, 2 * inter))):
+                part = Float8Tensor(w.payload[rows].contiguous(), w.scale.clone(), w.dtype, block=w.block)
+                fp8_parts[f"{name}.{e}.{proj}"] = serving_weight(part, _format_strategy(format, part))
+            fp8_parts[f"{name}.{e}.{down}"] = serving_weight(down_weight.weight,
+                                                            _format_strategy(format, down_weight.weight))
+        return fp8_parts, hp_parts
+    inter = module.down_proj.shape[-1]
+    for e, (gate_up, down_weight) in enumerate(zip(module.gate_up_proj.detach(), module.down_proj.detach())):
+        hp_parts[f"{name}.{e}.{gate}.weight"] = gate_up[:inter].to(dtype).contiguous()
+        hp_parts[f"{name}.{e}.{up}.weight"] = gate_up[inter:].to(dtype).contiguous()
+        hp_parts[f"{name}.{e}.{down}.weight"] = down_weight.to(dtype).contiguous()
+    return fp8_parts, hp_parts
+
+
+def _block_renames(experts: dict[str, nn.Module]) -> list[tuple[str, str]]:
+    """``(model prefix, checkpoint prefix)`` of each MoE block whose checkpoint name differs (Mixtral's
+    ``...mlp.`` -> ``...block_sparse_moe.``)."""
+    out = []
+    for name, module in experts.items():
+        kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
+        block_name = EXPERT_LAYOUTS[kind][0]
+        if block_name and "." in name:
+            block = name.rsplit(".", 1)[0]
+            parent = block.rsplit(".", 1)[0] if "." in block else ""
+            out.append((block + ".", (f"{parent}." if parent else "") + block_name + "."))
+    return out
+
+
+def _renamed(key: str, renames: list[tuple[str, str]]) -> str:
+    for old, new in renames:
+        if key.startswith(old) or key + "." == old:
+            return new + key[len(old):]
+    return key
 
 
 # -- import ---------------------------------------------------------------------------------------------------------
@@ -516,63 +591,138 @@ def _set_masters(optimizer, model: nn.Module) -> int:
     return count
 
 
+def _load_into(weight: Float8Tensor, payload: torch.Tensor, scale_inv: torch.Tensor, strategy: str) -> bool:
+    """Write a file's FP8 weight (``payload``, multipliers ``scale_inv`` in ``strategy``'s layout) into ``weight``: its
+    bytes and scales as stored when each block ``weight`` holds has one multiplier in it (True), else re-quantized from
+    the exact values into ``weight``'s blocks (False)."""
+    if tuple(payload.shape) != tuple(weight.shape):
+        raise ValueError(f"shape {tuple(payload.shape)} in the checkpoint, {tuple(weight.shape)} in the model: build "
+                         "the model with the checkpoint's config")
+    scale_inv = scale_inv.to(weight.scale.device)
+    scale = (_held_scale(scale_inv, strategy, weight.block, tuple(weight.shape))
+             if weight.payload.dtype == _E4M3 else None)
+    if scale is not None and tuple(scale.shape) == tuple(weight.scale.shape):
+        weight.payload.copy_(payload)
+        weight.scale.copy_(scale)
+        return True
+    per_element = (scale_inv.reshape(()) if strategy == "tensor" else
+                   expand_scales(scale_inv, _strategy_block(strategy), tuple(payload.shape)))
+    weight.copy_((payload.to(torch.float32) * per_element).to(weight.payload.device))  # re-quantized, current scales
+    return False
+
+
+def _stack_rows(parts: list[tuple[torch.Tensor, torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Gate and up projections of one expert, stacked into its fused ``gate_up`` rows: one tensor-wise multiplier when
+    both have the same one, else per output channel (each row keeps its multiplier)."""
+    payload = torch.cat([p for p, _, _ in parts])
+    invs = [i for _, i, _ in parts]
+    if all(st == "tensor" for _, _, st in parts) and all(torch.equal(invs[0], i) for i in invs):
+        return payload, invs[0], "tensor"
+    rows = []
+    for p, inv, st in parts:
+        if st == "block":
+            return payload, torch.cat([expand_scales(inv, _strategy_block(st), tuple(p.shape))
+                                       for p, inv, st in parts]), "element"
+        rows.append(inv.reshape(1, 1).expand(p.shape[0], 1) if st == "tensor" else inv.reshape(-1, 1))
+    return payload, torch.cat(rows), "channel"
+
+
 @torch.no_grad()
 def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *, strict: bool = True) -> ImportReport:
     """Load a serving checkpoint (:func:`export_fp8`'s, or another tool's compressed-tensors ``float-quantized`` /
     ``fp8`` block checkpoint) into ``model``, returned by :func:`fp8.initialize`, without a dequantize/requantize
-    round trip (module docstring): each FP8 linear's E4M3 payload and scales as stored where its recipe holds that
-    layout, else re-quantized from the exact values into it (listed in the report); every other tensor of the model
-    from the file (cast to its dtype). ``optimizer`` (the one :func:`fp8.initialize` returned): its masters take the
-    loaded values exactly (moments are left as they are: fresh for fine-tuning). ``strict``: a tensor of the model
-    missing from the file, or one of the file's unused, is a ``ValueError`` naming them."""
+    round trip (module docstring): each FP8 linear's (and FP8 expert projection's) E4M3 payload and scales as stored
+    where its recipe holds that layout, else re-quantized from the exact values into it (listed in the report); every
+    other tensor of the model from the file (cast to its dtype; MoE experts read per expert in the checkpoint layout,
+    :data:`EXPERT_LAYOUTS`). ``optimizer`` (the one :func:`fp8.initialize` returned): its masters take the loaded values
+    exactly (moments are left as they are: fresh for fine-tuning). ``strict``: a tensor of the model missing from the
+    file, or one of the file's unused, is a ``ValueError`` naming them."""
     qc, tensors = read_fp8_checkpoint(directory)
     fp8_linears = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    if not fp8_linears:
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Float8Experts) or is_fused_experts(m)}
+    if not fp8_linears and not any(isinstance(m, Float8Experts) for m in experts.values()):
         raise ValueError("the model holds no FP8 linear: call fp8.initialize(model, optimizer, level) first, then "
                          "import_fp8 into the model it returns")
+    renames = _block_renames(experts)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
     report = ImportReport()
     used: set[str] = set()
     missing: list[str] = []
-    fp8_keys = {f"{name}.weight": name for name in fp8_linears}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if any(key.startswith(prefix) for prefix in scaling):
-            continue
-        if key in fp8_keys:
-            if key not in tensors:
-                missing.append(key)
-                continue
-            payload, scale_inv, strategy = _file_weight(qc, tensors, key)
-            used.update({key, key + "_scale", key + "_scale_inv", key.removesuffix("weight") + "input_scale"})
-            if tuple(payload.shape) != tuple(value.shape):
-                raise ValueError(f"{key}: shape {tuple(payload.shape)} in the checkpoint, {tuple(value.shape)} in "
-                                 "the model: build the model with the checkpoint's config")
-            held = value.block
-            scale = (_held_scale(scale_inv.to(value.scale.device), strategy, held, tuple(value.shape))
-                     if value.payload.dtype == _E4M3 else None)
-            if scale is not None and tuple(scale.shape) == tuple(value.scale.shape):
-                value.payload.copy_(payload)
-                value.scale.copy_(scale)
-                report.exact.append(fp8_keys[key])
-            else:
-                exact = (payload.to(torch.float32) * (scale_inv.reshape(()) if strategy == "tensor" else
-                                                      expand_scales(scale_inv, _strategy_block(strategy),
-                                                                    tuple(payload.shape))))
-                value.copy_(exact.to(value.payload.device))  # Float8Tensor.copy_: re-quantized, current scales
-                report.requantized[fp8_keys[key]] = (f"{strategy} scales in the file, {held or 'tensor-wise'} blocks "
-                                                     f"held by the recipe")
-            continue
+
+    def fp8_weight(key: str) -> tuple[torch.Tensor, torch.Tensor, str] | None:
         if key not in tensors:
             missing.append(key)
+            return None
+        used.update({key, key + "_scale", key + "_scale_inv", key.removesuffix("weight") + "input_scale"})
+        return _file_weight(qc, tensors, key)
+
+    fused_keys = set()
+    for name, module in experts.items():
+        kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
+        gate, up, down = EXPERT_LAYOUTS[kind][1]
+        fused_keys |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+        n = module.num_experts if isinstance(module, Float8Experts) else module.gate_up_proj.shape[0]
+        for e in range(n):
+            keys = [_renamed(f"{name}.{e}.{proj}.weight", renames) for proj in (gate, up, down)]
+            if not isinstance(module, Float8Experts):  # experts in high precision: values per expert
+                if any(k not in tensors for k in keys):
+                    missing += [k for k in keys if k not in tensors]
+                    continue
+                used.update(keys)
+                g, u, d = (tensors[k].to(module.gate_up_proj.dtype) for k in keys)
+                module.gate_up_proj[e].copy_(torch.cat([g, u]))
+                module.down_proj[e].copy_(d)
+                report.high_precision += keys
+                continue
+            parts = [fp8_weight(k) for k in keys]
+            if any(p is None for p in parts):
+                continue
+            try:
+                payload, inv, strategy = _stack_rows(parts[:2])
+                if strategy == "element":  # block multipliers: value per element, re-quantized into the fused weight
+                    module.gate_up[e].weight.copy_(payload.to(torch.float32) * inv)
+                    exact_gate_up = False
+                else:
+                    exact_gate_up = _load_into(module.gate_up[e].weight, payload, inv, strategy)
+                exact_down = _load_into(module.down[e].weight, *parts[2])
+            except ValueError as error:
+                raise ValueError(f"{name}, expert {e}: {error}") from None
+            for proj, exact in ((f"{name}.gate_up.{e}", exact_gate_up), (f"{name}.down.{e}", exact_down)):
+                if exact:
+                    report.exact.append(proj)
+                else:
+                    report.requantized[proj] = "the file's scales do not fit the fused tensor-wise expert weight"
+
+    fp8_keys = {f"{name}.weight": name for name in fp8_linears}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if any(key.startswith(prefix) for prefix in scaling) or key in fused_keys:
             continue
-        used.add(key)
-        source = tensors[key]
+        file_key = _renamed(key, renames)
+        if key in fp8_keys:
+            stored = fp8_weight(file_key)
+            if stored is None:
+                continue
+            try:
+                exact = _load_into(value, *stored)
+            except ValueError as error:
+                raise ValueError(f"{key}: {error}") from None
+            if exact:
+                report.exact.append(fp8_keys[key])
+            else:
+                report.requantized[fp8_keys[key]] = (f"{stored[2]} scales in the file, "
+                                                     f"{value.block or 'tensor-wise'} blocks held by the recipe")
+            continue
+        if file_key not in tensors:
+            missing.append(file_key)
+            continue
+        used.add(file_key)
+        source = tensors[file_key]
+        if tuple(source.shape) != tuple(value.shape):
+            raise ValueError(f"{key}: shape {tuple(source.shape)} in the checkpoint, {tuple(value.shape)} in the "
+                             "model: build the model with the checkpoint's config")
         if isinstance(value, Float8Tensor):  # an FP8 embedding: re-quantized (exact: the file holds its values)
             value.copy_(source.to(torch.float32))
         else:
-            if tuple(source.shape) != tuple(value.shape):
-                raise ValueError(f"{key}: shape {tuple(source.shape)} in the checkpoint, {tuple(value.shape)} in the "
-                                 "model: build the model with the checkpoint's config")
             value.copy_(source.to(value.dtype))
         report.high_precision.append(key)
     unused = sorted(k for k in tensors if k not in used)

@@ -328,15 +328,75 @@ def test_bad_input_is_refused_naming_the_fix(tmp_path):
         import_fp8(model, tmp_path / "ok", torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_fp8_moe_experts_are_refused_until_exported():
-    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB)
-    model = fp8.initialize(transformers.Qwen2MoeForCausalLM(config), None, "O1")[0]
-    if not any(isinstance(m, fp8.Float8Experts) for m in model.modules()):
-        pytest.skip("this transformers version's Qwen2-MoE experts are not fused: none converted")
-    with pytest.raises(ValueError, match="MoE experts"):
-        export_fp8(model, "/nonexistent/never-written")
+def _moe(kind: str):
+    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, vocab_size=VOCAB)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, **common)
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=128, num_experts=4,
+                                             shared_expert_intermediate_size=128, **common)
+    else:
+        config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=128, num_experts=4,
+                                             head_dim=32, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_experts_are_exported_per_expert_in_the_checkpoint_layout(tmp_path, kind, fmt):
+    """FP8 experts (fp8.Float8Experts) written per expert under the names transformers' own save_pretrained writes
+    (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2; Qwen: mlp.experts.{e}.gate_proj/up_proj/down_proj), each
+    expert's E4M3 bytes as trained, routers listed as not quantized; transformers loads it with every expert's values."""
+    pytest.importorskip("compressed_tensors", reason="pip install -e '.[test]' (compressed-tensors)")
+    model = _moe(kind)
+    model.save_pretrained(str(tmp_path / "hp"))
+    layout = set(load_file(str(tmp_path / "hp" / "model.safetensors")))
+    model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), "O2")
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, fp8.Float8Experts)}
+    assert len(experts) == LAYERS
+    x = tokens(0)
+    for _ in range(3):
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = export_fp8(model, tmp_path / "fp8", fmt)
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    suffix = "_scale_inv" if fmt == "fp8-block" else "_scale"
+    assert {k for k in tensors if not k.endswith(suffix)} == layout and not report.requantized
+    block, (gate, up, down) = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}.get(
+        kind, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for name, module in experts.items():
+        prefix = name.replace(".mlp.", f".{block}.")
+        inter = module.intermediate_dim
+        for e in range(module.num_experts):
+            fused = module.gate_up[e].weight.payload.view(torch.uint8)
+            assert torch.equal(tensors[f"{prefix}.{e}.{gate}.weight"].view(torch.uint8), fused[:inter])
+            assert torch.equal(tensors[f"{prefix}.{e}.{up}.weight"].view(torch.uint8), fused[inter:])
+            assert torch.equal(tensors[f"{prefix}.{e}.{down}.weight"].view(torch.uint8),
+                               module.down[e].weight.payload.view(torch.uint8))
+            value = served_value(tensors, f"{prefix}.{e}.{down}.weight", fmt)
+            assert torch.equal(value, module.down[e].weight.dequantize(torch.float32))
+        assert f"{prefix.rsplit('.', 1)[0]}.gate" in report.ignored  # the router: high precision, not a Linear
+    served = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = served(input_ids=x).logits.float()
+    for name, module in experts.items():  # transformers fused the experts back: the trained values
+        theirs = served.get_submodule(name)
+        assert torch.equal(theirs.down_proj.detach().float(), module.fused_weights(dtype=torch.float32)["down_proj"])
+        assert torch.equal(theirs.gate_up_proj.detach().float(), module.fused_weights(dtype=torch.float32)["gate_up_proj"])
+    assert rel(out, logits(model, x)) < SERVED_VS_FP8_BOUND
+    # and back into a fresh FP8 MoE model (O1: the masters per expert projection), exported again byte for byte
+    torch.manual_seed(4)
+    fresh = transformers.AutoModelForCausalLM.from_config(_moe(kind).config)
+    fresh, fresh_optimizer = fp8.initialize(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR), "O1")
+    imported = import_fp8(fresh, tmp_path / "fp8", fresh_optimizer)
+    assert not imported.requantized and len(imported.exact) == len(report.fp8_weights) - 4 * LAYERS  # gate+up fused
+    export_fp8(fresh, tmp_path / "again", fmt)
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert again.keys() == tensors.keys()
+    assert all(torch.equal(again[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
 
 
 def _measure(seeds=range(5)) -> None:  # pragma: no cover - run by hand: python tests/fp8/test_export.py
