@@ -585,8 +585,7 @@ def _set_masters(optimizer, model: nn.Module) -> int:
         for p in group["params"]:
             state = inner.state.get(p, {})
             if "master" in state:  # O3: the owner rank's parameters only
-                value = p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p.detach().float()
-                inner._store_master(p, state, value)
+                inner.set_master(p, p.dequantize(torch.float32) if isinstance(p, Float8Tensor) else p.detach().float())
                 count += 1
     return count
 

@@ -230,6 +230,17 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         """Write the stored master into the model parameter (FP8: re-quantized, current scale)."""
         local(p).copy_(self._load(state, "master"))
 
+    @torch.no_grad()
+    def set_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``value`` as parameter ``p``'s master, in its storage format (current scale), without writing ``p``
+        (:func:`fp8.export.import_fp8`: the masters of imported FP8 weights, exactly: E4M3 values fit FP16 with a
+        power-of-two scale). ``p`` must hold a master here (O3: on its owner rank)."""
+        state = self.state[p]
+        if "master" not in state:
+            raise ValueError("this parameter holds no master here (an FP32 parameter is its own; under O3 another rank "
+                             "owns it)")
+        self._store_master(p, state, value.detach().to(torch.float32))
+
     def master_value(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of parameter ``p`` (its own value for FP32 parameters)."""
         state = self.state[p]

@@ -162,6 +162,8 @@ def test_unmappable_models_are_refused_naming_the_flags():
         architecture_of({**base, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope"})
     with pytest.raises(HFExportError, match="GPT-2 has no grouped-query attention"):
         architecture_of({**base, "num_query_groups": 2})
+    with pytest.raises(HFExportError, match="--num-experts 4: MoE runs have no transformers mapping"):
+        architecture_of({**base, "num_experts": 4})
 
 
 def test_unmappable_checkpoint_is_a_one_line_error(exported, tmp_path):

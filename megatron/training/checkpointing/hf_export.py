@@ -47,6 +47,10 @@ class HFExportError(ValueError):
 
 def architecture_of(args: dict) -> str:
     """``"llama"`` or ``"gpt2"`` for the saved run's arguments; :class:`HFExportError` otherwise."""
+    if args.get("num_experts"):
+        raise HFExportError(f"--num-experts {args['num_experts']}: MoE runs have no transformers mapping in this "
+                            "exporter yet (dense Llama and GPT-2 runs only); read the weights with "
+                            "tools/convert_checkpoint.py CKPT OUT.safetensors (megatron-core names)")
     norm, swiglu = args.get("normalization", "LayerNorm"), bool(args.get("swiglu"))
     pos, nobias = args.get("position_embedding_type", "learned_absolute"), bool(args.get("disable_bias_linear"))
     if norm == "RMSNorm" and swiglu and pos == "rope" and nobias:
