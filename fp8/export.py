@@ -558,11 +558,14 @@ def _held_scale(scale_inv: torch.Tensor, strategy: str, held, shape: tuple[int, 
 @dataclass
 class ImportReport:
     """What :func:`import_fp8` loaded: FP8 weights taken as stored (``exact``) or re-quantized into the recipe's
-    layout (``requantized``: name -> reason), the high-precision tensors loaded, and the masters set."""
+    layout (``requantized``: name -> reason), the high-precision tensors loaded (``high_precision``; among them
+    ``dequantized``: FP8 in the file, exact values in a layer the model holds in high precision), and the masters
+    set."""
 
     exact: list[str] = field(default_factory=list)
     requantized: dict[str, str] = field(default_factory=dict)
     high_precision: list[str] = field(default_factory=list)
+    dequantized: list[str] = field(default_factory=list)
     masters: int = 0
 
 
@@ -590,6 +593,13 @@ def _set_masters(optimizer, model: nn.Module) -> int:
     return count
 
 
+def _exact_value(payload: torch.Tensor, scale_inv: torch.Tensor, strategy: str) -> torch.Tensor:
+    """The fp32 value of a file's FP8 weight: payload times the multiplier of its block."""
+    per_element = (scale_inv.reshape(()) if strategy == "tensor" else
+                   expand_scales(scale_inv, _strategy_block(strategy), tuple(payload.shape)))
+    return payload.to(torch.float32) * per_element
+
+
 def _load_into(weight: Float8Tensor, payload: torch.Tensor, scale_inv: torch.Tensor, strategy: str) -> bool:
     """Write a file's FP8 weight (``payload``, multipliers ``scale_inv`` in ``strategy``'s layout) into ``weight``: its
     bytes and scales as stored when each block ``weight`` holds has one multiplier in it (True), else re-quantized from
@@ -604,9 +614,7 @@ def _load_into(weight: Float8Tensor, payload: torch.Tensor, scale_inv: torch.Ten
         weight.payload.copy_(payload)
         weight.scale.copy_(scale)
         return True
-    per_element = (scale_inv.reshape(()) if strategy == "tensor" else
-                   expand_scales(scale_inv, _strategy_block(strategy), tuple(payload.shape)))
-    weight.copy_((payload.to(torch.float32) * per_element).to(weight.payload.device))  # re-quantized, current scales
+    weight.copy_(_exact_value(payload, scale_inv, strategy).to(weight.payload.device))  # re-quantized, current scales
     return False
 
 
@@ -633,15 +641,14 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
     round trip (module docstring): each FP8 linear's (and FP8 expert projection's) E4M3 payload and scales as stored
     where its recipe holds that layout, else re-quantized from the exact values into it (listed in the report); every
     other tensor of the model from the file (cast to its dtype; MoE experts read per expert in the checkpoint layout,
-    :data:`EXPERT_LAYOUTS`). ``optimizer`` (the one :func:`fp8.initialize` returned): its masters take the loaded values
+    :data:`EXPERT_LAYOUTS`). A layer the model holds in high precision (a high-precision model, e.g. the ``none``
+    baseline or a model about to be frozen, or a layer kept out of FP8) takes the exact values of an FP8 weight
+    (``report.dequantized``). ``optimizer`` (the one :func:`fp8.initialize` returned): its masters take the loaded values
     exactly (moments are left as they are: fresh for fine-tuning). ``strict``: a tensor of the model missing from the
     file, or one of the file's unused, is a ``ValueError`` naming them."""
     qc, tensors = read_fp8_checkpoint(directory)
     fp8_linears = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Float8Experts) or is_fused_experts(m)}
-    if not fp8_linears and not any(isinstance(m, Float8Experts) for m in experts.values()):
-        raise ValueError("the model holds no FP8 linear: call fp8.initialize(model, optimizer, level) first, then "
-                         "import_fp8 into the model it returns")
     renames = _block_renames(experts)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
     report = ImportReport()
@@ -655,6 +662,14 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
         used.update({key, key + "_scale", key + "_scale_inv", key.removesuffix("weight") + "input_scale"})
         return _file_weight(qc, tensors, key)
 
+    def value_of(key: str) -> torch.Tensor:
+        """A high-precision target's value: the tensor, or an FP8 weight's exact values (``key`` in ``tensors``)."""
+        if tensors[key].dtype != _E4M3:
+            used.add(key)
+            return tensors[key]
+        report.dequantized.append(key)
+        return _exact_value(*fp8_weight(key))
+
     fused_keys = set()
     for name, module in experts.items():
         kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
@@ -667,8 +682,7 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
                 if any(k not in tensors for k in keys):
                     missing += [k for k in keys if k not in tensors]
                     continue
-                used.update(keys)
-                g, u, d = (tensors[k].to(module.gate_up_proj.dtype) for k in keys)
+                g, u, d = (value_of(k).to(module.gate_up_proj.dtype) for k in keys)
                 module.gate_up_proj[e].copy_(torch.cat([g, u]))
                 module.down_proj[e].copy_(d)
                 report.high_precision += keys
@@ -714,8 +728,7 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
         if file_key not in tensors:
             missing.append(file_key)
             continue
-        used.add(file_key)
-        source = tensors[file_key]
+        source = value_of(file_key)
         if tuple(source.shape) != tuple(value.shape):
             raise ValueError(f"{key}: shape {tuple(source.shape)} in the checkpoint, {tuple(value.shape)} in the "
                              "model: build the model with the checkpoint's config")

@@ -167,6 +167,48 @@ def test_sft_none_and_o2(tiny_model, tmp_path):
         assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8-block"])
+def test_sft_from_and_back_to_an_fp8_serving_checkpoint(tiny_model, tmp_path, fmt):
+    """``--output-format``: the FP8 weights as trained, for serving (docs/serving.md); ``--model`` of such a checkpoint:
+    the fine-tuning starts from its bytes (no round trip: exported straight back, every tensor is bit-equal), and
+    fine-tunes on (SFT from it, written in FP8 again, loaded by transformers)."""
+    pytest.importorskip("compressed_tensors", reason="pip install -e '.[test]' (compressed-tensors)")
+    import fp8
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    first = tmp_path / "first"
+    _run_sft(tiny_model, tmp_path, "O2", steps=3, extra=["--output", str(first), "--output-format", fmt])
+    assert runtime.serving_checkpoint(first) and not runtime.serving_checkpoint(tiny_model)
+    args = SimpleNamespace(fp8_grad_accumulation="fp16", fp8_opt_level="O2", recipe="tensorwise", fp8_embeddings=True,
+                           fp8_min_dim=None)
+    rt = runtime.Runtime(0, 1, torch.device("cpu"), False)
+    model, _ = runtime.load_model(first, rt.device)
+    _, model, optimizer = runtime.fp8_setup(model, torch.optim.AdamW(model.parameters()), args, rt, first)
+    fp8.export_fp8(model, tmp_path / "again", fmt)
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert a.keys() == b.keys() and any(t.dtype == torch.float8_e4m3fn for t in a.values())
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    (tmp_path / "second").mkdir()
+    records = _run_sft(first, tmp_path / "second", "O2", steps=2,
+                       extra=["--output", str(tmp_path / "second" / "out"), "--output-format", fmt])
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "step" in r)
+    served = AutoModelForCausalLM.from_pretrained(str(tmp_path / "second" / "out"), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(served(input_ids=torch.randint(0, 2048, (1, 8))).logits).all()
+    # DPO from it too: policy (its bytes) and FP8 reference (frozen from its exact values) agree at the start
+    data, log = _write_jsonl(tmp_path / "dpo.jsonl", _dpo_rows()), tmp_path / "dpo.jsonl.log"
+    assert _script("dpo").main(["--model", str(first), "--data", str(data), "--fp8-opt-level", "O2", "--max-steps",
+                                "2", "--batch-size", "4", "--eval-examples", "4", "--log-json", str(log), "--output",
+                                str(tmp_path / "dpo-out"), "--output-format", fmt]) == 0
+    steps = [r for r in _log(log) if "step" in r]
+    assert len(steps) == 2 and steps[0]["loss"] == pytest.approx(0.6931, abs=5e-3)
+    assert runtime.serving_checkpoint(tmp_path / "dpo-out")
+    with pytest.raises(SystemExit):  # FP8 output at none is refused by the flags' check
+        _script("sft").main(["--model", str(tiny_model), "--fp8-opt-level", "none", "--output", str(tmp_path / "x"),
+                             "--output-format", fmt])
+
+
 def _dpo_rows(n=24):
     rows = []
     for r in _sft_rows(n):

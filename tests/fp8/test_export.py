@@ -223,6 +223,21 @@ def gloo_world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_import_into_a_high_precision_model_takes_the_exact_values(models, tmp_path, fmt):
+    """A model not (yet) in FP8 (the none baseline, a reference to freeze) takes each FP8 weight's exact values."""
+    source, _ = models["blockwise"]
+    export_fp8(source, tmp_path, fmt)
+    plain = tiny_llama(seed=8)
+    report = import_fp8(plain, tmp_path)
+    assert sorted(k.removesuffix(".weight") for k in report.dequantized) == sorted(fp8_linears(source))
+    for name, module in fp8_linears(source).items():
+        assert torch.equal(plain.get_submodule(name).weight, module.weight.dequantize(torch.float32)), name
+    x = tokens(4)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=x).logits, logits(source, x, high_precision_forward=True))
+
+
 def test_import_keeps_another_tools_scales_and_requantizes_other_layouts(tmp_path):
     """A checkpoint as llmcompressor writes it (per-channel scales ``amax / 448``, not powers of two) into a
     tensorwise model (requantized: the recipe holds one scale) and a rowwise one (payloads kept, scales reciprocated)."""

@@ -55,6 +55,10 @@ def build_parser(description: str, *, task: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, metavar="DIR",
                    help="write the fine-tuned model (BF16, from the master weights) and tokenizer here")
+    p.add_argument("--output-format", default="bf16", choices=["bf16", "compressed-tensors", "fp8-block"],
+                   help="--output's format: bf16 (transformers, from the masters) or an FP8 serving format with the "
+                        "FP8 weights as trained (fp8.export_fp8, docs/serving.md; FP8 opt levels). --model may also "
+                        "be such an FP8 checkpoint: its E4M3 weights are taken as stored")
     p.add_argument("--log-json", type=Path, default=None, metavar="FILE",
                    help="JSON lines: one object per step, then the evaluation and summary objects")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -74,6 +78,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; pass a transformers model directory "
                      f"(save_pretrained output with its tokenizer)")
+    if args.output_format != "bf16" and (args.fp8_opt_level == "none" or args.output is None):
+        parser.error(f"--output-format {args.output_format} writes the FP8 weights as trained: it needs --output DIR "
+                     "and an FP8 --fp8-opt-level (O1, O2 or O3); at none write --output-format bf16")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     from megatron.training.monitoring.output_paths import output_path_problem  # the check pretrain_gpt.py makes

@@ -11,7 +11,7 @@ import torch
 from .data import load_jsonl, split_heldout
 from .demo import demo_rows, resolve_model
 from .export import save_bf16
-from .runtime import JsonLog, Runtime, clip, fp8_setup, load_model, lr_lambda, teardown
+from .runtime import JsonLog, Runtime, clip, fp8_setup, load_model, lr_lambda, serving_checkpoint, teardown
 
 __all__ = ['load_task', 'training_setup', 'optimizer_step', 'nonfinite', 'finish']
 
@@ -32,7 +32,8 @@ def training_setup(model, args: argparse.Namespace, rt: Runtime):
     """AdamW on ``model`` through :func:`fp8_setup`, and the warm-up + cosine scheduler on the optimizer it returns:
     ``(train_model, model, optimizer, scheduler)``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    train_model, model, optimizer = fp8_setup(model, optimizer, args, rt)
+    fp8_checkpoint = args.model if serving_checkpoint(args.model) else None  # its FP8 bytes taken as stored
+    train_model, model, optimizer = fp8_setup(model, optimizer, args, rt, fp8_checkpoint)
     inner = getattr(optimizer, "optimizer", optimizer)
     return train_model, model, optimizer, torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args))
 
@@ -61,8 +62,16 @@ def nonfinite(loss_value: float, step: int, log: JsonLog) -> bool:
 
 
 def finish(model, optimizer, tokenizer, args: argparse.Namespace, rt: Runtime, log: JsonLog) -> int:
-    """``--output`` (BF16, from the masters), then the log closed and the process group torn down."""
-    if args.output is not None:
+    """``--output`` (BF16 from the masters, or ``--output-format``'s FP8 serving format: the FP8 weights as trained),
+    then the log closed and the process group torn down."""
+    if args.output is not None and args.output_format != "bf16":
+        if rt.main:
+            import fp8
+
+            report = fp8.export_fp8(model, args.output, args.output_format, tokenizer=tokenizer)
+            log.print(f"wrote {args.output} ({args.output_format}: {len(report.fp8_weights)} FP8 weights as trained, "
+                      f"{report.bytes_on_disk:,} bytes on disk)")
+    elif args.output is not None:
         save_bf16(model, optimizer, tokenizer, args.output, args.fp8_opt_level, rt)
         log.print(f"wrote {args.output} (BF16, transformers)")
     log.close()

@@ -14,7 +14,7 @@ import torch
 
 from .data import DataError, prepare_tokenizer
 
-__all__ = ['Runtime', 'setup_runtime', 'teardown', 'load_model', 'fp8_setup', 'lr_lambda', 'clip', 'batches', 'all_mean', 'global_sum', 'weights_checksums', 'JsonLog', 'master_state']
+__all__ = ['Runtime', 'setup_runtime', 'teardown', 'serving_checkpoint', 'load_model', 'fp8_setup', 'lr_lambda', 'clip', 'batches', 'all_mean', 'global_sum', 'weights_checksums', 'JsonLog', 'master_state']
 
 
 @dataclass
@@ -66,27 +66,50 @@ def teardown(rt: Runtime) -> None:
         dist.destroy_process_group()
 
 
+def serving_checkpoint(path: Path | None) -> bool:
+    """Whether ``path`` is an FP8 serving checkpoint (``config.json``'s ``quantization_config`` names
+    compressed-tensors or ``fp8``: :func:`fp8.export_fp8`'s formats, docs/serving.md)."""
+    if path is None or not (Path(path) / "config.json").is_file():
+        return False
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") in ("compressed-tensors", "fp8")
+
+
 def load_model(path: Path, device: torch.device):
-    """The model (fp32, train mode) and its tokenizer (pad = EOS when missing)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model (fp32, train mode) and its tokenizer (pad = EOS when missing). An FP8 serving checkpoint
+    (:func:`serving_checkpoint`) is built from its config and takes its FP8 weights' exact values
+    (:func:`fp8.import_fp8`; :func:`fp8_setup` then takes their bytes at the FP8 levels)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(str(path)))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    if serving_checkpoint(path):
+        import fp8
+
+        config = AutoConfig.from_pretrained(str(path))
+        del config.quantization_config  # the model is built in high precision; the weights come from the file
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fp8.import_fp8(model, path)
+        model = model.to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
     model.config.use_cache = False
     return model, tokenizer
 
 
-def fp8_setup(model, optimizer, args: argparse.Namespace, rt: Runtime):
+def fp8_setup(model, optimizer, args: argparse.Namespace, rt: Runtime, fp8_checkpoint: Path | None = None):
     """``fp8.initialize`` at ``--fp8-opt-level``/``--recipe``, then, with several ranks,
-    ``fp8.distributed.DistributedDataParallel`` (O3: reducing each gradient to its owner). Returns
-    ``(train_model, model, optimizer)``: ``train_model`` is the (wrapped) module to call, ``model`` the
-    unwrapped one."""
+    ``fp8.distributed.DistributedDataParallel`` (O3: reducing each gradient to its owner). ``fp8_checkpoint``: the FP8
+    serving checkpoint the model came from, whose E4M3 weights and scales the FP8 model then takes as stored, the
+    masters set from them (:func:`fp8.import_fp8`: no round trip). Returns ``(train_model, model, optimizer)``:
+    ``train_model`` is the (wrapped) module to call, ``model`` the unwrapped one."""
     import fp8
 
     config = fp8.Float8LinearConfig(grad_accumulation=args.fp8_grad_accumulation)
     model, optimizer = fp8.initialize(model, optimizer, args.fp8_opt_level, recipe=args.recipe, config=config,
                                       fp8_embeddings=args.fp8_embeddings and args.fp8_opt_level != "none",
                                       min_fp8_dim=args.fp8_min_dim)
+    if fp8_checkpoint is not None and args.fp8_opt_level != "none":
+        fp8.import_fp8(model, fp8_checkpoint, optimizer)
     train_model = model
     if rt.distributed:
         train_model = fp8.distributed.DistributedDataParallel(
