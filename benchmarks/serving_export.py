@@ -5,8 +5,8 @@ against the FP8 model, and the import round trip (docs/serving.md).
 
 The model: a transformers Llama in bf16 (4 layers, hidden 512, 8 heads, 4 KV heads, MLP 1536, vocabulary 4096,
 untied embeddings: every width a multiple of 128, so the ``blockwise`` recipe runs on every linear, the LM head
-included), trained ``--steps`` AdamW steps (lr 1e-3) at O2 on a synthetic language (each token's successor a fixed
-random permutation) per recipe, then:
+included; it is exported in bf16, as serving engines hold it), trained ``--steps`` AdamW steps (lr 1e-3) at O2 on a
+synthetic language (each token's successor a fixed random permutation) per recipe, then:
 
 - exported with :func:`fp8.export.export_fp8` in each format; ``bytes on disk`` (the safetensors file) beside the
   bf16 export of the same model (``save_pretrained`` of :func:`high_precision_state_dict`);
@@ -130,6 +130,7 @@ def run(steps: int) -> list[dict]:
                     "payload_bytes": report.payload_bytes, "scale_bytes": report.scale_bytes,
                     "high_precision_bytes": report.high_precision_bytes,
                     "fp8_weights": n_fp8, "payload_bit_equal": n_fp8 - len(report.requantized),
+                    "dequantized": report.dequantized,
                     "requantized": len(report.requantized),
                     "requantized_values_changed": sum(c for _, c in report.requantized.values()),
                     "requantized_max_error": max(errors, default=0.0),

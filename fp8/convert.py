@@ -140,7 +140,9 @@ def float8_linear_from_conv1d(conv: nn.Module, config: Float8LinearConfig | None
     master = nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
     in_features, out_features = weight.shape
     view = SimpleNamespace(in_features=in_features, out_features=out_features, weight=master, bias=conv.bias)
-    return Float8Linear.from_linear(view, config, input_casts), master
+    linear = Float8Linear.from_linear(view, config, input_casts)
+    linear.stored_transposed = True  # its model stores this weight (in, out): no FP8 serving format loads it so
+    return linear, master
 
 
 def _experts_skip_reason(fqn: str, module: nn.Module, filter_fn: ModuleFilter | None, use_count: Counter,

@@ -183,7 +183,9 @@ class ExportReport:
     the FP8 linears (``fp8_weights``: name -> strategy), ``payload_bytes`` and ``scale_bytes`` of their E4M3 weights
     and multipliers, ``high_precision`` (the other tensors' names, in ``dtype``) and their bytes, ``ignored`` (linears
     left in high precision, as the config lists them), ``requantized`` (the FP8 weights whose bytes are not the trained
-    ones: name -> (largest change over the weight's amax, values changed)) and ``parameters`` (elements written)."""
+    ones: name -> (largest change over the weight's amax, values changed)), ``dequantized`` (FP8 layers written in high
+    precision with their exact values, as serving engines hold them: :func:`export_fp8`) and ``parameters`` (elements
+    written)."""
 
     directory: Path
     format: str
@@ -196,6 +198,7 @@ class ExportReport:
     high_precision_bytes: int = 0
     ignored: list[str] = field(default_factory=list)
     requantized: dict[str, tuple[float, int]] = field(default_factory=dict)
+    dequantized: list[str] = field(default_factory=list)
     parameters: int = 0
 
     @property
@@ -369,6 +372,44 @@ def write_fp8_checkpoint(directory: str | os.PathLike, format: str, weights: dic
     return report
 
 
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+"""Linears serving engines fuse into one (vLLM's ``qkv_proj``, ``gate_up_proj``, Mixtral's ``w13``): siblings under one
+parent module with these names must share one precision and one scale strategy."""
+
+
+def _fused_groups(names) -> list[list[str]]:
+    """The groups of :data:`FUSED_SIBLINGS` among module ``names`` (two members or more)."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in sorted(names):
+        parent, _, leaf = name.rpartition(".")
+        for i, siblings in enumerate(FUSED_SIBLINGS):
+            if leaf in siblings:
+                groups.setdefault((parent, i), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _group_strategies(format: str, weights: dict[str, torch.Tensor], groups: list[list[str]]) -> dict[str, str]:
+    """Each FP8 weight's strategy: its recipe's layout (:func:`_format_strategy`), made one per fused group: the one
+    that re-quantizes the fewest of the group's weights (a tensor-wise scale written to every block or row of its
+    group's finer layout is exact), the finer on a tie."""
+    out = {name: _format_strategy(format, w) for name, w in weights.items()}
+    for group in groups:
+        members = [n for n in group if n in weights]
+        if len({out[n] for n in members}) > 1:
+            order = ("block", "channel", "tensor")
+            best = min(order, key=lambda s: (sum(serving_weight(weights[n], s).requantized for n in members),
+                                             order.index(s)))
+            out.update({n: best for n in members})
+    return out
+
+
+def _output_layer(model: nn.Module) -> str | None:
+    """The name of ``model``'s output layer (transformers' ``get_output_embeddings()``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
+
+
 @torch.no_grad()
 def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "compressed-tensors", *, config=None,
                tokenizer=None, dtype: torch.dtype | None = None, conv1d: Iterable[str] = (),
@@ -378,17 +419,22 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
     index) holding each FP8 linear's E4M3 weight and scales as it trained with, every other parameter and persistent
     buffer in ``dtype`` (default: the model's), and ``config.json``: ``config`` (a transformers ``PretrainedConfig`` or
     a dict; default the model's ``config`` attribute, as transformers models have) with the ``quantization_config``
-    serving engines read. ``tokenizer``: saved beside it (``save_pretrained``). Returns an :class:`ExportReport`
-    (bytes, strategies, what was re-quantized).
+    serving engines read and ``dtype``. ``tokenizer``: saved beside it (``save_pretrained``). Returns an
+    :class:`ExportReport` (bytes, strategies, what was re-quantized or dequantized).
+
+    What serving engines hold in high precision is written so, with its exact values (``report.dequantized``): the
+    output layer (vLLM's LM head is not a quantized linear), and the FP8 members of a fused group (q/k/v, gate/up:
+    :data:`FUSED_SIBLINGS`) whose other members trained in high precision. Fused members in FP8 share one strategy.
 
     transformers models load the directory with ``AutoModelForCausalLM.from_pretrained`` (``compressed-tensors``
     needs the ``compressed-tensors`` package), vLLM and SGLang serve it. Refused, naming the fix: a model without FP8
-    linears, a sharded (FSDP2) model, FP8 MoE experts (not yet exported), linears converted from transformers
-    ``Conv1D`` (``conv1d``: their names, :func:`fp8.integrations.transformers.conv1d_names`; GPT-2's layout has no
-    FP8 serving format), an unknown format."""
+    linears, a sharded (FSDP2) model, experts of a class without a known layout (:data:`EXPERT_LAYOUTS`), linears
+    converted from transformers ``Conv1D`` (GPT-2's layout has no FP8 serving format; ``conv1d`` names more of them),
+    an unknown format."""
     _check_format(format)
     fp8_linears, plain = _linears(model)
-    conv = sorted(set(conv1d) & set(fp8_linears))
+    conv = sorted((set(conv1d) & set(fp8_linears)) | {n for n, m in fp8_linears.items()
+                                                       if getattr(m, "stored_transposed", False)})
     if conv:
         raise ValueError(f"{conv[0]} (and {len(conv) - 1} more) were transformers Conv1D layers (GPT-2's (in, out) "
                          "weights): no serving format loads them as FP8 linears; write the high-precision export "
@@ -396,24 +442,20 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
     config_dict = _config_dict(config if config is not None else getattr(model, "config", None))
     dtype = dtype or _model_dtype(model)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
-    fp8_keys = {f"{name}.weight": name for name in fp8_linears}
-    weights: dict[str, ServingWeight] = {}
+    fp8_keys = {f"{name}.weight" for name in fp8_linears}
+    candidates: dict[str, torch.Tensor] = {name: m.weight for name, m in fp8_linears.items()}
     high: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Float8Experts) or is_fused_experts(m)}
     fused_keys = {f"{name}.{p}" for name in experts for p in ("gate_up_proj", "down_proj")}
     expert_ignored: list[str] = []
     for name, module in experts.items():  # per expert, in the layout serving engines read
-        fp8_parts, hp_parts = _expert_weights(name, module, format, dtype)
-        weights.update(fp8_parts)
+        fp8_parts, hp_parts = _expert_weights(name, module, dtype)
+        candidates.update(fp8_parts)
         high.update(hp_parts)
         expert_ignored += [k.removesuffix(".weight") for k in hp_parts]
     for key, value in model.state_dict(keep_vars=True).items():
-        if any(key.startswith(prefix) for prefix in scaling) or key in fused_keys:
-            continue
-        name = fp8_keys.get(key)
-        if name is not None:
-            weights[name] = serving_weight(value, _format_strategy(format, value))
+        if any(key.startswith(prefix) for prefix in scaling) or key in fused_keys or key in fp8_keys:
             continue
         if isinstance(value, Float8Tensor):  # FP8 embeddings: dequantized (E4M3 values are exact in bf16 and fp32)
             value = value.dequantize(dtype)
@@ -423,36 +465,50 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
         seen.add(tied)
         value = value.detach()
         high[key] = value.to(dtype) if value.is_floating_point() else value
+    dequantized = []
+    output = _output_layer(model)
+    mixed = [n for g in _fused_groups(set(candidates) | set(plain)) if any(m not in candidates for m in g)
+             for n in g if n in candidates]
+    for name in ([output] if output in candidates else []) + mixed:  # served in high precision: exact values
+        high[f"{name}.weight"] = candidates.pop(name).dequantize(dtype)
+        dequantized.append(name)
+    strategies = _group_strategies(format, candidates, _fused_groups(candidates))
+    weights = {name: serving_weight(w, strategies[name]) for name, w in candidates.items()}
     ignored = [name for name in plain if f"{name}.weight" in high or _is_tied(model, f"{name}.weight")]
     routers = [f"{name.rsplit('.', 1)[0]}.gate" for name in experts if "." in name]
-    ignored += expert_ignored + [r for r in routers if f"{r}.weight" in high]  # MoE routers: not nn.Linear
+    ignored += dequantized + expert_ignored + [r for r in routers if f"{r}.weight" in high]  # routers: not nn.Linear
     renames = _block_renames(experts)
     if renames:
         weights = {_renamed(k, renames): v for k, v in weights.items()}
         high = {_renamed(k, renames): v for k, v in high.items()}
         ignored = [_renamed(k, renames) for k in ignored]
-    return write_fp8_checkpoint(directory, format, weights, high, ignored, config_dict, tokenizer, max_shard_bytes)
+        dequantized = [_renamed(k, renames) for k in dequantized]
+    if config_dict:
+        config_dict["dtype"] = str(dtype).removeprefix("torch.")  # what the high-precision tensors are written in
+        config_dict.pop("torch_dtype", None)
+    report = write_fp8_checkpoint(directory, format, weights, high, ignored, config_dict, tokenizer, max_shard_bytes)
+    report.dequantized = dequantized
+    return report
 
 
-def _expert_weights(name: str, module: nn.Module, format: str, dtype: torch.dtype
-                    ) -> tuple[dict[str, ServingWeight], dict[str, torch.Tensor]]:
-    """One experts module's projections per expert (:data:`EXPERT_LAYOUTS`): ``{experts}.{e}.{proj}`` -> the FP8 weight
-    in the format's strategy (a :class:`fp8.Float8Experts`: each expert's gate/up rows share its fused projection's
-    tensor-wise scale, so both halves keep their bytes), or ``{experts}.{e}.{proj}.weight`` -> the high-precision
-    weight in ``dtype`` (experts left in high precision, listed as not quantized)."""
+def _expert_weights(name: str, module: nn.Module, dtype: torch.dtype
+                    ) -> tuple[dict[str, Float8Tensor], dict[str, torch.Tensor]]:
+    """One experts module's projections per expert (:data:`EXPERT_LAYOUTS`): ``{experts}.{e}.{proj}`` -> its FP8 weight
+    (a :class:`fp8.Float8Experts`: each expert's gate and up rows keep their fused projection's tensor-wise scale, so
+    both halves keep their bytes), or ``{experts}.{e}.{proj}.weight`` -> the high-precision weight in ``dtype``
+    (experts left in high precision, listed as not quantized)."""
     kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
     gate, up, down = EXPERT_LAYOUTS[kind][1]
-    fp8_parts: dict[str, ServingWeight] = {}
+    fp8_parts: dict[str, Float8Tensor] = {}
     hp_parts: dict[str, torch.Tensor] = {}
     if isinstance(module, Float8Experts):
         inter = module.intermediate_dim
         for e, (gate_up, down_weight) in enumerate(zip(module.gate_up, module.down)):
             w = gate_up.weight
             for proj, rows in ((gate, slice(0, inter)), (up, slice(inter, 2 * inter))):
-                part = Float8Tensor(w.payload[rows].contiguous(), w.scale.clone(), w.dtype, block=w.block)
-                fp8_parts[f"{name}.{e}.{proj}"] = serving_weight(part, _format_strategy(format, part))
-            fp8_parts[f"{name}.{e}.{down}"] = serving_weight(down_weight.weight,
-                                                            _format_strategy(format, down_weight.weight))
+                fp8_parts[f"{name}.{e}.{proj}"] = Float8Tensor(w.payload[rows].contiguous(), w.scale.clone(), w.dtype,
+                                                               block=w.block)
+            fp8_parts[f"{name}.{e}.{down}"] = down_weight.weight
         return fp8_parts, hp_parts
     inter = module.down_proj.shape[-1]
     for e, (gate_up, down_weight) in enumerate(zip(module.gate_up_proj.detach(), module.down_proj.detach())):
@@ -543,8 +599,7 @@ def _file_weight(qc: dict, tensors: dict, key: str) -> tuple[torch.Tensor, torch
 def _held_scale(scale_inv: torch.Tensor, strategy: str, held, shape: tuple[int, int]) -> torch.Tensor | None:
     """The weight's scale grid (blocks ``held``) from the file's multipliers when each held block has one of them in it,
     else None (the weight is then re-quantized)."""
-    per_element = scale_inv.reshape(()).expand(shape) if strategy == "tensor" else expand_scales(
-        scale_inv, _strategy_block(strategy), shape)
+    per_element = _multipliers(scale_inv, strategy, shape)
     if is_tensorwise(held):
         first = per_element[:1, :1].reshape(())
         return first.reciprocal() if bool((per_element == first).all()) else None
@@ -593,11 +648,18 @@ def _set_masters(optimizer, model: nn.Module) -> int:
     return count
 
 
+def _multipliers(scale_inv: torch.Tensor, strategy: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The multiplier of every element (``strategy`` ``"element"``: ``scale_inv`` already is)."""
+    if strategy == "element":
+        return scale_inv
+    if strategy == "tensor":
+        return scale_inv.reshape(()).expand(shape)
+    return expand_scales(scale_inv, _strategy_block(strategy), shape)
+
+
 def _exact_value(payload: torch.Tensor, scale_inv: torch.Tensor, strategy: str) -> torch.Tensor:
     """The fp32 value of a file's FP8 weight: payload times the multiplier of its block."""
-    per_element = (scale_inv.reshape(()) if strategy == "tensor" else
-                   expand_scales(scale_inv, _strategy_block(strategy), tuple(payload.shape)))
-    return payload.to(torch.float32) * per_element
+    return payload.to(torch.float32) * _multipliers(scale_inv, strategy, tuple(payload.shape))
 
 
 def _load_into(weight: Float8Tensor, payload: torch.Tensor, scale_inv: torch.Tensor, strategy: str) -> bool:
@@ -619,19 +681,10 @@ def _load_into(weight: Float8Tensor, payload: torch.Tensor, scale_inv: torch.Ten
 
 
 def _stack_rows(parts: list[tuple[torch.Tensor, torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Gate and up projections of one expert, stacked into its fused ``gate_up`` rows: one tensor-wise multiplier when
-    both have the same one, else per output channel (each row keeps its multiplier)."""
+    """Gate and up projections of one expert, stacked into its fused ``gate_up`` rows, with the multiplier of every
+    element (strategy ``"element"``): :func:`_load_into` keeps the bytes when one scale covers them all."""
     payload = torch.cat([p for p, _, _ in parts])
-    invs = [i for _, i, _ in parts]
-    if all(st == "tensor" for _, _, st in parts) and all(torch.equal(invs[0], i) for i in invs):
-        return payload, invs[0], "tensor"
-    rows = []
-    for p, inv, st in parts:
-        if st == "block":
-            return payload, torch.cat([expand_scales(inv, _strategy_block(st), tuple(p.shape))
-                                       for p, inv, st in parts]), "element"
-        rows.append(inv.reshape(1, 1).expand(p.shape[0], 1) if st == "tensor" else inv.reshape(-1, 1))
-    return payload, torch.cat(rows), "channel"
+    return payload, torch.cat([_multipliers(inv, st, tuple(p.shape)) for p, inv, st in parts]), "element"
 
 
 @torch.no_grad()
@@ -673,6 +726,9 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
     fused_keys = set()
     for name, module in experts.items():
         kind = module.source_type if isinstance(module, Float8Experts) else type(module).__name__
+        if kind not in EXPERT_LAYOUTS:
+            raise ValueError(f"{name}: experts module {kind} has no known checkpoint layout (known: "
+                             f"{', '.join(EXPERT_LAYOUTS)}); load this model with from_pretrained instead")
         gate, up, down = EXPERT_LAYOUTS[kind][1]
         fused_keys |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
         n = module.num_experts if isinstance(module, Float8Experts) else module.gate_up_proj.shape[0]
@@ -691,12 +747,7 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
             if any(p is None for p in parts):
                 continue
             try:
-                payload, inv, strategy = _stack_rows(parts[:2])
-                if strategy == "element":  # block multipliers: value per element, re-quantized into the fused weight
-                    module.gate_up[e].weight.copy_(payload.to(torch.float32) * inv)
-                    exact_gate_up = False
-                else:
-                    exact_gate_up = _load_into(module.gate_up[e].weight, payload, inv, strategy)
+                exact_gate_up = _load_into(module.gate_up[e].weight, *_stack_rows(parts[:2]))
                 exact_down = _load_into(module.down[e].weight, *parts[2])
             except ValueError as error:
                 raise ValueError(f"{name}, expert {e}: {error}") from None
@@ -712,6 +763,11 @@ def import_fp8(model: nn.Module, directory: str | os.PathLike, optimizer=None, *
             continue
         file_key = _renamed(key, renames)
         if key in fp8_keys:
+            if file_key in tensors and tensors[file_key].dtype != _E4M3:  # high precision in the file (a bf16 head)
+                value.copy_(tensors[file_key].to(torch.float32))  # re-quantized into the recipe's blocks
+                used.add(file_key)
+                report.requantized[fp8_keys[key]] = "high precision in the file"
+                continue
             stored = fp8_weight(file_key)
             if stored is None:
                 continue

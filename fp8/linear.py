@@ -543,6 +543,7 @@ class Float8Linear(nn.Module):
             self.register_parameter("bias", None)
         self.input_scaling = ScalingState(self.config.input, device=weight.device)
         self.grad_output_scaling = ScalingState(self.config.grad_output, device=weight.device)
+        self.stored_transposed = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Float8LinearConfig | None = None,
@@ -563,6 +564,7 @@ class Float8Linear(nn.Module):
         new.bias = linear.bias
         new.input_scaling = ScalingState(new.config.input, device=weight.device)
         new.grad_output_scaling = ScalingState(new.config.grad_output, device=weight.device)
+        new.stored_transposed = False  # True when converted from a transformers Conv1D ((in, out) in its model)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

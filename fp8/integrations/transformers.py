@@ -334,7 +334,8 @@ class FP8TrainerMixin:
         """Write the trained model to ``output_dir`` in a serving format with its FP8 weights as trained
         (:func:`fp8.export.export_fp8`: ``"compressed-tensors"`` or ``"fp8-block"``; vLLM, SGLang and transformers load
         it), with the model's config and the trainer's tokenizer (``processing_class``). Returns the
-        :class:`fp8.export.ExportReport`. Call it after ``train()`` (the model is FP8 from then on)."""
+        :class:`fp8.export.ExportReport` (None on processes that do not save). Call it after ``train()`` (the model is
+        FP8 from then on)."""
         from ..export import export_fp8
 
         if not self.fp8_enabled:
@@ -344,8 +345,12 @@ class FP8TrainerMixin:
             raise ValueError("export_fp8: the model is not FP8 yet (fp8.initialize runs when train() creates the "
                              "optimizer): call trainer.train() first")
         kwargs.setdefault("tokenizer", self.processing_class)
-        return export_fp8(self.accelerator.unwrap_model(self.model), output_dir, format, conv1d=self._fp8_conv1d,
-                          **kwargs)
+        report = None
+        if self.args.should_save:  # one process writes (the others would race on the same files)
+            report = export_fp8(self.accelerator.unwrap_model(self.model), output_dir, format,
+                                conv1d=self._fp8_conv1d, **kwargs)
+        self.accelerator.wait_for_everyone()
+        return report
 
 
 class FP8Trainer(FP8TrainerMixin, transformers.Trainer):

@@ -100,7 +100,10 @@ def test_exported_payloads_are_the_trained_bytes(models, tmp_path, recipe, fmt):
     report = export_fp8(model, tmp_path, fmt)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     linears = fp8_linears(model)
-    assert set(report.fp8_weights) == set(linears) and len(linears) == LAYERS * 7 + 1
+    assert len(linears) == LAYERS * 7 + 1  # the LM head too: serving engines hold it unquantized, its exact values
+    assert report.dequantized == ["lm_head"] and tensors["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(tensors["lm_head.weight"], linears.pop("lm_head").weight.dequantize(torch.float32))
+    assert set(report.fp8_weights) == set(linears) and "lm_head" in report.ignored
     requantized = recipe == "rowwise" and fmt == "fp8-block"  # per-row scales cannot share a 128x128 block's
     for name, module in linears.items():
         key = f"{name}.weight"
@@ -117,7 +120,8 @@ def test_exported_payloads_are_the_trained_bytes(models, tmp_path, recipe, fmt):
     if requantized:  # measured: a few of them lose bits (seeds 0-4: 2 to 4 of 14)
         assert any(changed for _, changed in report.requantized.values())
     strategies = set(report.fp8_weights.values())
-    expected = {"tensorwise": {"tensor"}, "rowwise": {"channel"}, "blockwise": {"block", "tensor"}}[recipe]
+    # blockwise: k/v (64 wide) run tensorwise, written as blocks with their q's (one fused qkv_proj in vLLM)
+    expected = {"tensorwise": {"tensor"}, "rowwise": {"channel"}, "blockwise": {"block"}}[recipe]
     assert strategies == ({"block"} if fmt == "fp8-block" else expected)
     # bytes on disk: 1 byte per FP8 weight element plus 4 per scale, the rest fp32 (this model's dtype)
     fp8_elements = sum(m.weight.numel() for m in linears.values())
@@ -155,15 +159,33 @@ def test_quantization_config_is_what_compressed_tensors_parses(models, tmp_path)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     parsed = ct.QuantizationConfig.model_validate(qc)
     assert parsed.format == "float-quantized" and parsed.quantization_status == "compressed"
-    schemes = {g.weights.strategy: g for g in parsed.config_groups.values()}
-    assert set(schemes) == {"block", "tensor"}
-    assert schemes["block"].weights.block_structure == [128, 128]
-    assert schemes["block"].input_activations.strategy == "group" and schemes["block"].input_activations.dynamic
-    assert schemes["tensor"].input_activations.strategy == "token"
-    assert all(g.weights.type == "float" and g.weights.num_bits == 8 for g in schemes.values())
-    # two strategies: each group names its layers; every FP8 linear is in exactly one group
-    named = [t for g in parsed.config_groups.values() for t in g.targets]
-    assert len(named) == len(fp8_linears(model)) and all(t.startswith("re:^") for t in named)
+    (group,) = parsed.config_groups.values()  # k/v's tensor-wise scales written as blocks: one scheme for qkv_proj
+    assert group.targets == ["Linear"] and parsed.ignore == ["lm_head"]
+    assert group.weights.strategy == "block" and group.weights.block_structure == [128, 128]
+    assert group.input_activations.strategy == "group" and group.input_activations.dynamic
+    assert group.weights.type == "float" and group.weights.num_bits == 8
+    # two strategies (rules mixing recipes): each group names its layers; every FP8 linear in exactly one group
+    qc2 = quantization_config("compressed-tensors", {"a.q_proj": "tensor", "a.o_proj": "channel"}, [])
+    parsed = ct.QuantizationConfig.model_validate(qc2)
+    assert sorted(t for g in parsed.config_groups.values() for t in g.targets) == [r"re:^a\.o_proj$",
+                                                                                 r"re:^a\.q_proj$"]
+    assert {g.input_activations.strategy for g in parsed.config_groups.values()} == {"token"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_fused_group_half_in_fp8_is_served_in_high_precision(tmp_path, fmt):
+    """q in FP8 beside k/v kept in high precision (min_fp8_dim: k/v are 64 wide): vLLM fuses them into one qkv_proj
+    of one precision, so q is written with its exact values and the three are listed as not quantized."""
+    model = tiny_llama()
+    model, _ = fp8.initialize(model, None, "O1", min_fp8_dim=100)
+    report = export_fp8(model, tmp_path, fmt)
+    qkv = [f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("q_proj", "k_proj", "v_proj")]
+    assert set(qkv) <= set(report.ignored) and not set(qkv) & set(report.fp8_weights)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj"
+    assert q in report.dequantized and torch.equal(tensors[f"{q}.weight"],
+                                                   model.get_submodule(q).weight.dequantize(torch.float32))
+    assert "model.layers.0.self_attn.o_proj" in report.fp8_weights  # not fused: still FP8
 
 
 def test_tied_and_high_precision_layers_are_listed_as_ignored(tmp_path):
@@ -192,10 +214,14 @@ def test_import_round_trip_is_bit_exact_and_trains_on(models, tmp_path, level, f
     model = tiny_llama(seed=3)  # other weights: everything must come from the file
     model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), level, recipe=recipe)
     report = import_fp8(model, tmp_path / "a", optimizer)
-    assert sorted(report.exact) == sorted(fp8_linears(source)) and not report.requantized
+    assert sorted(report.exact) == sorted(set(fp8_linears(source)) - {"lm_head"})
+    assert report.requantized == {"lm_head": "high precision in the file"}  # the head is served in high precision
     assert report.masters >= len(fp8_linears(source))
     for name, module in fp8_linears(model).items():
         theirs = fp8_linears(source)[name].weight
+        if name == "lm_head":  # its exact values, re-quantized with a current power-of-two scale
+            assert torch.equal(module.weight.dequantize(torch.float32), theirs.dequantize(torch.float32))
+            continue
         assert torch.equal(module.weight.payload.view(torch.uint8), theirs.payload.view(torch.uint8))
         assert torch.equal(module.weight.scale, theirs.scale)
     x = tokens(5)
@@ -230,7 +256,7 @@ def test_import_into_a_high_precision_model_takes_the_exact_values(models, tmp_p
     export_fp8(source, tmp_path, fmt)
     plain = tiny_llama(seed=8)
     report = import_fp8(plain, tmp_path)
-    assert sorted(k.removesuffix(".weight") for k in report.dequantized) == sorted(fp8_linears(source))
+    assert sorted(k.removesuffix(".weight") for k in report.dequantized) == sorted(set(fp8_linears(source)) - {"lm_head"})
     for name, module in fp8_linears(source).items():
         assert torch.equal(plain.get_submodule(name).weight, module.weight.dequantize(torch.float32)), name
     x = tokens(4)
@@ -326,6 +352,10 @@ def test_bad_input_is_refused_naming_the_fix(tmp_path):
         export_fp8(model, tmp_path / "file")
     with pytest.raises(ValueError, match="Conv1D"):
         export_fp8(model, tmp_path / "x", conv1d=["model.layers.0.mlp.up_proj"])
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=VOCAB))
+    gpt2, _ = fp8.initialize(gpt2, None, "O1")  # its Conv1D layers became Float8Linear: refused without being named
+    with pytest.raises(ValueError, match="were transformers Conv1D layers"):
+        export_fp8(gpt2, tmp_path / "gpt2")
     with pytest.raises(ValueError, match="no config.json"):
         import_fp8(model, tmp_path)
     export_fp8(model, tmp_path / "ok")
@@ -347,12 +377,12 @@ def _moe(kind: str):
     common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2, vocab_size=VOCAB)
     if kind == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=128, num_local_experts=4, **common)
+        config = transformers.MixtralConfig(intermediate_size=256, num_local_experts=4, **common)
     elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=128, num_experts=4,
+        config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=256, num_experts=4,
                                              shared_expert_intermediate_size=128, **common)
-    else:
-        config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=128, num_experts=4,
+    else:  # experts 256 wide: several 128x128 blocks per projection
+        config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=256, num_experts=4,
                                              head_dim=32, **common)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
@@ -407,7 +437,8 @@ def test_moe_experts_are_exported_per_expert_in_the_checkpoint_layout(tmp_path, 
     fresh = transformers.AutoModelForCausalLM.from_config(_moe(kind).config)
     fresh, fresh_optimizer = fp8.initialize(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR), "O1")
     imported = import_fp8(fresh, tmp_path / "fp8", fresh_optimizer)
-    assert not imported.requantized and len(imported.exact) == len(report.fp8_weights) - 4 * LAYERS  # gate+up fused
+    assert report.dequantized == ["lm_head"] and set(imported.requantized) == {"lm_head"}  # served in high precision
+    assert len(imported.exact) == len(report.fp8_weights) - 4 * LAYERS  # each expert's gate and up: one fused weight
     export_fp8(fresh, tmp_path / "again", fmt)
     again = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert again.keys() == tensors.keys()

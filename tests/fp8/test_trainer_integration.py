@@ -179,6 +179,8 @@ def test_export_fp8_writes_the_trained_fp8_weights_for_serving(tmp_path, runs, f
     report = trainer.export_fp8(str(tmp_path / "served"), fmt)
     saved = load_file(str(tmp_path / "served" / "model.safetensors"))
     linears = {n: m for n, m in trainer.model.named_modules() if isinstance(m, fp8.Float8Linear)}
+    assert report.dequantized == ["lm_head"]  # served unquantized: its exact values
+    assert torch.equal(saved["lm_head.weight"], linears.pop("lm_head").weight.dequantize(torch.float32))
     assert set(report.fp8_weights) == set(linears) and not report.requantized
     for name, module in linears.items():
         assert torch.equal(saved[f"{name}.weight"].view(torch.uint8), module.weight.payload.view(torch.uint8)), name

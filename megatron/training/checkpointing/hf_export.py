@@ -371,6 +371,9 @@ def export_hf_fp8(checkpoint: str | os.PathLike, outdir: str | os.PathLike, form
     fp8_weights, high = {}, {}
     for key, value in hf_values.items():
         scale = hf_scales[key]
+        if key == "lm_head.weight" and value.dtype == torch.uint8:  # serving engines hold the LM head unquantized
+            high[key] = (value.view(fp8_dtype).to(torch.float32) / scale).to(dtype).contiguous()
+            continue
         if key.endswith(".weight") and value.dtype == torch.uint8 and scale.numel() and bool((scale > 0).all()):
             fp8_weights[key.removesuffix(".weight")] = Float8Tensor(value.contiguous().view(fp8_dtype),
                                                                     scale.contiguous(), torch.float32, block=(1, 1))

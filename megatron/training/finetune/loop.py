@@ -68,7 +68,7 @@ def finish(model, optimizer, tokenizer, args: argparse.Namespace, rt: Runtime, l
         if rt.main:
             import fp8
 
-            report = fp8.export_fp8(model, args.output, args.output_format, tokenizer=tokenizer)
+            report = fp8.export_fp8(model, args.output, args.output_format, tokenizer=tokenizer, dtype=torch.bfloat16)
             log.print(f"wrote {args.output} ({args.output_format}: {len(report.fp8_weights)} FP8 weights as trained, "
                       f"{report.bytes_on_disk:,} bytes on disk)")
     elif args.output is not None:
