@@ -57,14 +57,12 @@ def _batch(generator: torch.Generator, perm: torch.Tensor, n: int = 8) -> torch.
 
 
 def _logits(model, x, high_precision_forward=False):
-    import fp8
+    from contextlib import nullcontext
 
-    fp8.set_high_precision_forward(model, high_precision_forward)
-    try:
-        with torch.no_grad():
-            return model(input_ids=x).logits.float()
-    finally:
-        fp8.set_high_precision_forward(model, False)
+    from fp8.convert import high_precision_forward as high_precision
+
+    with torch.no_grad(), (high_precision(model) if high_precision_forward else nullcontext()):
+        return model(input_ids=x).logits.float()
 
 
 def _rel(a, b) -> float:

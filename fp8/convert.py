@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ from .linear import Float8Linear, Float8LinearConfig, InputCasts
 from .moe import Float8Experts, experts_problem, is_fused_experts
 from .precision_rules import PrecisionPlan, parse_precision_rules
 
-__all__ = ["ConvertedLinear", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+__all__ = ["ConvertedLinear", "high_precision_forward", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
            "announce_fp8_selection", "fp8_selection_message", "ModuleFilter", "PLAIN_LINEAR_FORWARDS",
            "linear_subclass_problem", "set_high_precision_forward"]
@@ -381,3 +382,18 @@ def set_high_precision_forward(model: nn.Module, enabled: bool = True) -> int:
                 setattr(module, name, replace(value, high_precision_forward=enabled))
                 changed += 1
     return changed
+
+
+@contextmanager
+def high_precision_forward(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every FP8 linear of ``model`` runs its forward GEMM in high precision on its weight's values
+    (:func:`set_high_precision_forward`): the FP8 model's weights without its activation casts, e.g. to compare a
+    served or shadow model with it. Each config is put back as it was at the end."""
+    held = [(module, name, value) for module in model.modules() for name, value in list(vars(module).items())
+            if isinstance(value, Float8LinearConfig)]
+    set_high_precision_forward(model, True)
+    try:
+        yield model
+    finally:
+        for module, name, value in held:
+            setattr(module, name, value)

@@ -10,6 +10,7 @@ with at least 2x headroom over the largest value measured.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import fp8  # noqa: E402
 from fp8.blocks import expand_scales  # noqa: E402
+from fp8.convert import high_precision_forward as high_precision  # noqa: E402
 from fp8.export import (FORMATS, SERVING_BLOCK, export_fp8, import_fp8, quantization_config,  # noqa: E402
                         serving_weight)
 
@@ -64,12 +66,8 @@ def fp8_linears(model) -> dict[str, fp8.Float8Linear]:
 
 
 def logits(model, x, high_precision_forward: bool = False) -> torch.Tensor:
-    fp8.set_high_precision_forward(model, high_precision_forward)
-    try:
-        with torch.no_grad():
-            return model(input_ids=x).logits.float()
-    finally:
-        fp8.set_high_precision_forward(model, False)
+    with torch.no_grad(), (high_precision(model) if high_precision_forward else nullcontext()):
+        return model(input_ids=x).logits.float()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
