@@ -271,3 +271,24 @@ def test_fp8_export_is_refused_for_gpt2_and_high_precision_runs(exported, tmp_pa
     assert proc.returncode == 2 and "drop --format safetensors" in proc.stderr
     proc = _convert("--fp8-format", "fp8-block", str(exported["root"] / "llama_O2"), str(tmp_path / "d.safetensors"))
     assert proc.returncode == 2 and "add --quantization fp8" in proc.stderr
+
+
+def test_fp8_debug_ranks_the_layers_of_a_checkpoint(exported, tmp_path):
+    """``tools/fp8_debug.py`` on a TP2 pretrain_gpt.py checkpoint (through the single-process conversion) and on its
+    FP8 export: every FP8 linear ranked, none past the default threshold (exit 0); a threshold every layer passes names
+    the first in forward order (exit 1); a missing checkpoint is one line (exit 2)."""
+    save = exported["root"] / "llama_tp2_O2"
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "tools/fp8_debug.py", str(save), "--json", str(out)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert len(report["layers"]) == 2 * 7 and report["first_bad"] is None
+    assert all(0 < layer["error"] < report["threshold"] for layer in report["layers"])
+    _check(_convert("--quantization", "fp8", str(save), str(tmp_path / "fp8")))
+    proc = subprocess.run([sys.executable, "tools/fp8_debug.py", str(tmp_path / "fp8"), "--threshold", "1e-6"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "first bad layer (forward order): model.layers.0.self_attn.q_proj" in proc.stdout
+    proc = subprocess.run([sys.executable, "tools/fp8_debug.py", str(tmp_path / "missing")], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "does not exist" in proc.stderr
