@@ -28,6 +28,9 @@ written as NaN (``0x7F``), never saturated, so a non-finite value reaches the gr
 - :func:`mx_scales`: an MXFP8 operand's scale grid as the swizzled E8M0 scales ``F.scaled_mm`` reads (one pass);
   :func:`mx_mm` the MXFP8 GEMM's reference on them (the CPU's ``gemm_backend="scaled_mm"``; CUDA runs ``F.scaled_mm``).
 - :func:`block_mm`: the block-scaled FP8 GEMM (Triton on CUDA; its per-K-block fp32 reference elsewhere).
+- :func:`segment_amax`, :func:`segment_cast`, :func:`segment_sum`: the FSDP2 FP8 reduce-scatter
+  (:mod:`fp8.distributed.fsdp`): a buffer whose columns are runs of several FP8 weights' gradients, each weight its
+  own scale: the amaxes per weight, the cast into the all-to-all buffer, and the received rows summed and unscaled.
 
 Transposes are padded: ``data_t`` is ``(N, ceil(M / pad) * pad)`` with zeros past column ``M`` (``pad`` 1: none), so
 a weight-gradient GEMM summing over ``M`` tokens gets a K that ``torch._scaled_mm`` takes whatever the token count.
@@ -47,7 +50,7 @@ from .formats import get_format
 __all__ = [
     "power_of_two_scale", "amax", "cast_transpose", "cast_transpose_from_amax", "quantize_rows", "quantize_cols_t", "quantize_tiles",
     "transpose_fp8", "transpose_fp8_into_", "scaled_fp16", "apply_scales", "update_scales_", "block_mm", "padded", "TILE",
-    "mx_scales", "mx_mm", "quantize_mx",
+    "mx_scales", "mx_mm", "quantize_mx", "segment_amax", "segment_cast", "segment_sum",
     "FP16_MAX", "FP16_HEADROOM_BITS",
 ]
 
@@ -389,6 +392,56 @@ def _(received, chunks, scale_inv, out_dtype):
     return received.new_empty((received.shape[0] // chunks, *received.shape[1:]), dtype=out_dtype)
 
 
+# -- per-segment scaling (the FSDP2 FP8 reduce-scatter: each FP8 weight a run of columns) ---------------------------
+@custom_op("fp8lm::segment_amax", mutates_args=())
+def segment_amax(x: Tensor, segments: Tensor, n_segments: int) -> Tensor:
+    """``[amax of segment 0, ..., amax of segment S-1, non-finite flag]`` (fp32, ``S + 1``) of 2-D ``x`` whose column
+    ``c`` belongs to segment ``segments[c]`` (int32): each segment's largest finite magnitude over all rows (0 when
+    none), and 1.0 when any value of ``x`` is inf or NaN. One read of ``x``."""
+    values = x.to(torch.float32).abs()
+    column = values.nan_to_num(nan=0.0, posinf=0.0).amax(dim=0) if x.shape[0] else values.new_zeros(x.shape[1])
+    out = torch.zeros(n_segments + 1, dtype=torch.float32, device=x.device)
+    out[:n_segments] = out[:n_segments].scatter_reduce(0, segments.to(torch.int64), column, "amax")
+    out[n_segments] = (~torch.isfinite(values)).any().to(torch.float32) if x.numel() else 0.0
+    return out
+
+
+@segment_amax.register_fake
+def _(x, segments, n_segments):
+    return x.new_empty((n_segments + 1,), dtype=torch.float32)
+
+
+@custom_op("fp8lm::segment_cast", mutates_args=())
+def segment_cast(x: Tensor, segments: Tensor, amax: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """``(payload, scale_inv)``: 2-D ``x`` cast to ``fmt``, each column with its segment's power-of-two scale from
+    ``amax`` (:func:`segment_amax`'s, agreed over ranks: ``S`` amaxes then the flag) and ``scale_inv`` (fp32, ``S``);
+    non-finite values written as NaN. One read of ``x``."""
+    f = get_format(fmt)
+    scale = power_of_two_scale(amax[:-1], f.max)
+    values = x.to(torch.float32)
+    data = _encode(values * scale[segments.to(torch.int64)], torch.isfinite(values), f)
+    return data, scale.reciprocal()
+
+
+@segment_cast.register_fake
+def _(x, segments, amax, fmt):
+    return x.new_empty(x.shape, dtype=get_format(fmt).dtype), amax.new_empty((amax.shape[0] - 1,))
+
+
+@custom_op("fp8lm::segment_sum", mutates_args=())
+def segment_sum(received: Tensor, segments: Tensor, scale_inv: Tensor, amax: Tensor, divisor: float) -> Tensor:
+    """fp32 ``(C,)``: the rows of ``received`` (FP8, ``(R, C)``: the ranks' contributions) decoded, summed in row
+    order in fp32, times their segment's ``scale_inv``, over ``divisor`` (the number of ranks for a mean, else 1);
+    all NaN when ``amax``'s flag (its last element) is set. One read of ``received``."""
+    total = received.to(torch.float32).sum(dim=0) * scale_inv[segments.to(torch.int64)] / divisor
+    return torch.where(amax[-1] > 0, torch.full_like(total, float("nan")), total)
+
+
+@segment_sum.register_fake
+def _(received, segments, scale_inv, amax, divisor):
+    return received.new_empty((received.shape[1],), dtype=torch.float32)
+
+
 # -- delayed scaling: every state's step closed at once ---------------------------------------------------------------
 @custom_op("fp8lm::update_scales_", mutates_args=("histories", "scales", "has_history"))
 def update_scales_(histories: list[Tensor], scales: list[Tensor], has_history: list[Tensor], fmaxes: list[float],
@@ -571,6 +624,21 @@ def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype):
 @sum_chunks.register_kernel("cuda")
 def _(received, chunks, scale_inv, out_dtype):
     return _triton().launch_sum_chunks(received, chunks, scale_inv, out_dtype)
+
+
+@segment_amax.register_kernel("cuda")
+def _(x, segments, n_segments):
+    return _triton().launch_segment_amax(x, segments, n_segments)
+
+
+@segment_cast.register_kernel("cuda")
+def _(x, segments, amax, fmt):
+    return _triton().launch_segment_cast(x, segments, amax, get_format(fmt).dtype)
+
+
+@segment_sum.register_kernel("cuda")
+def _(received, segments, scale_inv, amax, divisor):
+    return _triton().launch_segment_sum(received, segments, scale_inv, amax, divisor)
 
 
 @transpose_fp8_into_.register_kernel("cuda")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import ops
 from ..comm import Collectives, CommBytesCounter
 from ..formats import E4M3
 from ..embedding import Float8Embedding
@@ -133,7 +134,7 @@ class CountedAllGather:
 class ReduceScatterLayout:
     """One FSDP2 unit's reduce-scatter buffer as :func:`fp8_reduce_scatter` reads it: each parameter's elements per
     rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``): each parameter is one run of columns
-    of the buffer's rows. The per-weight lengths tensor is made once per device (:meth:`fp8_lengths`), so a
+    of the buffer's rows. The column-to-weight table is made once per device (:meth:`fp8_segments`), so a
     reduce-scatter copies nothing from the host."""
 
     def __init__(self, lengths: list[int], fp8: list[bool]) -> None:
@@ -145,11 +146,14 @@ class ReduceScatterLayout:
         self.width = sum(self.lengths)
         self._lengths_on: dict[str, torch.Tensor] = {}
 
-    def fp8_lengths(self, device: torch.device) -> torch.Tensor:
-        """The FP8 weights' lengths as a device tensor (``segment_reduce``, ``repeat_interleave``), made once."""
+    def fp8_segments(self, device: torch.device) -> torch.Tensor:
+        """The FP8 weight (0, 1, ...) each column of the FP8 runs side by side belongs to, an int32 device tensor
+        (:func:`fp8.ops.segment_amax` and its siblings), made once per device."""
         t = self._lengths_on.get(str(device))
         if t is None:
-            t = self._lengths_on[str(device)] = torch.tensor([n for _, n in self.fp8_runs], device=device)
+            lengths = torch.tensor([n for _, n in self.fp8_runs])
+            t = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths).to(device)
+            self._lengths_on[str(device)] = t
         return t
 
 
@@ -236,20 +240,13 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
         comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
         _write_runs(out, layout.high_runs, reduced)
     xf = _runs(x, layout.fp8_runs, not layout.high_runs)
-    fp8_lengths = layout.fp8_lengths(x.device)
-    columns = xf.shape[1]
-    column_amax = xf.abs().to(torch.float32).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
-    nonfinite = torch.isfinite(xf).all().logical_not().to(torch.float32).reshape(1)
-    agreed = torch.cat([torch.segment_reduce(column_amax, "max", lengths=fp8_lengths), nonfinite])
+    segments = layout.fp8_segments(x.device)
+    agreed = ops.segment_amax(xf, segments, len(layout.fp8_runs))  # one read: every weight's amax, and the flag
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="fsdp fp8 grad amax").wait()
-    scale = power_of_two_scale(agreed[:-1], E4M3.max)
-    column_scale = torch.repeat_interleave(scale, fp8_lengths, output_size=columns)
-    payload = (xf.to(torch.float32) * column_scale).clamp(-E4M3.max, E4M3.max).to(E4M3.dtype)
+    payload, scale_inv = ops.segment_cast(xf, segments, agreed, "e4m3")  # one read, written where it is sent from
     received = torch.empty_like(payload)
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
-    divisor = column_scale * world if average else column_scale
-    result = received.to(torch.float32).sum(dim=0) / divisor
-    result = torch.where(agreed[-1] > 0, float("nan"), result).to(out.dtype)
+    result = ops.segment_sum(received, segments, scale_inv, agreed, float(world) if average else 1.0)
     _write_runs(out, layout.fp8_runs, result)
 
 

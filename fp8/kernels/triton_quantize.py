@@ -605,3 +605,96 @@ def launch_mx_scales(grid, rows, repeat):
     _mx_scales_kernel[(max(1, triton.cdiv(total, block)),)](g, out, rows, kb, g.stride(0), g.stride(1), repeat,
                                                            k_tiles, total, BLOCK=block)
     return out.view(torch.float8_e8m0fnu)
+
+
+# -- per-segment scaling: the FSDP2 FP8 reduce-scatter (fp8.ops.segment_amax / segment_cast / segment_sum) ------------
+@triton.jit
+def _segment_amax_kernel(x_ptr, seg_ptr, out_ptr, R, C, stride_r, N_SEG, IN_FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns [pid * BLOCK, +BLOCK): their finite amax over the R rows, max-ed into their segment's slot (atomic), and
+    the non-finite flag into slot N_SEG."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(R):
+        v = tl.abs(decode_to_f32(tl.load(x_ptr + r * stride_r + cols, mask=mask, other=0), IN_FMT))
+        finite = v <= 3.4028234663852886e38
+        amax = tl.maximum(amax, tl.where(finite, v, 0.0))
+        bad = tl.maximum(bad, tl.where(finite, 0.0, 1.0))
+    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+    tl.atomic_max(out_ptr + seg, amax, mask=mask)
+    tl.atomic_max(out_ptr + N_SEG + tl.zeros([BLOCK], dtype=tl.int32), bad, mask=mask)
+
+
+def launch_segment_amax(x, segments, n_segments):
+    x = x.contiguous()
+    out = torch.zeros(n_segments + 1, dtype=torch.float32, device=x.device)
+    rows, cols = x.shape
+    block = 512
+    if cols:
+        _segment_amax_kernel[(triton.cdiv(cols, block),)](
+            payload_view(x), segments.to(torch.int32), out, rows, cols, x.stride(0), n_segments,
+            IN_FMT=format_code(x.dtype), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _segment_cast_kernel(x_ptr, seg_ptr, amax_ptr, data_ptr, inv_ptr, C, stride_r, IN_FMT: tl.constexpr,
+                         OUT_FMT: tl.constexpr, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Row pid(0), columns [pid(1) * BLOCK, +BLOCK): cast with their segment's scale; row 0 also writes each column's
+    segment scale_inv (the same value from every column of a segment)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+    scale = pow2_scale(tl.load(amax_ptr + seg, mask=mask, other=0.0), FMAX, 0, 1.0)
+    v = decode_to_f32(tl.load(x_ptr + row * stride_r + cols, mask=mask, other=0), IN_FMT)
+    y = tl.minimum(tl.maximum(v * scale, -FMAX), FMAX)
+    y = tl.where(tl.abs(v) <= 3.4028234663852886e38, y, float("nan"))  # inf and NaN written as NaN
+    tl.store(data_ptr + row * C + cols, encode_f32(y, OUT_FMT), mask=mask)
+    if row == 0:
+        tl.store(inv_ptr + seg, 1.0 / scale, mask=mask)
+
+
+def launch_segment_cast(x, segments, amax, fmt_dtype):
+    x = x.contiguous()
+    rows, cols = x.shape
+    data = torch.empty((rows, cols), dtype=fmt_dtype, device=x.device)
+    inv = torch.empty(amax.shape[0] - 1, dtype=torch.float32, device=x.device)
+    block = 1024
+    if rows and cols:
+        _segment_cast_kernel[(rows, triton.cdiv(cols, block))](
+            payload_view(x), segments.to(torch.int32), amax.to(torch.float32), payload_view(data), inv, cols,
+            x.stride(0), IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype],
+            BLOCK=block)
+    return data, inv
+
+
+@triton.jit
+def _segment_sum_kernel(src_ptr, seg_ptr, inv_ptr, amax_ptr, out_ptr, R, C, N_SEG, divisor, IN_FMT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Columns [pid * BLOCK, +BLOCK): the R rows decoded and summed in row order, times the segment's scale_inv, over
+    ``divisor``; NaN when the flag is set."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < C
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(R):
+        acc += decode_to_f32(tl.load(src_ptr + r * C + cols, mask=mask, other=0), IN_FMT)
+    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+    acc = acc * tl.load(inv_ptr + seg, mask=mask, other=1.0)
+    acc = tl.math.div_rn(acc, tl.zeros_like(acc) + divisor)
+    flag = tl.load(amax_ptr + N_SEG)
+    acc = tl.where(flag > 0, float("nan"), acc)
+    tl.store(out_ptr + cols, acc, mask=mask)
+
+
+def launch_segment_sum(received, segments, scale_inv, amax, divisor):
+    received = received.contiguous()
+    rows, cols = received.shape
+    out = torch.empty(cols, dtype=torch.float32, device=received.device)
+    block = 1024
+    if cols:
+        _segment_sum_kernel[(triton.cdiv(cols, block),)](
+            payload_view(received), segments.to(torch.int32), scale_inv.to(torch.float32), amax.to(torch.float32),
+            out, rows, cols, amax.shape[0] - 1, float(divisor), IN_FMT=format_code(received.dtype), BLOCK=block)
+    return out

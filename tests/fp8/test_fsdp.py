@@ -284,6 +284,30 @@ def test_fp8_reduce_scatter_scales_each_fp8_weight_and_keeps_high_precision_exac
     assert torch.isnan(out[:136]).all() and torch.isnan(out[168:]).all()  # the step is skipped on every rank
 
 
+def test_fp8_reduce_scatter_is_three_fused_kernels_besides_its_copies(gen):
+    """Counted at the dispatcher (each op a GPU launch): per unit and backward, the FP8 weights' amaxes, the cast into
+    the all-to-all buffer and the unscaled sum are one custom op each (fp8.ops.segment_*: torch reference on CPU,
+    Triton on CUDA); the rest is gathering the FP8 and high-precision runs of columns and writing them back (was 51
+    launches, 23 full-size passes, before the ops)."""
+    import torch.distributed as dist
+    from fp8.distributed.fsdp import ReduceScatterLayout, fp8_reduce_scatter
+    from fp8.launches import LaunchCounter
+
+    lengths, fp8 = [4096, 64, 4096, 64, 8192], [True, False, True, False, True]  # three weights, two norms
+    layout = ReduceScatterLayout(lengths, fp8)
+    x = torch.randn(sum(lengths), generator=gen)
+    out = torch.empty_like(x)
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.AVG, layout)  # the segment table made once
+    with LaunchCounter(full_size=4096) as counter:
+        fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.AVG, layout)
+    fused = {op: n for op, n in counter.by_op.items() if op.startswith("fp8lm.")}
+    assert fused == {"fp8lm.segment_amax.default": 1, "fp8lm.segment_cast.default": 1, "fp8lm.segment_sum.default": 1}
+    # besides them: the input's clone, the two gathers of runs (cat), the two stand-in collectives' copies, the
+    # high-precision runs and the FP8 runs written back (one multi-tensor copy each)
+    assert counter.launches <= 10, counter.by_op
+    assert counter.full_size_passes <= 10, counter.by_op
+
+
 def test_an_unsharded_model_is_unaffected_by_the_follower():
     import fp8
     from fp8.testing import GPTConfig, TinyGPT
