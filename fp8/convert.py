@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from .embedding import Float8Embedding, embedding_problem
@@ -28,7 +29,7 @@ from .linear import Float8Linear, Float8LinearConfig, InputCasts
 from .moe import Float8Experts, experts_problem, is_fused_experts
 from .precision_rules import PrecisionPlan, parse_precision_rules
 
-__all__ = ["ConvertedLinear", "high_precision_forward", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
+__all__ = ["ConvertedLinear", "high_precision_forward", "layer_precisions", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
            "announce_fp8_selection", "fp8_selection_message", "ModuleFilter", "PLAIN_LINEAR_FORWARDS",
            "linear_subclass_problem", "set_high_precision_forward"]
@@ -397,3 +398,26 @@ def high_precision_forward(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for module, name, value in held:
             setattr(module, name, value)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def layer_precisions(model: nn.Module) -> dict[str, str]:
+    """Each linear of ``model`` by module name with its current setting: ``"fp8:<recipe>"`` for an FP8 linear
+    (:class:`fp8.Float8Linear`, fp8's parallel linears, :class:`fp8.Float8Experts`; ``"fp8:<recipe>:high-precision-
+    forward"`` while its forward GEMM runs in high precision, :func:`set_high_precision_forward`), else the dtype its
+    weight computes in (``"bf16"``, ``"fp32"``, ``"fp16"``) for a high-precision linear (``nn.Linear`` and other modules
+    named ``*Linear`` holding a 2-D weight, transformers' ``Conv1D``), in ``named_modules()`` order."""
+    out = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, Float8LinearConfig) and isinstance(module, (Float8Linear, Float8Experts)) or \
+                isinstance(config, Float8LinearConfig) and type(module).__name__.endswith("Linear"):
+            out[name] = f"fp8:{config.recipe}" + (":high-precision-forward" if config.high_precision_forward else "")
+            continue
+        weight = getattr(module, "weight", None)
+        linear = isinstance(module, nn.Linear) or is_conv1d(module) or type(module).__name__.endswith("Linear")
+        if linear and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point():
+            out[name] = _DTYPE_NAMES.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+    return out

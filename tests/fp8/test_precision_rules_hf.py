@@ -83,3 +83,21 @@ def test_an_optimizer_precision_is_still_the_optimizer_s(seed):
     model, opt = fp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", min_fp8_dim=0,
                                 optimizer_precision=OptimizerPrecision(exp_avg="fp16"))
     assert _fp8_layers(model) and opt.precision.exp_avg == "fp16"
+
+
+def test_layer_precisions_names_each_linears_current_setting():
+    """``fp8.layer_precisions``: "fp8:<recipe>" per FP8 linear (a layer too narrow for blockwise runs tensorwise),
+    the dtype of a high-precision one (a rule's, a tied head, GPT-2's unconverted Conv1D), and the high-precision
+    forward while it is switched on."""
+    rules = [{"pattern": "*.mlp.down_proj", "precision": "bf16"}]
+    model, _ = fp8.initialize(_llama(0).to(torch.bfloat16), None, "O1", recipe="blockwise", precision=rules)
+    settings = fp8.layer_precisions(model)
+    assert settings["model.layers.0.mlp.down_proj"] == "bf16" and settings["model.layers.1.mlp.down_proj"] == "bf16"
+    assert settings["model.layers.0.self_attn.q_proj"] == "fp8:tensorwise"  # 64 wide: below blockwise's 128
+    assert len(settings) == 2 * 7 + 1 and settings["lm_head"] in ("fp8:tensorwise", "bf16")
+    with fp8.convert.high_precision_forward(model):
+        assert fp8.layer_precisions(model)["model.layers.1.self_attn.o_proj"] == "fp8:tensorwise:high-precision-forward"
+    assert fp8.layer_precisions(model) == settings
+    gpt2, _ = fp8.initialize(_gpt2(0), None, "O1", module_filter_fn=lambda m, name: "c_fc" not in name)
+    settings = fp8.layer_precisions(gpt2)
+    assert settings["transformer.h.0.mlp.c_fc"] == "fp32" and settings["transformer.h.0.attn.c_attn"] == "fp8:tensorwise"
