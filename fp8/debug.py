@@ -9,6 +9,8 @@ are local (its own inputs), so a bad layer is not hidden behind the error it sen
 
 - ``forward_error``: ``||y - y_shadow|| / ||y_shadow||`` (relative Frobenius);
 - ``input_grad_error``: ``||dX - dX_shadow|| / ||dX_shadow||``;
+- non-finite values: an error is inf when the layer's inputs are finite and its FP8 result is not (its weight or its
+  casts made the inf/NaN: ranked first), NaN when its inputs already were not (the fault is upstream: ranked last);
 - ``saturated`` / ``flush_to_zero``: the fractions of the layer's input and output-gradient values the FP8 casts clamp
   to the format's largest value or round to zero (tensorwise casts: the per-row and per-tile recipes scale each
   block from its own amax and are not observed, NaN).
@@ -18,7 +20,8 @@ The report ranks the layers by their larger error, and names the first layer in 
 64-wide projection from E5M2 output gradients, whose 2 mantissa bits round each value by up to 2^-3; tensorwise,
 rowwise and blockwise recipes, 5 seeds, ``tests/fp8/test_debug.py``), and a layer whose input saturates measures
 0.84 to 0.92. The model's scaling
-state (amax histories, scales), its statistics hooks and its parameters' gradients are as they were after the call.
+state (amax histories, scales, written back in place, and their host-side flags), its statistics hooks and its parameters'
+gradients are as they were after the call.
 ``tools/fp8_debug.py`` runs it on a ``pretrain_gpt.py`` checkpoint (any layout) or an FP8 serving export.
 """
 
@@ -87,17 +90,30 @@ class DebugReport:
                 "layers": [{**e.__dict__, "error": e.error} for e in self.layers]}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    denom = float(b.norm())
-    return float((a - b).norm()) / denom if denom > 0 else (0.0 if float(a.norm()) == 0 else math.inf)
+def _rel(got: torch.Tensor, ref: torch.Tensor, inputs_finite: bool) -> float:
+    """``||got - ref|| / ||ref||`` in float64; NaN when the layer's inputs (``x``, or ``dY``) are not finite (the fault
+    is upstream: not this layer's), inf when they are but its result or its shadow is not (its own weight or cast made
+    the inf/NaN)."""
+    if not inputs_finite:
+        return math.nan
+    if not bool(torch.isfinite(got).all()) or not bool(torch.isfinite(ref).all()):
+        return math.inf
+    denom = float(ref.norm())
+    return float((got - ref).norm()) / denom if denom > 0 else (0.0 if float(got.norm()) == 0 else math.inf)
+
+
+_STATE_ATTRS = ("history_confirmed", "_history_probe", "_seed_base", "_seed_calls", "stats")
 
 
 def find_first_bad_layer(model: nn.Module, run: Callable[[nn.Module], torch.Tensor],
                          threshold: float = DEFAULT_THRESHOLD) -> DebugReport:
     """Run ``run(model)`` (one batch: it returns the scalar loss; its backward runs here) and rank ``model``'s FP8
     linears against their high-precision shadow (module docstring). ``model``: an :func:`fp8.initialize` model (any
-    level; its optimizer is not needed). Returns a :class:`DebugReport`; the model's scaling state, statistics hooks and
-    gradients are left as they were."""
+    level; its optimizer is not needed), not wrapped for data parallelism (the backward here would reduce gradients).
+    A linear called several times in the forward reports its worst call. An error is NaN when the layer's own operands
+    are not finite (the fault is upstream) and inf when they are but its FP8 result is not. Returns a
+    :class:`DebugReport`; the model's scaling state (buffers written back in place, the host-side flags too),
+    statistics hooks and gradients are left as they were."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     if not linears:
         raise ValueError("the model holds no FP8 linear (fp8.Float8Linear): call fp8.initialize(model, None, 'O1') "
@@ -105,37 +121,54 @@ def find_first_bad_layer(model: nn.Module, run: Callable[[nn.Module], torch.Tens
     if not threshold > 0:
         raise ValueError(f"threshold must be positive, got {threshold}")
     states = [m for m in model.modules() if isinstance(m, ScalingState)]
-    saved_states = [{k: v.clone() for k, v in s.state_dict().items()} for s in states]
-    saved_hooks = [s.stats for s in states]
+    saved_buffers = [[(b, b.detach().clone()) for b in s.buffers()] for s in states]
+    saved_attrs = [{a: getattr(s, a) for a in _STATE_ATTRS if hasattr(s, a)} for s in states]
     saved_grads = {p: p.grad for p in model.parameters()}
-    captured: dict[str, dict[str, torch.Tensor]] = {name: {} for name in linears}
+    forward_errors: dict[str, list[float]] = {name: [] for name in linears}
+    grad_errors: dict[str, list[float]] = {name: [] for name in linears}
     order: list[str] = []
 
-    def pre(name):
-        def hook(module, args):
-            captured[name]["x"] = args[0].detach()
-            if name not in order:
-                order.append(name)
-        return hook
+    def weight_of(module) -> torch.Tensor:
+        return module.weight.dequantize(torch.float64)
 
     def post(name):
+        # Each call measured at once (an output modified in place later changes nothing); the backward node of this
+        # call hooked directly (no wrapping of the layer's tensors: in-place users and shared input casts unchanged).
         def hook(module, args, output):
-            captured[name]["y"] = output.detach()
+            if name not in order:
+                order.append(name)
+            with torch.no_grad():
+                w = weight_of(module)
+                x = args[0].detach().reshape(-1, w.shape[1]).double()
+                ref = x @ w.t()
+                if module.bias is not None:
+                    ref = ref + module.bias.detach().double()
+                forward_errors[name].append(_rel(output.detach().reshape(-1, w.shape[0]).double(), ref,
+                                                 bool(torch.isfinite(x).all())))
+            node = output.grad_fn
+            if node is not None:
+                def on_backward(grad_inputs, grad_outputs):
+                    if grad_inputs[0] is None or grad_outputs[0] is None:
+                        return
+                    with torch.no_grad():  # the weight again (not held from the forward: 8 bytes per element)
+                        wb = weight_of(module)
+                        dy = grad_outputs[0].detach().reshape(-1, wb.shape[0]).double()
+                        grad_errors[name].append(_rel(grad_inputs[0].detach().reshape(-1, wb.shape[1]).double(),
+                                                      dy @ wb, bool(torch.isfinite(dy).all())))
+                node.register_hook(on_backward)
         return hook
 
-    def backward(name):
-        def hook(module, grad_input, grad_output):
-            captured[name]["dY"] = grad_output[0].detach()
-            if grad_input[0] is not None:
-                captured[name]["dX"] = grad_input[0].detach()
-        return hook
+    def worst(values: list[float]) -> float:
+        if any(v == math.inf for v in values):
+            return math.inf
+        finite = [v for v in values if not math.isnan(v)]
+        return max(finite) if finite else math.nan
 
     handles = []
     stats = FP8Statistics(model, 1)
     try:
         for name, m in linears.items():
-            handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name)),
-                        m.register_full_backward_hook(backward(name))]
+            handles.append(m.register_forward_hook(post(name)))
         for p in model.parameters():
             p.grad = None
         stats.begin_step(1)
@@ -146,27 +179,19 @@ def find_first_bad_layer(model: nn.Module, run: Callable[[nn.Module], torch.Tens
     finally:
         for h in handles:
             h.remove()
-        for s, values, hook in zip(states, saved_states, saved_hooks):
-            s.load_state_dict(values)
-            s.stats = hook
+        with torch.no_grad():
+            for buffers, attrs, s in zip(saved_buffers, saved_attrs, states):
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+                for attr, value in attrs.items():
+                    setattr(s, attr, value)
         for p, g in saved_grads.items():
             p.grad = g
     report = DebugReport(threshold=threshold)
     for name in order:
-        module, got = linears[name], captured[name]
-        with torch.no_grad():
-            w = module.weight.dequantize(torch.float64)
-            x = got["x"].reshape(-1, w.shape[1]).double()
-            y_ref = x @ w.t()
-            if module.bias is not None:
-                y_ref = y_ref + module.bias.detach().double()
-            forward = _rel(got["y"].reshape(-1, w.shape[0]).double(), y_ref)
-            grad = math.nan
-            if "dY" in got and "dX" in got:
-                grad = _rel(got["dX"].reshape(-1, w.shape[1]).double(), got["dY"].reshape(-1, w.shape[0]).double() @ w)
         sites = observed.get(name, {})
         report.layers.append(LayerError(
-            name, order.index(name), forward, grad,
+            name, order.index(name), worst(forward_errors[name]), worst(grad_errors[name]),
             sites.get("input", {}).get("saturated", math.nan), sites.get("input", {}).get("flush_to_zero", math.nan),
             sites.get("grad_output", {}).get("saturated", math.nan),
             sites.get("grad_output", {}).get("flush_to_zero", math.nan)))

@@ -56,7 +56,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["FORMATS", "SERVING_BLOCK", "ServingWeight", "ExportReport", "ImportReport", "serving_weight",
-           "quantization_config", "write_fp8_checkpoint", "export_fp8", "import_fp8", "read_fp8_checkpoint"]
+           "quantization_config", "write_fp8_checkpoint", "export_problem", "export_fp8", "import_fp8", "read_fp8_checkpoint"]
 
 FORMATS = ("compressed-tensors", "fp8-block")
 """The serving formats :func:`export_fp8` writes and :func:`import_fp8` reads."""
@@ -229,6 +229,20 @@ def _linears(model: nn.Module) -> tuple[dict[str, Float8Linear], list[str]]:
         raise ValueError("the model holds no FP8 linear (fp8.Float8Linear): call fp8.initialize(model, optimizer, "
                          "'O1'|'O2'|'O3') first; a model trained in high precision is exported with save_pretrained")
     return fp8, plain
+
+
+def export_problem(model: nn.Module) -> str | None:
+    """Why :func:`export_fp8` would refuse ``model`` (no FP8 layer, Conv1D-converted linears, a sharded model, experts
+    without a known layout), naming the fix, or None: for callers that check before training."""
+    try:
+        fp8_linears, _ = _linears(model)
+    except ValueError as error:
+        return str(error)
+    conv = sorted(n for n, m in fp8_linears.items() if getattr(m, "stored_transposed", False))
+    if conv:
+        return (f"{conv[0]} (and {len(conv) - 1} more) were transformers Conv1D layers (GPT-2's (in, out) weights): no "
+                "serving format loads them as FP8 linears; write the high-precision export for this architecture")
+    return None
 
 
 def quantization_config(format: str, strategies: dict[str, str], ignored: list[str]) -> dict:

@@ -393,52 +393,60 @@ def _(received, chunks, scale_inv, out_dtype):
 
 
 # -- per-segment scaling (the FSDP2 FP8 reduce-scatter: each FP8 weight a run of columns) ---------------------------
+def _column_segments(offsets: Tensor, columns: int) -> Tensor:
+    """The segment of each of ``columns`` columns from the segments' start ``offsets`` (int64, ``S + 1``, the last the
+    column count): a per-column table made for the reference only (the kernels find it from ``offsets``)."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=columns)
+
+
 @custom_op("fp8lm::segment_amax", mutates_args=())
-def segment_amax(x: Tensor, segments: Tensor, n_segments: int) -> Tensor:
-    """``[amax of segment 0, ..., amax of segment S-1, non-finite flag]`` (fp32, ``S + 1``) of 2-D ``x`` whose column
-    ``c`` belongs to segment ``segments[c]`` (int32): each segment's largest finite magnitude over all rows (0 when
-    none), and 1.0 when any value of ``x`` is inf or NaN. One read of ``x``."""
+def segment_amax(x: Tensor, offsets: Tensor) -> Tensor:
+    """``[amax of segment 0, ..., amax of segment S-1, non-finite flag]`` (fp32, ``S + 1``) of 2-D ``x`` whose columns
+    ``offsets[s]`` to ``offsets[s + 1]`` form segment ``s`` (``offsets``: int64, ``S + 1``): each segment's largest
+    finite magnitude over all rows (0 when none), and 1.0 when any value of ``x`` is inf or NaN. One read of ``x``."""
+    n_segments = offsets.numel() - 1
     values = x.to(torch.float32).abs()
     column = values.nan_to_num(nan=0.0, posinf=0.0).amax(dim=0) if x.shape[0] else values.new_zeros(x.shape[1])
     out = torch.zeros(n_segments + 1, dtype=torch.float32, device=x.device)
-    out[:n_segments] = out[:n_segments].scatter_reduce(0, segments.to(torch.int64), column, "amax")
+    out[:n_segments] = out[:n_segments].scatter_reduce(0, _column_segments(offsets, x.shape[1]), column, "amax")
     out[n_segments] = (~torch.isfinite(values)).any().to(torch.float32) if x.numel() else 0.0
     return out
 
 
 @segment_amax.register_fake
-def _(x, segments, n_segments):
-    return x.new_empty((n_segments + 1,), dtype=torch.float32)
+def _(x, offsets):
+    return x.new_empty((offsets.shape[0],), dtype=torch.float32)
 
 
 @custom_op("fp8lm::segment_cast", mutates_args=())
-def segment_cast(x: Tensor, segments: Tensor, amax: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def segment_cast(x: Tensor, offsets: Tensor, amax: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     """``(payload, scale_inv)``: 2-D ``x`` cast to ``fmt``, each column with its segment's power-of-two scale from
     ``amax`` (:func:`segment_amax`'s, agreed over ranks: ``S`` amaxes then the flag) and ``scale_inv`` (fp32, ``S``);
     non-finite values written as NaN. One read of ``x``."""
     f = get_format(fmt)
     scale = power_of_two_scale(amax[:-1], f.max)
     values = x.to(torch.float32)
-    data = _encode(values * scale[segments.to(torch.int64)], torch.isfinite(values), f)
+    data = _encode(values * scale[_column_segments(offsets, x.shape[1])], torch.isfinite(values), f)
     return data, scale.reciprocal()
 
 
 @segment_cast.register_fake
-def _(x, segments, amax, fmt):
+def _(x, offsets, amax, fmt):
     return x.new_empty(x.shape, dtype=get_format(fmt).dtype), amax.new_empty((amax.shape[0] - 1,))
 
 
 @custom_op("fp8lm::segment_sum", mutates_args=())
-def segment_sum(received: Tensor, segments: Tensor, scale_inv: Tensor, amax: Tensor, divisor: float) -> Tensor:
+def segment_sum(received: Tensor, offsets: Tensor, scale_inv: Tensor, amax: Tensor, divisor: float) -> Tensor:
     """fp32 ``(C,)``: the rows of ``received`` (FP8, ``(R, C)``: the ranks' contributions) decoded, summed in row
     order in fp32, times their segment's ``scale_inv``, over ``divisor`` (the number of ranks for a mean, else 1);
     all NaN when ``amax``'s flag (its last element) is set. One read of ``received``."""
-    total = received.to(torch.float32).sum(dim=0) * scale_inv[segments.to(torch.int64)] / divisor
+    total = received.to(torch.float32).sum(dim=0) * scale_inv[_column_segments(offsets, received.shape[1])] / divisor
     return torch.where(amax[-1] > 0, torch.full_like(total, float("nan")), total)
 
 
 @segment_sum.register_fake
-def _(received, segments, scale_inv, amax, divisor):
+def _(received, offsets, scale_inv, amax, divisor):
     return received.new_empty((received.shape[1],), dtype=torch.float32)
 
 
@@ -627,18 +635,18 @@ def _(received, chunks, scale_inv, out_dtype):
 
 
 @segment_amax.register_kernel("cuda")
-def _(x, segments, n_segments):
-    return _triton().launch_segment_amax(x, segments, n_segments)
+def _(x, offsets):
+    return _triton().launch_segment_amax(x, offsets)
 
 
 @segment_cast.register_kernel("cuda")
-def _(x, segments, amax, fmt):
-    return _triton().launch_segment_cast(x, segments, amax, get_format(fmt).dtype)
+def _(x, offsets, amax, fmt):
+    return _triton().launch_segment_cast(x, offsets, amax, get_format(fmt).dtype)
 
 
 @segment_sum.register_kernel("cuda")
-def _(received, segments, scale_inv, amax, divisor):
-    return _triton().launch_segment_sum(received, segments, scale_inv, amax, divisor)
+def _(received, offsets, scale_inv, amax, divisor):
+    return _triton().launch_segment_sum(received, offsets, scale_inv, amax, divisor)
 
 
 @transpose_fp8_into_.register_kernel("cuda")

@@ -10,7 +10,9 @@ layout, Llama-style runs) or an FP8 serving export (``fp8.export_fp8``, ``tools/
 fp8``, or another tool's compressed-tensors / fp8 block checkpoint). A ``pretrain_gpt.py`` checkpoint goes through the
 single-process conversion first (``--quantization fp8``: its FP8 weights as trained, shards merged), then either is
 built as a transformers model, made FP8 (``fp8.initialize``, the run's ``--fp8-recipe`` or ``--recipe``) and given
-the checkpoint's E4M3 weights as stored (``fp8.import_fp8``). The batch: ``--batch-size`` sequences of
+the checkpoint's E4M3 weights as stored (``fp8.import_fp8``); the layers it holds in high precision (its ignore list)
+stay so, other settings of the run (formats, margin, amax history) are the engine's defaults. It runs on ``--device``
+(CUDA when available: its FP8 GEMMs; the CPU emulates them). The batch: ``--batch-size`` sequences of
 ``--seq-length`` tokens drawn uniformly from the vocabulary with ``--seed`` (the debugger compares FP8 with float64
 on the same operands, so any batch exercises every layer); activation scales are current (the checkpoint's amax
 histories are not used). Exit status 0 when no layer passes ``--threshold``, 1 when one does (its name printed),
@@ -33,7 +35,8 @@ import torch  # noqa: E402
 __all__ = ["load_fp8_model", "main"]
 
 
-def load_fp8_model(checkpoint: Path, iteration: int | None, recipe: str | None, workdir: Path):
+def load_fp8_model(checkpoint: Path, iteration: int | None, recipe: str | None, workdir: Path,
+                   device: str = "cpu"):
     """``(model, seq_length)``: the FP8 transformers model of ``checkpoint`` (module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,11 +66,16 @@ def load_fp8_model(checkpoint: Path, iteration: int | None, recipe: str | None, 
         raise ValueError(f"{checkpoint}: neither a pretrain_gpt.py checkpoint nor a serving export (no config.json): "
                          "pass a --save directory or an fp8.export_fp8 directory")
     config = AutoConfig.from_pretrained(str(served))
+    qc = config.quantization_config if isinstance(config.quantization_config, dict) else \
+        config.quantization_config.to_dict()
+    # the layers the checkpoint holds in high precision stay so: the debugger ranks what trained in FP8
+    kept = set(qc.get("ignore") or qc.get("modules_to_not_convert") or [])
     del config.quantization_config  # built in high precision, then made FP8: its weights come from the file
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model, _ = fp8.initialize(model, None, "O1", recipe=recipe or "tensorwise", min_fp8_dim=0)
+    model, _ = fp8.initialize(model, None, "O1", recipe=recipe or "tensorwise", min_fp8_dim=0,
+                              module_filter_fn=lambda module, name: name not in kept)
     fp8.import_fp8(model, served)
-    return model, seq_length or getattr(config, "max_position_embeddings", 128)
+    return model.to(device), seq_length or getattr(config, "max_position_embeddings", 128)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--iteration", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-length", type=int, default=None, help="default: the run's --seq-length (exports: 128 "
-                        "or the model's max_position_embeddings, the smaller)")
+    parser.add_argument("--seq-length", type=int, default=None, help="default: the run's --seq-length (exports: the "
+                        "model's max_position_embeddings), at most 128")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs (default: cuda when available: its FP8 GEMMs; the CPU emulates them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threshold", type=float, default=None, help="relative error of a bad layer (default "
                         "fp8.debug.DEFAULT_THRESHOLD)")
@@ -96,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{args.checkpoint} does not exist: pass a pretrain_gpt.py --save directory or an FP8 "
                              "serving export")
         with tempfile.TemporaryDirectory(prefix="fp8-debug-") as tmp:
-            model, seq_length = load_fp8_model(args.checkpoint, args.iteration, args.recipe, Path(tmp))
+            model, seq_length = load_fp8_model(args.checkpoint, args.iteration, args.recipe, Path(tmp), args.device)
     except (ValueError, OSError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     seq_length = args.seq_length or min(seq_length, 128)
     g = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, model.config.vocab_size, (args.batch_size, seq_length), generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch_size, seq_length), generator=g).to(args.device)
     report = find_first_bad_layer(model, lambda m: m(input_ids=tokens, labels=tokens).loss, threshold)
     print(report.table(args.top))
     if args.json is not None:

@@ -134,7 +134,7 @@ class CountedAllGather:
 class ReduceScatterLayout:
     """One FSDP2 unit's reduce-scatter buffer as :func:`fp8_reduce_scatter` reads it: each parameter's elements per
     rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``): each parameter is one run of columns
-    of the buffer's rows. The column-to-weight table is made once per device (:meth:`fp8_segments`), so a
+    of the buffer's rows. The FP8 weights' offsets are made once per device (:meth:`fp8_offsets`), so a
     reduce-scatter copies nothing from the host."""
 
     def __init__(self, lengths: list[int], fp8: list[bool]) -> None:
@@ -146,14 +146,15 @@ class ReduceScatterLayout:
         self.width = sum(self.lengths)
         self._lengths_on: dict[str, torch.Tensor] = {}
 
-    def fp8_segments(self, device: torch.device) -> torch.Tensor:
-        """The FP8 weight (0, 1, ...) each column of the FP8 runs side by side belongs to, an int32 device tensor
-        (:func:`fp8.ops.segment_amax` and its siblings), made once per device."""
+    def fp8_offsets(self, device: torch.device) -> torch.Tensor:
+        """Where each FP8 weight starts among the FP8 runs side by side, and their total (int64, one more than the
+        weights), a device tensor made once per device (:func:`fp8.ops.segment_amax` and its siblings)."""
         t = self._lengths_on.get(str(device))
         if t is None:
-            lengths = torch.tensor([n for _, n in self.fp8_runs])
-            t = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths).to(device)
-            self._lengths_on[str(device)] = t
+            starts = [0]
+            for _, n in self.fp8_runs:
+                starts.append(starts[-1] + n)
+            t = self._lengths_on[str(device)] = torch.tensor(starts, dtype=torch.int64, device=device)
         return t
 
 
@@ -240,13 +241,13 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
         comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
         _write_runs(out, layout.high_runs, reduced)
     xf = _runs(x, layout.fp8_runs, not layout.high_runs)
-    segments = layout.fp8_segments(x.device)
-    agreed = ops.segment_amax(xf, segments, len(layout.fp8_runs))  # one read: every weight's amax, and the flag
+    offsets = layout.fp8_offsets(x.device)
+    agreed = ops.segment_amax(xf, offsets)  # one read: every weight's amax, and the flag
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="fsdp fp8 grad amax").wait()
-    payload, scale_inv = ops.segment_cast(xf, segments, agreed, "e4m3")  # one read, written where it is sent from
+    payload, scale_inv = ops.segment_cast(xf, offsets, agreed, "e4m3")  # one read, written where it is sent from
     received = torch.empty_like(payload)
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
-    result = ops.segment_sum(received, segments, scale_inv, agreed, float(world) if average else 1.0)
+    result = ops.segment_sum(received, offsets, scale_inv, agreed, float(world) if average else 1.0)
     _write_runs(out, layout.fp8_runs, result)
 
 

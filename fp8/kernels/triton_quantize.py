@@ -563,7 +563,7 @@ def _sum_chunks_kernel(src_ptr, inv_ptr, out_ptr, n, CHUNKS: tl.constexpr, IN_FM
     mask = offs < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
-        acc += decode_to_f32(tl.load(src_ptr + c * n + offs, mask=mask, other=0), IN_FMT)
+        acc += decode_to_f32(tl.load(src_ptr + c * n.to(tl.int64) + offs, mask=mask, other=0), IN_FMT)
     acc = acc * tl.load(inv_ptr)
     tl.store(out_ptr + offs, encode_f32(acc, OUT_FMT), mask=mask)
 
@@ -609,78 +609,97 @@ def launch_mx_scales(grid, rows, repeat):
 
 # -- per-segment scaling: the FSDP2 FP8 reduce-scatter (fp8.ops.segment_amax / segment_cast / segment_sum) ------------
 @triton.jit
-def _segment_amax_kernel(x_ptr, seg_ptr, out_ptr, R, C, stride_r, N_SEG, IN_FMT: tl.constexpr, BLOCK: tl.constexpr):
-    """Columns [pid * BLOCK, +BLOCK): their finite amax over the R rows, max-ed into their segment's slot (atomic), and
-    the non-finite flag into slot N_SEG."""
+def _segment_of(cols, off_ptr, N_SEG):
+    """The segment of each column: how many segment starts after the first lie at or before it (a loop over the
+    unit's few FP8 weights instead of a per-column table)."""
+    seg = tl.zeros(cols.shape, dtype=tl.int32)
+    for j in range(1, N_SEG):
+        seg += (cols >= tl.load(off_ptr + j)).to(tl.int32)
+    return seg
+
+
+@triton.jit
+def _segment_amax_kernel(x_ptr, off_ptr, out_ptr, R, C, stride_r, N_SEG, IN_FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns [pid * BLOCK, +BLOCK): their finite amax over the R rows, max-ed into their segment's slot (atomic on
+    non-negative fp32), and the non-finite flag into slot N_SEG."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.float32)
+    row_ptr = x_ptr
     for r in range(R):
-        v = tl.abs(decode_to_f32(tl.load(x_ptr + r * stride_r + cols, mask=mask, other=0), IN_FMT))
+        v = tl.abs(decode_to_f32(tl.load(row_ptr + cols, mask=mask, other=0), IN_FMT))
         finite = v <= 3.4028234663852886e38
         amax = tl.maximum(amax, tl.where(finite, v, 0.0))
         bad = tl.maximum(bad, tl.where(finite, 0.0, 1.0))
-    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+        row_ptr += stride_r  # a pointer per row: no int32 product of row and stride
+    seg = _segment_of(cols, off_ptr, N_SEG)
     tl.atomic_max(out_ptr + seg, amax, mask=mask)
     tl.atomic_max(out_ptr + N_SEG + tl.zeros([BLOCK], dtype=tl.int32), bad, mask=mask)
 
 
-def launch_segment_amax(x, segments, n_segments):
+def launch_segment_amax(x, offsets):
     x = x.contiguous()
+    n_segments = offsets.numel() - 1
     out = torch.zeros(n_segments + 1, dtype=torch.float32, device=x.device)
     rows, cols = x.shape
     block = 512
     if cols:
         _segment_amax_kernel[(triton.cdiv(cols, block),)](
-            payload_view(x), segments.to(torch.int32), out, rows, cols, x.stride(0), n_segments,
-            IN_FMT=format_code(x.dtype), BLOCK=block)
+            payload_view(x), offsets, out, rows, cols, x.stride(0), n_segments, IN_FMT=format_code(x.dtype),
+            BLOCK=block)
     return out
 
 
 @triton.jit
-def _segment_cast_kernel(x_ptr, seg_ptr, amax_ptr, data_ptr, inv_ptr, C, stride_r, IN_FMT: tl.constexpr,
+def _segment_cast_kernel(x_ptr, off_ptr, amax_ptr, data_ptr, inv_ptr, R, C, stride_r, N_SEG, IN_FMT: tl.constexpr,
                          OUT_FMT: tl.constexpr, FMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Row pid(0), columns [pid(1) * BLOCK, +BLOCK): cast with their segment's scale; row 0 also writes each column's
-    segment scale_inv (the same value from every column of a segment)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < C
-    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+    """Columns [pid(0) * BLOCK, +BLOCK) of row pid(1) (columns on the grid's first axis: no 65535 limit) cast with
+    their segment's scale; program (0, 0) writes every segment's scale_inv."""
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (cols < C) & ((tl.zeros_like(cols) + row) < R)  # no rows: the program still writes the scale_invs
+    seg = _segment_of(cols, off_ptr, N_SEG)
     scale = pow2_scale(tl.load(amax_ptr + seg, mask=mask, other=0.0), FMAX, 0, 1.0)
     v = decode_to_f32(tl.load(x_ptr + row * stride_r + cols, mask=mask, other=0), IN_FMT)
     y = tl.minimum(tl.maximum(v * scale, -FMAX), FMAX)
     y = tl.where(tl.abs(v) <= 3.4028234663852886e38, y, float("nan"))  # inf and NaN written as NaN
     tl.store(data_ptr + row * C + cols, encode_f32(y, OUT_FMT), mask=mask)
-    if row == 0:
-        tl.store(inv_ptr + seg, 1.0 / scale, mask=mask)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for start in range(0, N_SEG, BLOCK):
+            segs = start + tl.arange(0, BLOCK)
+            in_range = segs < N_SEG
+            s = pow2_scale(tl.load(amax_ptr + segs, mask=in_range, other=0.0), FMAX, 0, 1.0)
+            tl.store(inv_ptr + segs, 1.0 / s, mask=in_range)
 
 
-def launch_segment_cast(x, segments, amax, fmt_dtype):
+def launch_segment_cast(x, offsets, amax, fmt_dtype):
     x = x.contiguous()
     rows, cols = x.shape
     data = torch.empty((rows, cols), dtype=fmt_dtype, device=x.device)
-    inv = torch.empty(amax.shape[0] - 1, dtype=torch.float32, device=x.device)
+    n_segments = amax.shape[0] - 1
+    inv = torch.empty(n_segments, dtype=torch.float32, device=x.device)
     block = 1024
-    if rows and cols:
-        _segment_cast_kernel[(rows, triton.cdiv(cols, block))](
-            payload_view(x), segments.to(torch.int32), amax.to(torch.float32), payload_view(data), inv, cols,
-            x.stride(0), IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype],
-            BLOCK=block)
+    _segment_cast_kernel[(max(1, triton.cdiv(cols, block)), max(1, rows))](
+        payload_view(x), offsets, amax.to(torch.float32), payload_view(data), inv, rows, cols, max(x.stride(0), 1),
+        n_segments, IN_FMT=format_code(x.dtype), OUT_FMT=format_code(fmt_dtype), FMAX=_FMAX[fmt_dtype],
+        BLOCK=block)
     return data, inv
 
 
 @triton.jit
-def _segment_sum_kernel(src_ptr, seg_ptr, inv_ptr, amax_ptr, out_ptr, R, C, N_SEG, divisor, IN_FMT: tl.constexpr,
+def _segment_sum_kernel(src_ptr, off_ptr, inv_ptr, amax_ptr, out_ptr, R, C, N_SEG, divisor, IN_FMT: tl.constexpr,
                         BLOCK: tl.constexpr):
     """Columns [pid * BLOCK, +BLOCK): the R rows decoded and summed in row order, times the segment's scale_inv, over
     ``divisor``; NaN when the flag is set."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    row_ptr = src_ptr
     for r in range(R):
-        acc += decode_to_f32(tl.load(src_ptr + r * C + cols, mask=mask, other=0), IN_FMT)
-    seg = tl.load(seg_ptr + cols, mask=mask, other=0)
+        acc += decode_to_f32(tl.load(row_ptr + cols, mask=mask, other=0), IN_FMT)
+        row_ptr += C  # a pointer per row: no int32 product of row and width
+    seg = _segment_of(cols, off_ptr, N_SEG)
     acc = acc * tl.load(inv_ptr + seg, mask=mask, other=1.0)
     acc = tl.math.div_rn(acc, tl.zeros_like(acc) + divisor)
     flag = tl.load(amax_ptr + N_SEG)
@@ -688,13 +707,13 @@ def _segment_sum_kernel(src_ptr, seg_ptr, inv_ptr, amax_ptr, out_ptr, R, C, N_SE
     tl.store(out_ptr + cols, acc, mask=mask)
 
 
-def launch_segment_sum(received, segments, scale_inv, amax, divisor):
+def launch_segment_sum(received, offsets, scale_inv, amax, divisor):
     received = received.contiguous()
     rows, cols = received.shape
     out = torch.empty(cols, dtype=torch.float32, device=received.device)
     block = 1024
     if cols:
         _segment_sum_kernel[(triton.cdiv(cols, block),)](
-            payload_view(received), segments.to(torch.int32), scale_inv.to(torch.float32), amax.to(torch.float32),
-            out, rows, cols, amax.shape[0] - 1, float(divisor), IN_FMT=format_code(received.dtype), BLOCK=block)
+            payload_view(received), offsets, scale_inv.to(torch.float32), amax.to(torch.float32), out, rows, cols,
+            amax.shape[0] - 1, float(divisor), IN_FMT=format_code(received.dtype), BLOCK=block)
     return out

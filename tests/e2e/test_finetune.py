@@ -204,6 +204,12 @@ def test_sft_from_and_back_to_an_fp8_serving_checkpoint(tiny_model, tmp_path, fm
     steps = [r for r in _log(log) if "step" in r]
     assert len(steps) == 2 and steps[0]["loss"] == pytest.approx(0.6931, abs=5e-3)
     assert runtime.serving_checkpoint(tmp_path / "dpo-out")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))  # refused before training
+    with pytest.raises(finetune_data.DataError, match="Conv1D"):
+        runtime.fp8_setup(gpt2, torch.optim.AdamW(gpt2.parameters()),
+                          SimpleNamespace(**vars(args), output_format=fmt), rt)
     with pytest.raises(SystemExit):  # FP8 output at none is refused by the flags' check
         _script("sft").main(["--model", str(tiny_model), "--fp8-opt-level", "none", "--output", str(tmp_path / "x"),
                              "--output-format", fmt])

@@ -65,6 +65,8 @@ def test_an_injected_bad_layer_is_ranked_first_and_named(level):
     model.get_submodule(BAD).input_scaling.scale.mul_(64)  # its inputs saturate E4M3
     states = {n: b.clone() for n, b in model.named_buffers()}
     grads = {n: p.grad for n, p in model.named_parameters()}
+    confirmed = [s.history_confirmed for s in model.modules() if isinstance(s, fp8.ScalingState)]
+    assert any(confirmed)
     report = find_first_bad_layer(model, run)
     worst = report.layers[0]
     assert report.first_bad == BAD and worst.name == BAD and worst.error > INJECTED_MIN
@@ -72,10 +74,38 @@ def test_an_injected_bad_layer_is_ranked_first_and_named(level):
     assert all(e.error < HEALTHY_BOUND for e in report.layers[1:])
     # the model as it was: scaling state (amax histories, scales), gradients, no statistics hooks left
     assert all(torch.equal(b, states[n]) for n, b in model.named_buffers())
+    assert [s.history_confirmed for s in model.modules() if isinstance(s, fp8.ScalingState)] == confirmed  # host flags
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
     assert all(s.stats is None for s in model.modules() if isinstance(s, fp8.ScalingState))
     assert BAD in report.table() and "(first bad)" in report.table(1)
     assert report.as_dict()["first_bad"] == BAD
+
+
+def test_the_layer_that_makes_a_nan_is_named_not_the_ones_it_reaches():
+    """A NaN in one layer's FP8 weight: its forward error is inf (finite inputs, non-finite result), the layers after
+    it and the input gradients before it see non-finite inputs (NaN: upstream faults), so it is the first bad layer."""
+    model, run = trained(0)
+    model.get_submodule(BAD).weight.payload.view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
+    report = find_first_bad_layer(model, run)
+    assert report.first_bad == BAD and report.layers[0].name == BAD and report.layers[0].error == math.inf
+    assert all(math.isnan(e.error) or e.error < HEALTHY_BOUND for e in report.layers[1:])
+
+
+def test_a_layer_called_twice_and_outputs_changed_in_place_are_measured():
+    """A linear called twice in the forward reports its worst call; a caller adding into the output in place (Falcon
+    does) works: the hooks wrap none of the layer's tensors."""
+    torch.manual_seed(0)
+    layer = fp8.initialize(torch.nn.Sequential(torch.nn.Linear(64, 64)), None, "O1")[0][0]
+    x = torch.randn(32, 64)
+
+    def run(m):
+        y = layer(x)
+        y += 1.0  # in place on the linear's output
+        return layer(torch.tanh(y) * 1e3).square().mean()  # the second call's input saturates nothing (current scale)
+
+    report = find_first_bad_layer(torch.nn.ModuleDict({"layer": layer}), run)
+    (entry,) = report.layers
+    assert entry.name == "layer" and 0 < entry.forward_error < HEALTHY_BOUND and 0 < entry.input_grad_error
 
 
 def test_the_shadow_is_the_same_computation_in_float64():

@@ -338,24 +338,27 @@ def test_segment_kernels_match_the_references(dtype):
     tq = _needs_triton()
     torch.manual_seed(0)
     lengths = [5, 1, 1300, 17, 3]
-    segments = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     x = (torch.randn(3, sum(lengths)) * torch.logspace(-6, 6, sum(lengths))).to(dtype)
     x[:, 5] = 0  # segment 1: all zeros (scale 1)
     for bad in (False, True):
         if bad:
             x[1, 700] = float("inf")
-        amax = ops.segment_amax(x, segments, len(lengths))
-        _same(tq.launch_segment_amax(x, segments, len(lengths)), amax, "segment_amax")
+        amax = ops.segment_amax(x, offsets)
+        _same(tq.launch_segment_amax(x, offsets), amax, "segment_amax")
         assert float(amax[-1]) == float(bad) and float(amax[1]) == 0.0
-        data, inv = ops.segment_cast(x, segments, amax, "e4m3")
-        t_data, t_inv = tq.launch_segment_cast(x, segments, amax, torch.float8_e4m3fn)
+        data, inv = ops.segment_cast(x, offsets, amax, "e4m3")
+        t_data, t_inv = tq.launch_segment_cast(x, offsets, amax, torch.float8_e4m3fn)
         _same(t_data.view(torch.uint8), data.view(torch.uint8), "segment_cast payload")
-        _same(t_inv, inv, "segment_cast scale_inv")
+        _same(t_inv, inv, "segment_cast scale_inv")  # every segment's, written by one program
         assert float(inv[1]) == 1.0
         for divisor in (1.0, 3.0):
-            ref = ops.segment_sum(data, segments, inv, amax, divisor)
-            _same(tq.launch_segment_sum(data, segments, inv, amax, divisor), ref, "segment_sum")
+            ref = ops.segment_sum(data, offsets, inv, amax, divisor)
+            _same(tq.launch_segment_sum(data, offsets, inv, amax, divisor), ref, "segment_sum")
             assert bool(torch.isnan(ref).all()) is bad
         if not bad:  # the reference: decode, sum, unscale, exactly as float64 on these values
             expect = (data.double() * inv.double()[segments.long()]).sum(0)
-            assert torch.allclose(ops.segment_sum(data, segments, inv, amax, 1.0).double(), expect, rtol=1e-6, atol=0)
+            assert torch.allclose(ops.segment_sum(data, offsets, inv, amax, 1.0).double(), expect, rtol=1e-6, atol=0)
+    empty = ops.segment_cast(x[:0], offsets, amax, "e4m3")  # no rows: still every segment's scale_inv
+    _same(tq.launch_segment_cast(x[:0], offsets, amax, torch.float8_e4m3fn)[1], empty[1], "segment_cast, no rows")

@@ -109,7 +109,17 @@ def fp8_setup(model, optimizer, args: argparse.Namespace, rt: Runtime, fp8_check
                                       fp8_embeddings=args.fp8_embeddings and args.fp8_opt_level != "none",
                                       min_fp8_dim=args.fp8_min_dim)
     if fp8_checkpoint is not None and args.fp8_opt_level != "none":
-        fp8.import_fp8(model, fp8_checkpoint, optimizer)
+        report = fp8.import_fp8(model, fp8_checkpoint, optimizer)
+        if rt.main and (report.requantized or report.dequantized):  # said, not silent: not the file's bytes
+            print(f"{fp8_checkpoint}: {len(report.exact)} FP8 weights taken as stored; re-quantized into this run's "
+                  f"recipe: {', '.join(sorted(report.requantized)) or 'none'}; FP8 in the file, high precision here: "
+                  f"{', '.join(report.dequantized) or 'none'}", flush=True)
+    if getattr(args, "output_format", "bf16") != "bf16":  # refused now, not after training
+        from fp8.export import export_problem
+
+        problem = export_problem(model)
+        if problem:
+            raise DataError(f"--output-format {args.output_format}: {problem}")
     train_model = model
     if rt.distributed:
         train_model = fp8.distributed.DistributedDataParallel(
