@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ from torch import nn
 
 from .blocks import BLOCK, ROWWISE, block_size, dequantize_blocks, expand_scales, grid_shape, is_tensorwise
 from .blocks import quantize_to_blocks
-from .distributed.sharding import is_dtensor
+from .distributed.sharding import is_dtensor, local
 from .linear import Float8Linear
 from .moe import Float8Experts, is_fused_experts
 from .optim.base import FP8Optimizer
@@ -56,7 +58,7 @@ from .scaling import ScalingState
 from .tensor import Float8Tensor
 
 __all__ = ["FORMATS", "SERVING_BLOCK", "ServingWeight", "ExportReport", "ImportReport", "serving_weight",
-           "quantization_config", "write_fp8_checkpoint", "export_problem", "export_fp8", "import_fp8", "read_fp8_checkpoint"]
+           "quantization_config", "model_dtype", "atomic_write", "write_fp8_checkpoint", "export_problem", "export_fp8", "import_fp8", "read_fp8_checkpoint"]
 
 FORMATS = ("compressed-tensors", "fp8-block")
 """The serving formats :func:`export_fp8` writes and :func:`import_fp8` reads."""
@@ -266,7 +268,7 @@ def quantization_config(format: str, strategies: dict[str, str], ignored: list[s
                        "strategy": "group" if strategy == "block" else "token",
                        "group_size": SERVING_BLOCK if strategy == "block" else None}
         # One strategy: every Linear but the ignored ones; several: each group names its layers exactly.
-        targets = ["Linear"] if len(groups) == 1 else [f"re:^{_regex(n)}$" for n in names]
+        targets = ["Linear"] if len(groups) == 1 else [f"re:^{re.escape(n)}$" for n in names]
         config_groups[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": activations,
                                        "output_activations": None, "format": "float-quantized"}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -274,16 +276,12 @@ def quantization_config(format: str, strategies: dict[str, str], ignored: list[s
             "sparsity_config": {}, "transform_config": {}}
 
 
-def _regex(name: str) -> str:
-    import re
-
-    return re.escape(name)
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    from collections import Counter
-
-    counts = Counter(p.dtype for p in model.parameters() if not isinstance(p, Float8Tensor) and p.is_floating_point())
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The most common dtype of ``model``'s high-precision floating parameters (FP8 weights report fp32 whatever the
+    model's dtype, so they are not counted; FSDP2 shards by their local tensors); float32 if there are none: the dtype
+    high-precision tensors are written in by default (here and :func:`fp8.integrations.transformers.high_precision_state_dict`)."""
+    counts = Counter(p.dtype for p in model.parameters()
+                     if not isinstance(local(p), Float8Tensor) and p.is_floating_point())
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
@@ -297,7 +295,9 @@ def _config_dict(config) -> dict:
     raise TypeError(f"config must be a transformers PretrainedConfig, a dict or None, got {type(config).__name__}")
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then renamed onto it (no half-written file is ever
+    ``path``), with the permissions a new file gets under the umask (safetensors writes 0600)."""
     tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         write(tmp)
@@ -327,16 +327,16 @@ def _write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_sh
     for stale in [directory / _INDEX_FILE, *directory.glob("model-*-of-*.safetensors"), directory / _SAFETENSORS_FILE]:
         stale.unlink(missing_ok=True)  # a previous export's files would shadow or mix with this one's
     if len(shards) == 1:
-        _atomic_write(directory / _SAFETENSORS_FILE, lambda p: save_file(shards[0], str(p), metadata=metadata))
+        atomic_write(directory / _SAFETENSORS_FILE, lambda p: save_file(shards[0], str(p), metadata=metadata))
         return [_SAFETENSORS_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        _atomic_write(directory / name, lambda p, s=shard: save_file(s, str(p), metadata=metadata))
+        atomic_write(directory / name, lambda p, s=shard: save_file(s, str(p), metadata=metadata))
         weight_map.update({k: name for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _atomic_write(directory / _INDEX_FILE, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+    atomic_write(directory / _INDEX_FILE, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
     return names + [_INDEX_FILE]
 
 
@@ -377,7 +377,7 @@ def write_fp8_checkpoint(directory: str | os.PathLike, format: str, weights: dic
     directory.mkdir(parents=True, exist_ok=True)
     report.files = _write_safetensors(directory, tensors, max_shard_bytes,
                                       {"format": "pt", "producer": "fp8lm", "fp8lm_format": format})
-    _atomic_write(directory / "config.json",
+    atomic_write(directory / "config.json",
                   lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"))
     report.files.append("config.json")
     if tokenizer is not None:
@@ -454,7 +454,7 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike, format: str = "co
                          "weights): no serving format loads them as FP8 linears; write the high-precision export "
                          "(save_model / high_precision_state_dict) for this architecture")
     config_dict = _config_dict(config if config is not None else getattr(model, "config", None))
-    dtype = dtype or _model_dtype(model)
+    dtype = dtype or model_dtype(model)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
     fp8_keys = {f"{name}.weight" for name in fp8_linears}
     candidates: dict[str, torch.Tensor] = {name: m.weight for name, m in fp8_linears.items()}

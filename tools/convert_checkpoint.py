@@ -38,7 +38,6 @@ import argparse
 import io
 import json
 import os
-import secrets
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8.checkpoint import resolve_checkpoint  # noqa: E402
+from fp8.export import atomic_write  # noqa: E402
 from fp8.optim.precision import decode  # noqa: E402
 
 __all__ = ["load_flat", "export_state_dict", "main"]
@@ -127,15 +127,7 @@ def _save(state: dict[str, torch.Tensor], output: Path, metadata: dict[str, str]
     from safetensors.torch import save_file
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        save_file(state, str(tmp), metadata=metadata)
-        umask = os.umask(0)  # one thread here: read it back at once
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors writes 0600)
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(output, lambda tmp: save_file(state, str(tmp), metadata=metadata))
 
 
 def main(argv: list[str] | None = None) -> None:

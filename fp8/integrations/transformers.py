@@ -39,7 +39,6 @@ would keep stepping the replaced optimizer).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -47,6 +46,7 @@ import transformers
 from torch import nn
 
 from ..convert import is_conv1d
+from ..export import model_dtype
 from ..initialize import initialize, normalize_opt_level
 from ..linear import Float8LinearConfig
 from ..moe import Float8Experts
@@ -92,14 +92,6 @@ def _master_values(optimizer) -> dict[int, torch.Tensor]:
     return {}
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    """The most common dtype of ``model``'s high-precision floating parameters (FP8 weights report fp32
-    whatever the model's dtype, so they are not counted); float32 if there are none."""
-    counts = Counter(p.dtype for p in model.parameters()
-                     if not isinstance(local(p), Float8Tensor) and p.is_floating_point())
-    return counts.most_common(1)[0][0] if counts else torch.float32
-
-
 def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                               dtype: torch.dtype | None = None, conv1d: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as an unconverted model of the same architecture has it: plain tensors only.
@@ -121,7 +113,7 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     """
     masters = _master_values(optimizer)
     transposed = {f"{name}.weight" for name in conv1d}
-    fp8_dtype = dtype or _model_dtype(model)
+    fp8_dtype = dtype or model_dtype(model)
     scaling = [name + "." for name, module in model.named_modules() if isinstance(module, ScalingState)]
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
