@@ -32,7 +32,7 @@ from .precision_rules import PrecisionPlan, parse_precision_rules
 __all__ = ["ConvertedLinear", "high_precision_forward", "layer_precisions", "convert_to_float8_linear", "convert_embeddings_to_float8", "is_conv1d", "float8_linear_from_conv1d", "CUDA_MIN_FP8_DIM", "default_min_fp8_dim",
            "module_paths", "set_submodule",
            "announce_fp8_selection", "fp8_selection_message", "ModuleFilter", "PLAIN_LINEAR_FORWARDS",
-           "linear_subclass_problem", "set_high_precision_forward"]
+           "linear_subclass_problem", "set_high_precision_forward", "set_high_precision", "fp8_config_attribute"]
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +385,29 @@ def set_high_precision_forward(model: nn.Module, enabled: bool = True) -> int:
     return changed
 
 
+def fp8_config_attribute(module: nn.Module) -> str | None:
+    """The name of ``module``'s attribute holding its :class:`Float8LinearConfig` (``config`` on
+    :class:`Float8Linear` and :class:`Float8Experts`, ``fp8`` on fp8's parallel linears), or None."""
+    for name, value in vars(module).items():
+        if isinstance(value, Float8LinearConfig):
+            return name
+    return None
+
+
+def set_high_precision(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every FP8 linear of ``model`` (as :func:`set_high_precision_forward` finds them) to running all three
+    GEMMs in high precision on its weight's values (:attr:`Float8LinearConfig.high_precision`; the weight stays FP8 at
+    rest, its optimizer unchanged) or back. Returns how many configs changed; idempotent (a loop may call it at every
+    iteration from the one it switches at)."""
+    changed = 0
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, Float8LinearConfig) and value.high_precision != enabled:
+                setattr(module, name, replace(value, high_precision=enabled))
+                changed += 1
+    return changed
+
+
 @contextmanager
 def high_precision_forward(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, every FP8 linear of ``model`` runs its forward GEMM in high precision on its weight's values
@@ -406,15 +429,19 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "f
 def layer_precisions(model: nn.Module) -> dict[str, str]:
     """Each linear of ``model`` by module name with its current setting: ``"fp8:<recipe>"`` for an FP8 linear
     (:class:`fp8.Float8Linear`, fp8's parallel linears, :class:`fp8.Float8Experts`; ``"fp8:<recipe>:high-precision-
-    forward"`` while its forward GEMM runs in high precision, :func:`set_high_precision_forward`), else the dtype its
+    forward"`` while its forward GEMM runs in high precision, :func:`set_high_precision_forward`; ``"fp8:<recipe>:high-
+    precision"`` while all its GEMMs do, :func:`set_high_precision` or automatic fallback's last rung, its weight still
+    FP8 at rest), else the dtype its
     weight computes in (``"bf16"``, ``"fp32"``, ``"fp16"``) for a high-precision linear (``nn.Linear`` and other modules
     named ``*Linear`` holding a 2-D weight, transformers' ``Conv1D``), in ``named_modules()`` order."""
     out = {}
     for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, Float8LinearConfig) and isinstance(module, (Float8Linear, Float8Experts)) or \
-                isinstance(config, Float8LinearConfig) and type(module).__name__.endswith("Linear"):
-            out[name] = f"fp8:{config.recipe}" + (":high-precision-forward" if config.high_precision_forward else "")
+        attribute = fp8_config_attribute(module)
+        config = getattr(module, attribute) if attribute else None
+        if config is not None and (isinstance(module, (Float8Linear, Float8Experts))
+                                   or type(module).__name__.endswith("Linear")):
+            out[name] = f"fp8:{config.recipe}" + (":high-precision" if config.high_precision else
+                                                  ":high-precision-forward" if config.high_precision_forward else "")
             continue
         weight = getattr(module, "weight", None)
         linear = isinstance(module, nn.Linear) or is_conv1d(module) or type(module).__name__.endswith("Linear")

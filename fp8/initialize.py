@@ -15,6 +15,7 @@ from .distributed.sharding import is_dtensor
 from .convert import ModuleFilter, convert_embeddings_to_float8, convert_to_float8_linear, is_conv1d
 from .moe import is_fused_experts
 from .gemm import GemmTarget, scaled_mm_supported
+from .fallback import FallbackConfig, attach as attach_fallback
 from .linear import Float8Linear, Float8LinearConfig
 from .optim.base import FP8Optimizer
 from .optim.convert import check_convertible
@@ -23,6 +24,7 @@ from .optim.precision import OptimizerPrecision
 from .optim.wrap import FP8Weight, wrap_for_level
 from .precision_rules import parse_precision_rules
 from .recipes import get_recipe
+from .schedule import MODES, attach as attach_schedule
 from .tensor import Float8Tensor
 
 __all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
@@ -208,6 +210,9 @@ def initialize(
     fp8_activations: bool = False,
     fp8_embeddings: bool = False,
     fsdp: FSDPConfig | None = None,
+    auto_fallback: bool | FallbackConfig = False,
+    high_precision_from_step: int | None = None,
+    high_precision_mode: str = "forward",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -277,8 +282,30 @@ def initialize(
     optimizer takes over the sharded parameters at its next call, FP8 weights stay sharded in FP8 and are all-gathered
     in FP8, gradients are reduce-scattered as ``fsdp`` (a :class:`fp8.distributed.fsdp.FSDPConfig`; default FP8 on the
     wire). A model already sharded is refused (initialize first).
+
+    ``auto_fallback`` (True, or a :class:`fp8.fallback.FallbackConfig`; FP8 levels, with an optimizer): FP8 statistics
+    every ``interval`` (10) optimizer steps, and a linear whose input or output gradient keeps saturating, flushing to
+    zero or turning non-finite for ``patience`` (3) consecutive checks steps one rung safer (tensorwise -> rowwise ->
+    blockwise -> high precision), decided alike on every rank (statistics merged over the world), logged as a WARNING,
+    kept in ``optimizer.state_dict()`` (:mod:`fp8.fallback`). ``fp8.layer_precisions(model)`` shows each linear's
+    setting.
+
+    ``high_precision_from_step=N`` (FP8 levels, with an optimizer): from the N-th optimizer step on, every FP8 linear
+    runs its forward GEMM (``high_precision_mode="forward"``) or all its GEMMs (``"linear"``) in high precision
+    (:mod:`fp8.schedule`); the step count travels in ``optimizer.state_dict()``.
     """
     opt_level = normalize_opt_level(opt_level)
+    if auto_fallback is True:
+        auto_fallback = FallbackConfig()
+    if auto_fallback is not False and not isinstance(auto_fallback, FallbackConfig):
+        raise TypeError(f"auto_fallback= takes True, False or an fp8.fallback.FallbackConfig, got "
+                        f"{type(auto_fallback).__name__}")
+    if (auto_fallback or high_precision_from_step is not None) and (opt_level == "none" or optimizer is None):
+        raise ValueError("auto_fallback and high_precision_from_step act after optimizer steps of an FP8 model: pass an "
+                         "FP8 opt_level (O1, O2 or O3) and the optimizer")
+    if high_precision_from_step is not None and (high_precision_from_step < 1 or high_precision_mode not in MODES):
+        raise ValueError(f"high_precision_from_step={high_precision_from_step} counts optimizer steps from 1, and "
+                         f"high_precision_mode must be one of {MODES}; got mode {high_precision_mode!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
@@ -340,6 +367,11 @@ def initialize(
         weights = [FP8Weight(c.original_weight, c.module.weight, c.original_weight) for c in converted]
     else:
         weights = [FP8Weight(c.optimizer_param, c.module.weight, c.original_weight) for c in converted]
-    return model, wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
-                                 process_group=process_group,
-                                 **({"counter": fsdp.counter} if opt_level == "O3" else {"comm_counter": fsdp.counter}))
+    optimizer = wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
+                               process_group=process_group,
+                               **({"counter": fsdp.counter} if opt_level == "O3" else {"comm_counter": fsdp.counter}))
+    if auto_fallback:
+        attach_fallback(model, optimizer, auto_fallback, process_group)
+    if high_precision_from_step is not None:
+        attach_schedule(model, optimizer, high_precision_from_step, high_precision_mode)
+    return model, optimizer

@@ -103,6 +103,13 @@ class Float8LinearConfig:
     form at rest), the backward GEMMs in the recipe's formats as before: NVIDIA's NVFP4 recipe for the last part of
     training (:func:`fp8.convert.set_high_precision_forward` switches a model; ``--fp4-bf16-forward-from-iteration``).
     The input is still quantized for the weight-gradient GEMM (its column-wise operand only)."""
+    high_precision: bool = False
+    """All three GEMMs in high precision on the weight's values (W dequantized from its FP8 form at rest: exact in
+    bf16): the forward ``x @ W^T`` and the input gradient in the model's dtype, the weight gradient ``dY^T @ X`` in
+    fp32, held per ``grad_accumulation`` as before; nothing about the activations or output gradients is quantized
+    (the input is saved for backward in the model's dtype: 2 bytes per element in bf16, where the FP8 recipe saves 1).
+    The weight stays FP8 at rest and its optimizer unchanged. The last rung of automatic fallback
+    (:mod:`fp8.fallback`) and the whole-linear mode of scheduled precision (:func:`fp8.convert.set_high_precision`)."""
 
     @property
     def recipe_spec(self) -> Recipe:
@@ -243,6 +250,12 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
     gathered = hooks.gather_input is not None
     wgrad = any(ctx.needs_input_grad[i] for i in ctx.weight_inputs)
     columnwise = wgrad and not gathered and not grouped
+    if config.high_precision:
+        if grouped or gathered or hooks.gather_grad_output is not None:
+            raise ValueError("a linear in high precision (Float8LinearConfig.high_precision: automatic fallback's last "
+                             "rung, --fp8-high-precision-mode linear) runs on linears whose input is neither "
+                             "all-gathered (sequence parallelism) nor grouped (MoE experts)")
+        return _high_precision_linear(ctx, x, x2d, weights[0], bias, hooks, dtype, config, record)
     if config.high_precision_forward:
         if grouped or gathered:
             raise ValueError("high_precision_forward (--fp4-bf16-forward-from-iteration) runs on linears whose input is "
@@ -334,6 +347,41 @@ def _high_precision_forward(ctx, x, x2d, w, bias, quantizers, config, hooks, dty
     return out
 
 
+def _high_precision_linear(ctx, x, x2d, w, bias, hooks, dtype, config, record):
+    """:attr:`Float8LinearConfig.high_precision`: ``x @ W^T`` in ``dtype`` (fp32 partial sums before a row-parallel
+    reduction) on W's values; the input saved as it is for :func:`_high_precision_backward`."""
+    if hooks.reduce_output is not None:
+        weight = dequantize_blocks(w.payload, w.scale, w.block, torch.float32)
+        out = hooks.reduce_output(torch.mm(x2d.to(torch.float32), weight.t()), dtype, record)
+    else:
+        out = torch.mm(x2d, dequantize_blocks(w.payload, w.scale, w.block, dtype).t())
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    ctx.save_for_backward(x2d, w.payload, w.scale)
+    ctx.high_precision, ctx.weight_block, ctx.hooks, ctx.config = True, w.block, hooks, config
+    ctx.has_bias, ctx.x_shape, ctx.weight_dtypes = bias is not None, x.shape, [w.dtype]
+    return out
+
+
+def _high_precision_backward(ctx, grad_out):
+    """The backward of :func:`_high_precision_linear`: ``dX = dY @ W`` in the output gradient's dtype (fp32 before a
+    reduction), ``dW = dY^T @ X`` in fp32 held per ``grad_accumulation`` (:func:`weight_grad`)."""
+    x2d, payload, scale = ctx.saved_tensors
+    hooks, config = ctx.hooks, ctx.config
+    g2d = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        reduce = hooks.reduce_grad_input
+        dx_dtype = torch.float32 if reduce is not None else grad_out.dtype
+        dx = torch.mm(g2d.to(dx_dtype), dequantize_blocks(payload, scale, ctx.weight_block, dx_dtype))
+        grad_x = (reduce(dx, grad_out.dtype) if reduce is not None else dx).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[ctx.weight_inputs[0]]:
+        grad_w = weight_grad(torch.mm(g2d.t().to(torch.float32), x2d.to(torch.float32)), config, ctx.weight_dtypes[0])
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2d.sum(0)
+    return grad_x, [grad_w], grad_b
+
+
 @dataclass(frozen=True)
 class Groups:
     """Rows of a grouped linear (MoE experts, rows sorted by group): ``sizes`` the groups' row counts on the host,
@@ -359,6 +407,8 @@ def linear_backward(ctx, grad_out):
     """The FP8 linear's backward: the output gradient quantized once (its column-wise operand from the same read
     where the rows are not gathered), ``dX = dY @ W`` and ``dW = dY^T @ X`` in FP8 per weight; the weight gradients
     held per ``grad_accumulation`` (:func:`weight_grad`)."""
+    if getattr(ctx, "high_precision", False):
+        return _high_precision_backward(ctx, grad_out)
     saved_data, saved_scale, *wt = ctx.saved_tensors
     saved_hw = wt.pop() if ctx.saved_hw else None
     n = ctx.n_weights

@@ -22,9 +22,9 @@ from torch import nn
 from .formats import FP8Format
 from .tensor import Float8Tensor
 
-__all__ = ["CastStatistics", "FP8Statistics", "flush_and_saturation_counts", "STAT_NAMES"]
+__all__ = ["CastStatistics", "FP8Statistics", "flush_and_saturation_counts", "merge_stats", "STAT_NAMES"]
 
-STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated")
+STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated", "non_finite")
 """The statistics of one cast site, as :meth:`FP8Statistics.read` reports them."""
 
 
@@ -55,6 +55,7 @@ class CastStatistics:
         self._amax: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self._numel = 0  # values observed (known on the host: no device read)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> None:
@@ -69,14 +70,16 @@ class CastStatistics:
         else:
             self._amax, self._counts = torch.maximum(self._amax, amax), self._counts + counts
         self._scale = scale.detach().float().reshape(())
+        self._numel += x.numel()
 
-    def take(self) -> list[torch.Tensor] | None:
-        """``[amax, scale, flushed, saturated, finite, non-zero]`` as device tensors (None if nothing observed);
-        resets."""
+    def take(self) -> tuple[list[torch.Tensor], int] | None:
+        """``([amax, scale, flushed, saturated, finite, non-zero], values observed)``: device tensors and a host count
+        (None if nothing observed); resets."""
         if self._counts is None:
             return None
-        out = [self._amax, self._scale, *self._counts.to(torch.float64)]
+        out = [self._amax, self._scale, *self._counts.to(torch.float64)], self._numel
         self._amax = self._scale = self._counts = None
+        self._numel = 0
         return out
 
 
@@ -139,24 +142,25 @@ class FP8Statistics:
     def read(self) -> dict[str, dict[str, dict[str, float]]]:
         """Per layer, per operand (``input``, ``grad_output``, ``weight``): ``amax``, ``scale``, ``flush_to_zero`` (a
         fraction of the non-zero finite values; the weight's: of all its payload values) and ``saturated`` (of the
-        finite values), and for the weight its gradient's scale (``grad_scale``: NaN
+        finite values), for the input and output gradient ``non_finite`` (NaN or infinite, of all values observed),
+        and for the weight its gradient's scale (``grad_scale``: NaN
         when the gradient is not scaled); over the steps observed since the last read. One host read. Empty when no
         step was observed."""
         if not self._observed or not self.layers:
             return {}
-        pending: list[tuple[str, str, list[torch.Tensor]]] = []
+        pending: list[tuple[str, str, list[torch.Tensor], int]] = []
         for name, sites in self.layers.items():
             for operand, site in sites.items():
                 taken = site.take()
                 if taken is not None:
-                    pending.append((name, operand, taken))
+                    pending.append((name, operand, *taken))
         for name, stats in self._weight_snapshot().items():
-            pending.append((name, "weight", stats))
+            pending.append((name, "weight", stats, 0))
         flat = torch.stack([t.to(torch.float64).reshape(()).to(pending[0][2][0].device)
-                            for _, _, ts in pending for t in ts]).tolist()  # the one host read
+                            for _, _, ts, _ in pending for t in ts]).tolist()  # the one host read
         out: dict[str, dict[str, dict[str, float]]] = {}
         i = 0
-        for name, operand, ts in pending:
+        for name, operand, ts, numel in pending:
             values = flat[i:i + len(ts)]
             i += len(ts)
             amax, scale, flushed, saturated, finite, nonzero = values[:6]
@@ -164,6 +168,28 @@ class FP8Statistics:
                      "saturated": saturated / max(finite, 1.0)}
             if operand == "weight":
                 entry["grad_scale"] = values[6]
+            else:
+                entry["non_finite"] = (numel - finite) / max(numel, 1)
             out.setdefault(name, {})[operand] = entry
         self._observed = False
         return out
+
+
+def merge_stats(per_rank: list[dict]) -> dict:
+    """One entry per layer from several ranks' :meth:`FP8Statistics.read` results (keyed by the same layer names):
+    tensor-parallel and data-parallel copies of a layer merged by their largest value (amax, scale, fractions; a NaN,
+    such as an unscaled gradient's ``grad_scale``, counts as absent). Every rank merging the same gathered list gets
+    the same result."""
+    merged: dict = {}
+    for stats in per_rank:
+        for name, operands in stats.items():
+            layer = merged.setdefault(name, {})
+            for operand, values in operands.items():
+                slot = layer.setdefault(operand, {})
+                for stat, value in values.items():
+                    old = slot.get(stat)
+                    if old is None or old != old:  # none yet, or NaN (no scaled gradient there)
+                        slot[stat] = value
+                    elif value == value:
+                        slot[stat] = max(old, value)
+    return merged

@@ -37,7 +37,8 @@ from .subclass_dispatch import (
     ScaledTensor, as_list as _as_list, chunk_cat_values, dispatch, metadata_hash, on_values, to_copy,
 )
 
-__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand", "refresh_cached_operands"]
+__all__ = ["Float8Tensor", "to_float8", "OP_TABLE", "DEQUANTIZE_OPS", "cached_operand", "refresh_cached_operands",
+           "relayout_"]
 
 aten = torch.ops.aten
 
@@ -247,6 +248,21 @@ def cached_operand(weight: Float8Tensor | None, payload: torch.Tensor, scale: to
     value = build()
     memos[key] = (versions, value)
     return value
+
+
+@torch.no_grad()
+def relayout_(weight: Float8Tensor, block) -> None:
+    """Re-quantize ``weight`` in place into scales per ``block`` (None: one tensor-wise scale; :mod:`fp8.blocks`) from
+    its own values, same format and shape: exact where every new power-of-two scale is at least the old scale of the
+    values it covers (from one tensor-wise scale to per-row or per-block ones). The object is kept (an optimizer or a
+    module holding it sees the new layout); the operands derived from it (:func:`cached_operand`) are dropped and its
+    version bumped."""
+    fresh = to_float8(weight.dequantize(torch.float32), weight.format, dtype=weight.dtype,
+                      accumulate_backend=weight.accumulate_backend, block=block)
+    weight.__dict__["_data"], weight.__dict__["_scale"], weight.__dict__["_block"] = fresh._data, fresh._scale, \
+        fresh.block
+    weight.__dict__.pop(_OPERAND_MEMO, None)
+    torch.autograd.graph.increment_version([weight])
 
 
 def refresh_cached_operands(weights: list, key: tuple, refresh: Callable[[list[tuple[Float8Tensor, tuple]]], None]

@@ -157,3 +157,37 @@ class TinyGPT(nn.Module):
             probs = torch.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+class GrowingGain(nn.Module):
+    """A multiplier ``growth ** step`` (``step`` counts the training forwards, a buffer so checkpoints keep it) for
+    :class:`SaturatingMLP` and the Megatron demo of ``benchmarks/auto_fallback.py``."""
+
+    def __init__(self, growth: float) -> None:
+        super().__init__()
+        self.growth = growth
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+    def gain(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.growth ** self.step.to(torch.float64)).to(dtype)
+
+
+class SaturatingMLP(nn.Module):
+    """Four linears where the second one's input grows ``growth`` times per training step and its output is divided
+    back: the function is unchanged in exact arithmetic, but delayed scaling (the scale of the previous steps' amax)
+    cannot follow that input, so it saturates, and its output gradient (divided by the gain) flushes to zero: the
+    persistent trouble automatic fallback acts on (:mod:`fp8.fallback`). 16 classes out of ``d`` features."""
+
+    def __init__(self, d: int = 64, growth: float = 4.0) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d, bias=False)
+        self.l2, self.l3 = nn.Linear(d, d), nn.Linear(d, 16)
+        self.gain = GrowingGain(growth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.l0(x))
+        g = self.gain.gain(h.dtype)
+        h = self.l1(h * g) / g
+        if self.training:
+            self.gain.step += 1
+        return self.l3(F.gelu(self.l2(h)))

@@ -195,6 +195,11 @@ class FP8TrainerMixin:
     - ``fp8_stats_interval``: FP8 numerics statistics (:class:`fp8.stats.FP8Statistics`) observed every N optimizer
       steps and added to each log (``fp8_stats/<layer>/<operand>/<statistic>``: what ``report_to`` integrations such as
       TensorBoard and W&B receive, and ``state.log_history``), read at ``logging_steps`` only; 0 (default): off.
+    - ``fp8_auto_fallback``: True or a :class:`fp8.FallbackConfig`: linears whose FP8 statistics keep raising alarms
+      step to a safer setting (:func:`fp8.initialize`'s ``auto_fallback``; :mod:`fp8.fallback`), kept in the
+      optimizer's checkpoint; it reads the statistics itself, so it does not go with ``fp8_stats_interval``.
+    - ``fp8_high_precision_from_step`` / ``fp8_high_precision_mode``: from that optimizer step on every FP8 linear runs
+      its forward GEMM (``"forward"``) or all its GEMMs (``"linear"``) in high precision (:mod:`fp8.schedule`).
 
     The model is converted when the optimizer is created (the start of ``train()``), not before.
     """
@@ -203,7 +208,9 @@ class FP8TrainerMixin:
                  fp8_activations: bool = False, fp8_embeddings: bool = False,
                  fp8_config: Float8LinearConfig | None = None,
                  fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
-                 fp8_precision=None, fp8_stats_interval: int = 0, **kwargs) -> None:
+                 fp8_precision=None, fp8_stats_interval: int = 0, fp8_auto_fallback=False,
+                 fp8_high_precision_from_step: int | None = None, fp8_high_precision_mode: str = "forward",
+                 **kwargs) -> None:
         level = _check_choices(fp8_opt_level, fp8_recipe)
         if fp8_config is not None and not isinstance(fp8_config, Float8LinearConfig):
             raise TypeError(f"fp8_config must be an fp8.Float8LinearConfig or None, got {type(fp8_config).__name__}")
@@ -227,6 +234,15 @@ class FP8TrainerMixin:
             raise ValueError(f"fp8_stats_interval={fp8_stats_interval} needs an FP8 fp8_opt_level and a value >= 0 "
                              f"(0: off)")
         self.fp8_stats_interval = int(fp8_stats_interval)
+        if (fp8_auto_fallback or fp8_high_precision_from_step is not None) and level == "none":
+            raise ValueError("fp8_auto_fallback and fp8_high_precision_from_step act on FP8 linears: they need an FP8 "
+                             "fp8_opt_level ('O1' or 'O2')")
+        if fp8_auto_fallback and fp8_stats_interval:
+            raise ValueError("fp8_auto_fallback reads the FP8 statistics itself (every FallbackConfig.interval steps) "
+                             "and logs its decisions: drop fp8_stats_interval, or the fallback")
+        self.fp8_auto_fallback = fp8_auto_fallback
+        self.fp8_high_precision_from_step = fp8_high_precision_from_step
+        self.fp8_high_precision_mode = fp8_high_precision_mode
         self.fp8_stats: FP8Statistics | None = None
         self._fp8_optimizer = None  # the optimizer fp8.initialize returned (identity: initialize once)
         self._fp8_conv1d: list[str] = []  # the model's transformers Conv1D modules, saved back transposed
@@ -276,7 +292,9 @@ class FP8TrainerMixin:
         new_model, new_optimizer = initialize(
             target, optimizer, self.fp8_opt_level, config=self.fp8_config, recipe=self.fp8_recipe,
             fp8_activations=self.fp8_activations, fp8_embeddings=self.fp8_embeddings, min_fp8_dim=self.fp8_min_dim,
-            module_filter_fn=self.fp8_module_filter, precision=self.fp8_precision)
+            module_filter_fn=self.fp8_module_filter, precision=self.fp8_precision,
+            auto_fallback=self.fp8_auto_fallback, high_precision_from_step=self.fp8_high_precision_from_step,
+            high_precision_mode=self.fp8_high_precision_mode)
         if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
             if target is self.model:
                 self.model = new_model

@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--fp4-recipe nvfp4 with the forward GEMMs in BF16 from iteration N on (1-based, as the logs "
                         "count; the backward GEMMs stay NVFP4), as NVIDIA's NVFP4 recipe does for the last part of "
                         "training; decided from the iteration number, so a resumed run switches at the same iteration")
+    f.add_argument("--fp8-high-precision-from-iteration", type=int, default=None, metavar="N",
+                   help="from iteration N on (1-based, as the logs count) every FP8 linear runs in high precision: its "
+                        "forward GEMM (--fp8-high-precision-mode forward, the default; the backward stays FP8) or all "
+                        "three GEMMs (linear; the input is then saved in high precision), weights still FP8 at rest; "
+                        "decided from the iteration number, so a resumed run switches at the same iteration")
+    f.add_argument("--fp8-high-precision-mode", choices=("forward", "linear"), default="forward",
+                   help="what --fp8-high-precision-from-iteration runs in high precision: the forward GEMM or the "
+                        "whole linear")
     f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
                    help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
                         "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
@@ -197,6 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fp8-stats-loss-spike", type=float, default=2.0,
                    help="warn when a logged loss exceeds this many times the mean of the previous ones (0: off)")
     f.add_argument("--fp8-stats-stop", action="store_true", help="stop the run (exit status 1) on an FP8 alarm")
+    f.add_argument("--fp8-auto-fallback", action="store_true",
+                   help="a linear whose input or output gradient raises an FP8 alarm (saturation, flush to zero, "
+                        "non-finite values, or a loss spike its amax growth is blamed for) at --fp8-fallback-patience "
+                        "consecutive checks moves one rung down --fp8-fallback-ladder, on every rank at the same "
+                        "iteration, logged and kept in checkpoints (fp8.fallback; docs/precision.md); checks are the "
+                        "log points with statistics (--fp8-stats-interval, 10 by default with this flag)")
+    f.add_argument("--fp8-fallback-patience", type=int, default=3, metavar="K",
+                   help="with --fp8-auto-fallback: consecutive alarmed checks before a linear moves")
+    f.add_argument("--fp8-fallback-ladder", default="tensorwise,rowwise,blockwise,high",
+                   help="with --fp8-auto-fallback: the settings a linear steps through, least safe first "
+                        "(tensorwise, rowwise, blockwise: FP8 recipes; high: all its GEMMs in high precision)")
+    f.add_argument("--fp8-fallback-restore-after", type=int, default=0, metavar="M",
+                   help="with --fp8-auto-fallback: move a linear one rung back after M consecutive clean checks "
+                        "(0: never)")
     f.add_argument("--fp8-min-dim", type=int, default=None,
                    help="linears whose per-rank GEMM has min(in, out) below this stay in high precision (announced "
                         "at start-up); default: 2048 on CUDA (the measured FP8/BF16 crossover), 0 on CPU")
@@ -336,6 +358,27 @@ def _check_fp8_stats(args: argparse.Namespace) -> None:
             raise ConfigurationError(f"{flag} is a fraction in [0, 1], got {value}")
     if args.fp8_stats_loss_spike < 0:
         raise ConfigurationError(f"--fp8-stats-loss-spike must be >= 0 (0: off), got {args.fp8_stats_loss_spike}")
+    fallback_flags = [flag for flag, given in (
+        ("--fp8-fallback-patience", args.fp8_fallback_patience != 3),
+        ("--fp8-fallback-ladder", args.fp8_fallback_ladder != "tensorwise,rowwise,blockwise,high"),
+        ("--fp8-fallback-restore-after", args.fp8_fallback_restore_after != 0)) if given]
+    if not args.fp8_auto_fallback:
+        if fallback_flags:
+            raise ConfigurationError(f"{', '.join(fallback_flags)} apply to --fp8-auto-fallback: add it, or drop them")
+        return
+    if args.fp8_opt_level == "none":
+        raise ConfigurationError("--fp8-auto-fallback moves FP8 linears: it needs --fp8-opt-level O1/O2/O3")
+    if args.fp8_stats_stop:
+        raise ConfigurationError("--fp8-auto-fallback acts on FP8 alarms and --fp8-stats-stop stops the run at the "
+                                 "first one: use one of them")
+    from .monitoring.fp8_numerics import fallback_config
+
+    try:
+        fallback_config(args)
+    except ValueError as error:
+        raise ConfigurationError(f"--fp8-fallback-*: {error}") from None
+    if args.fp8_stats_interval == 0:
+        args.fp8_stats_interval = 10  # the statistics the fallback decides from: every 10 steps
 
 
 def _check_moe(args: argparse.Namespace, dp: int) -> None:
@@ -452,12 +495,26 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     )
     _check_no_silent_flags(args)
     _check_moe(args, dp)
-    if args.fp4_bf16_forward_from_iteration is not None:
+    for switch, value in (("--fp4-bf16-forward-from-iteration", args.fp4_bf16_forward_from_iteration),
+                          ("--fp8-high-precision-from-iteration", args.fp8_high_precision_from_iteration)):
+        if value is None:
+            continue
+        if value < 1:
+            raise ConfigurationError(f"{switch} {value}: iterations count from 1")
         for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--num-experts", args.num_experts)):
             if on:
-                raise ConfigurationError(f"--fp4-bf16-forward-from-iteration with {flag}: the BF16 forward runs on "
-                                         f"linears whose input is neither all-gathered nor routed to experts; drop "
-                                         f"one of the two")
+                raise ConfigurationError(f"{switch} with {flag}: the high-precision GEMMs run on linears whose input "
+                                         f"is neither all-gathered nor routed to experts; drop one of the two")
+    if args.fp8_high_precision_from_iteration is not None:
+        if args.fp8_opt_level == "none":
+            raise ConfigurationError("--fp8-high-precision-from-iteration switches FP8 linears: it needs "
+                                     "--fp8-opt-level O1/O2/O3")
+        if args.fp4_bf16_forward_from_iteration is not None:
+            raise ConfigurationError("--fp4-bf16-forward-from-iteration and --fp8-high-precision-from-iteration both "
+                                     "schedule the switch: pass one (the second also takes --fp8-high-precision-mode)")
+    elif args.fp8_high_precision_mode != "forward":
+        raise ConfigurationError("--fp8-high-precision-mode applies to --fp8-high-precision-from-iteration: add it, or "
+                                 "drop the mode")
     _check_fp8_stats(args)
     high_precision_layers(args.first_last_layers_bf16, args.num_layers_at_start_in_bf16,  # checked at start-up
                           args.num_layers_at_end_in_bf16, args.num_layers)

@@ -112,6 +112,8 @@ class PrecisionConfig:
     fp4_hadamard: bool = True
     fp4_stochastic_rounding: bool = True
     fp4_bf16_forward_from_iteration: int | None = None
+    fp8_high_precision_from_iteration: int | None = None
+    fp8_high_precision_mode: str = "forward"
     fp8_gemm_backend: str = "auto"
     fp8_activations: bool = False
     first_last_layers_bf16: bool = _match(False)
@@ -199,6 +201,10 @@ class StatsConfig:
     fp8_stats_flush_alarm: float = 0.5
     fp8_stats_loss_spike: float = 2.0
     fp8_stats_stop: bool = False
+    fp8_auto_fallback: bool = False
+    fp8_fallback_patience: int = 3
+    fp8_fallback_ladder: str = "tensorwise,rowwise,blockwise,high"
+    fp8_fallback_restore_after: int = 0
 
 
 @dataclass(frozen=True)

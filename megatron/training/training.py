@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fp8.comm import Collectives, CommBytesCounter
 from fp8.comm_trace import CollectiveTrace
-from fp8.convert import set_high_precision_forward
+from fp8.schedule import switch as switch_precision
 from fp8.distributed import DistributedDataParallel
 from fp8.memory import memory_report
 from fp8.tensor import Float8Tensor
@@ -544,17 +544,23 @@ def train_iterations(cfg: RunConfig, datasets: Datasets, logger: TrainingLogger,
 
 
 def _scheduled_precision(cfg: RunConfig, run: TrainingRun, iteration: int) -> None:
-    """``--fp4-bf16-forward-from-iteration N``: from iteration ``N`` on, every NVFP4 linear runs its forward GEMM in
-    BF16 (:func:`fp8.set_high_precision_forward`; its backward stays NVFP4). Decided from the iteration number at
-    every iteration (idempotent), so a run resumed past ``N`` switches at its first iteration: no checkpoint state."""
-    switch = cfg.precision.fp4_bf16_forward_from_iteration
+    """``--fp8-high-precision-from-iteration N`` (``--fp8-high-precision-mode forward | linear``) and
+    ``--fp4-bf16-forward-from-iteration N`` (NVFP4, forward): from iteration ``N`` on, every FP8 linear runs its
+    forward GEMM, or all its GEMMs, in high precision (:func:`fp8.schedule.switch`; weights stay FP8 at rest). Decided
+    from the iteration number at every iteration (idempotent), so a run resumed past ``N`` switches at its first
+    iteration: no checkpoint state."""
+    p = cfg.precision
+    switch, mode, flag = p.fp8_high_precision_from_iteration, p.fp8_high_precision_mode, "--fp8-high-precision-from-iteration"
+    if p.fp4_bf16_forward_from_iteration is not None:
+        switch, mode, flag = p.fp4_bf16_forward_from_iteration, "forward", "--fp4-bf16-forward-from-iteration"
     if switch is None or iteration < switch:
         return
-    changed = sum(set_high_precision_forward(chunk) for chunk in run.bare_chunks)
+    changed = sum(switch_precision(chunk, mode) for chunk in run.bare_chunks)
     if changed and _is_logging_rank():
-        print(f"iteration {iteration}: the forward GEMMs of {changed} NVFP4 linear(s) run in high precision (BF16 "
-              f"with --bf16) from now on (--fp4-bf16-forward-from-iteration {switch}); their backward stays NVFP4",
-              flush=True)
+        what = "forward GEMMs" if mode == "forward" else "GEMMs (forward and backward)"
+        kept = "; their backward stays in FP8" if mode == "forward" else "; their weights stay FP8 at rest"
+        print(f"iteration {iteration}: the {what} of {changed} FP8 linear(s) run in high precision (BF16 with --bf16) "
+              f"from now on ({flag} {switch}){kept}", flush=True)
 
 
 class PendingRecords:

@@ -421,3 +421,23 @@ def test_fp8_statistics_and_precision_rules_reach_the_logs(tmp_path):
     with pytest.raises(ValueError, match="fp8_stats_interval=2 needs an FP8 fp8_opt_level"):
         FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=PermutationLanguage(),
                    fp8_opt_level="none", fp8_stats_interval=2)
+
+
+def test_auto_fallback_and_scheduled_precision_through_the_trainer(tmp_path):
+    """``fp8_high_precision_from_step=3, fp8_high_precision_mode="linear"``: every FP8 linear in high precision after
+    the run, the first two steps' losses as without it; ``fp8_auto_fallback`` at a flush threshold so low that the
+    attention's output gradients trip it: the layers it moved are the ones ``layer_precisions`` shows off tensorwise,
+    and the optimizer's state dict carries the decisions (what the Trainer's checkpoints save)."""
+    plain = train(tmp_path / "plain", "O2", max_steps=4, logging_steps=1)
+    hp = train(tmp_path / "hp", "O2", max_steps=4, logging_steps=1,
+               fp8_kwargs={"fp8_high_precision_from_step": 3, "fp8_high_precision_mode": "linear"})
+    assert losses(hp)[:2] == losses(plain)[:2] and losses(hp)[2] != losses(plain)[2]
+    assert set(fp8.layer_precisions(hp.model).values()) == {"fp8:tensorwise:high-precision"}
+    cfg = fp8.FallbackConfig(interval=1, patience=1, flush=1e-6)
+    fb = train(tmp_path / "fb", "O2", max_steps=3, logging_steps=1, fp8_kwargs={"fp8_auto_fallback": cfg})
+    state = fb.optimizer.state_dict()["fp8_auto_fallback"]
+    moved = {n for n, v in fp8.layer_precisions(fb.model).items() if v.startswith("fp8:") and v != "fp8:tensorwise"}
+    assert moved == set(state["settings"]) and len(state["decisions"]) >= len(moved) > 0
+    with pytest.raises(ValueError, match="drop fp8_stats_interval, or the fallback"):
+        FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=PermutationLanguage(),
+                   fp8_opt_level="O2", fp8_stats_interval=2, fp8_auto_fallback=True)

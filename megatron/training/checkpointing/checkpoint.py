@@ -262,6 +262,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
         "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"], "ep": ranks["ep_size"],
                    "vp": cfg.parallel.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
         "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(cfg), "args": _run_args(cfg), "params": dict(sorted(params.items())),
+        "fp8_auto_fallback": run.numerics.fallback_state() if getattr(run, "numerics", None) is not None else None,
     }
     state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
     path = checkpoint_dir(directory, iteration)
@@ -486,12 +487,40 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
     path = resolved
     meta = _read_meta(path, distributed)
     _check_compatible(path, meta, run.cfg, run.vocab_size)
+    _restore_fallback(meta, run, path)
     plan = _plan(path, meta, run)
     _read(plan, run, distributed)
     _apply(plan, run, meta, path)
     if distributed:
         run.world.barrier("checkpoint")
     return int(meta["iteration"])
+
+
+def _restore_fallback(meta: dict, run, path: Path) -> None:
+    """The linears ``--fp8-auto-fallback`` had moved when the checkpoint was saved, put back at their settings before
+    anything is read (their weights' scale layouts follow the settings), with the controller's state when this run has
+    the fallback too; without it the layers still take the saved settings (their FP8 weights were trained so), said
+    once."""
+    state = meta.get("fp8_auto_fallback")
+    if not state or not state.get("settings"):
+        return
+    numerics = getattr(run, "numerics", None)
+    if numerics is not None and numerics.fallback is not None:
+        numerics.restore_fallback(state)
+        return
+    from fp8.fallback import apply_settings, fallback_linears
+
+    from ..gpt_layer_specs import global_module_names
+
+    linears = {}
+    for chunk in run.bare_chunks:
+        name = global_module_names(chunk)
+        linears.update({name(n): m for n, m in fallback_linears(chunk).items()})
+    apply_settings(linears, state["settings"], tuple(state["ladder"]))
+    if dist.get_rank() == 0:
+        print(f"--load {path}: the checkpoint's run had moved {len(state['settings'])} linear(s) with "
+              f"--fp8-auto-fallback ({', '.join(f'{k}: {v}' for k, v in sorted(state['settings'].items()))}); they "
+              f"keep those settings (add --fp8-auto-fallback to let them move on)", flush=True)
 
 
 def _resolve(directory: Path, run, iteration: int | None) -> Path | None:

@@ -13,8 +13,17 @@ values, so all agree on an alarm:
   a tensor far below the format's range);
 - loss spike: a logged loss above ``--fp8-stats-loss-spike`` times the mean of the previous (up to 10) logged ones.
 
+- non-finite values: any NaN or infinite value in an operand.
+
 An alarm is a WARNING naming the layer, operand and iteration; with ``--fp8-stats-stop`` the run stops
 (:class:`megatron.training.monitoring.health.RunHealthError`, exit status 1).
+
+``--fp8-auto-fallback`` acts on them (:mod:`fp8.fallback`): the merged statistics of each check (a log point with
+observed steps) go to one :class:`fp8.fallback.AutoFallback`, the same on every rank, which moves a linear alarmed at
+``--fp8-fallback-patience`` consecutive checks one rung down ``--fp8-fallback-ladder`` (a loss spike is blamed on the
+linear whose operand amax grew the most since the previous check). Each rank applies the decisions to the linears it
+holds before the next step; each is a WARNING and goes into the log record (``fp8_fallback``, with every linear's
+setting as ``layer_precisions``); the controller's state is saved in checkpoints (``meta``) and applied on load.
 """
 
 from __future__ import annotations
@@ -25,33 +34,22 @@ import logging
 import torch
 
 from fp8.comm import Collectives
-from fp8.stats import FP8Statistics
+from fp8.fallback import AutoFallback, FallbackConfig, apply_settings, fallback_linears, linear_setting
+from fp8.convert import layer_precisions
+from fp8.stats import FP8Statistics, merge_stats
 
 from ..config import StatsConfig
 from .health import RunHealthError
 
-__all__ = ["NumericsMonitor", "merge_rank_stats", "alarms"]
+__all__ = ["NumericsMonitor", "merge_rank_stats", "alarms", "fallback_config"]
 
 _LOG = logging.getLogger("megatron.training")
 
 
 def merge_rank_stats(per_rank: list[dict]) -> dict:
     """One entry per layer from every rank's statistics (``FP8Statistics.read()``, keyed by the single-process model's
-    layer names: a pipeline stage's layers by their global number): tensor-parallel and data-parallel copies of a layer
-    merged by their largest value (amax, scale, fractions)."""
-    merged: dict = {}
-    for stats in per_rank:
-        for name, operands in stats.items():
-            layer = merged.setdefault(name, {})
-            for operand, values in operands.items():
-                slot = layer.setdefault(operand, {})
-                for stat, value in values.items():
-                    old = slot.get(stat)
-                    if old is None or old != old:  # none yet, or NaN (no scaled gradient there)
-                        slot[stat] = value
-                    elif value == value:
-                        slot[stat] = max(old, value)
-    return merged
+    layer names: a pipeline stage's layers by their global number): :func:`fp8.stats.merge_stats`."""
+    return merge_stats(per_rank)
 
 
 def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list[str]:
@@ -61,6 +59,9 @@ def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list
         for operand, values in operands.items():
             if operand == "weight":
                 continue  # stored weights: a zero payload may be a zero weight; reported, not alarmed
+            if values.get("non_finite", 0.0) > 0:
+                out.append(f"iteration {iteration}: {name} {operand}: {values['non_finite']:.2%} of its values are not "
+                           f"finite")
             if values["saturated"] > saturation:
                 out.append(f"iteration {iteration}: {name} {operand}: {values['saturated']:.2%} of its values saturate "
                            f"(> {saturation:.2%}; amax {values['amax']:.4g}, scale {values['scale']:.4g})")
@@ -69,6 +70,15 @@ def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list
                            f"values flush to zero (> {flush:.2%}; amax {values['amax']:.4g}, scale "
                            f"{values['scale']:.4g})")
     return out
+
+
+def fallback_config(stats) -> FallbackConfig:
+    """The :class:`fp8.fallback.FallbackConfig` of ``--fp8-auto-fallback``'s flags (the stats section or an argparse
+    namespace): its thresholds are the alarms' (``--fp8-stats-saturation-alarm``, ``--fp8-stats-flush-alarm``)."""
+    return FallbackConfig(interval=max(stats.fp8_stats_interval, 1), patience=stats.fp8_fallback_patience,
+                          ladder=FallbackConfig.parse_ladder(stats.fp8_fallback_ladder),
+                          saturation=stats.fp8_stats_saturation_alarm, flush=stats.fp8_stats_flush_alarm,
+                          restore_after=stats.fp8_fallback_restore_after)
 
 
 class NumericsMonitor:
@@ -85,6 +95,39 @@ class NumericsMonitor:
         self.log = log
         self.stats = [FP8Statistics(c, stats.fp8_stats_interval) for c in chunks]
         self.losses: list[float] = []
+        self.chunks = chunks
+        self.fallback: AutoFallback | None = None
+        self.linears: dict = {}  # this rank's FP8 linears the fallback moves, by global name
+        self._logged_precisions = False
+        if stats.fp8_auto_fallback:
+            for chunk, global_name in zip(chunks, global_names):
+                self.linears.update({global_name(n): m for n, m in fallback_linears(chunk).items()})
+            initial: dict = {}
+            for part in world.all_gather_object({n: linear_setting(m) for n, m in self.linears.items()},
+                                                "fp8 fallback"):
+                initial.update(part)
+            self.fallback = AutoFallback(fallback_config(stats), initial)
+
+    def layer_precisions(self) -> dict[str, str]:
+        """Every linear's setting (:func:`fp8.layer_precisions`) by global name, over every rank (one
+        ``all_gather_object``: call it on every rank at the same point)."""
+        local: dict = {}
+        for chunk, global_name in zip(self.chunks, self.global_names):
+            local.update({global_name(n): v for n, v in layer_precisions(chunk).items()})
+        merged: dict = {}
+        for part in self.world.all_gather_object(local, "fp8 fallback"):
+            merged.update(part)
+        return dict(sorted(merged.items()))
+
+    def fallback_state(self) -> dict | None:
+        """The controller's state for a checkpoint's meta (the same on every rank), or None without the fallback."""
+        return None if self.fallback is None else self.fallback.state_dict()
+
+    def restore_fallback(self, state: dict) -> None:
+        """A checkpoint's fallback state (:meth:`fallback_state`) into the controller and the linears this rank
+        holds (before the checkpoint's weights are read: their layouts follow the settings)."""
+        self.fallback.load_state_dict(state)
+        apply_settings(self.linears, self.fallback.settings, self.fallback.config.ladder)
 
     def begin_step(self, iteration: int) -> None:
         for s in self.stats:
@@ -99,6 +142,7 @@ class NumericsMonitor:
         merged = merge_rank_stats(self.world.all_gather_object(local, "fp8 statistics"))
         cfg = self.config
         found = []
+        spike = False
         if merged and records:
             records[-1]["fp8_stats"] = merged
             found += alarms(merged, records[-1]["iteration"], cfg.fp8_stats_saturation_alarm,
@@ -113,10 +157,27 @@ class NumericsMonitor:
                 found.append(f"iteration {record['iteration']}: loss {loss:.4f} spikes above "
                              f"{cfg.fp8_stats_loss_spike} x the mean of the previous {len(previous)} logged losses "
                              f"({sum(previous) / len(previous):.4f})")
+                spike = True
             self.losses.append(loss)
         if found and self.log:
             for line in found:
                 _LOG.warning("FP8 alarm, %s", line)
+        if self.fallback is not None and records:
+            self._fall_back(merged, records, spike)
         if found and cfg.fp8_stats_stop:
             raise RunHealthError(f"--fp8-stats-stop: {found[0]}" + (f" (and {len(found) - 1} more alarms)"
                                                                      if len(found) > 1 else ""))
+
+    def _fall_back(self, merged: dict, records: list[dict], spike: bool) -> None:
+        """One check of the fallback on the merged statistics (every rank the same decisions), applied to this rank's
+        linears; the decisions and every linear's setting into the last record (and at the first check)."""
+        decisions = self.fallback.observe(merged, records[-1]["iteration"], spike=spike) if merged else []
+        if decisions:
+            apply_settings(self.linears, self.fallback.settings, self.fallback.config.ladder)
+            records[-1]["fp8_fallback"] = [d.message() for d in decisions]
+            if self.log:
+                for d in decisions:
+                    _LOG.warning("FP8 auto fallback, %s", d.message())
+        if decisions or not self._logged_precisions:
+            records[-1]["layer_precisions"] = self.layer_precisions()
+            self._logged_precisions = True

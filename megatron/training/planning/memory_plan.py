@@ -271,6 +271,9 @@ class PlannerConfig:
     moe_grouped_gemm: bool = False  # a rank's experts as one grouped GEMM per projection (FP8GroupedMLP)
     fp8_gemm_backend: str = "auto"  # --fp8-gemm-backend: auto | scaled_mm | emulated
     gemm_device: str = "cuda"  # the device whose GEMMs are planned: cuda (a GPU, the default) | cpu
+    # --fp8-high-precision-from-iteration with --fp8-high-precision-mode: "linear" saves each FP8 linear's input in
+    # high precision (hp bytes) from that iteration on, the plan's peak; "forward" (or "none") saves what FP8 saves
+    fp8_high_precision_mode: str = "none"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -287,7 +290,9 @@ class PlannerConfig:
                      "data_parallel_size", "dp_bucket_bytes", "num_query_groups", "fp8_amax_history_len"):
             _positive(name, getattr(self, name))
         object.__setattr__(self, "fp8_opt_level", normalize_opt_level(self.fp8_opt_level))  # O0 -> none
-        for flag, value, choices in (("--fp8-recipe", self.fp8_recipe, _RECIPES),
+        for flag, value, choices in (("--fp8-high-precision-mode", self.fp8_high_precision_mode,
+                                      ("none", "forward", "linear")),
+                                     ("--fp8-recipe", self.fp8_recipe, _RECIPES),
                                      ("--fp8-grad-accumulation", self.grad_accumulation, GRAD_ACCUMULATION),
                                      ("--fp8-gemm-backend", self.fp8_gemm_backend, GEMM_BACKENDS),
                                      ("gemm_device", self.gemm_device, GEMM_DEVICES),
@@ -511,6 +516,8 @@ class PlannerConfig:
             moe_router_load_balancing_type=get("moe_router_load_balancing_type", "aux_loss"),
             moe_grouped_gemm=bool(get("moe_grouped_gemm", False)),
             fp8_gemm_backend=get("fp8_gemm_backend", "auto"),
+            fp8_high_precision_mode="none" if get("fp8_high_precision_from_iteration") is None
+            else get("fp8_high_precision_mode", "forward"),
         )
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if values[name] is None:
@@ -842,7 +849,10 @@ def _fp8_input(cfg: PlannerConfig, width: int, n_out: int, tokens: float | None 
     Otherwise the weight-gradient GEMM's column-wise operand is made from the same read and saved instead: E4M3 with
     the ``tokens`` padded to the GEMM's multiple (16; 128 blockwise) and the column scales (one per feature rowwise,
     one per 128 x 1 tile blockwise). ``expected_pad``: ``tokens`` is a routed expert's mean count, its padding the
-    mean over counts (half the multiple less one)."""
+    mean over counts (half the multiple less one). Under ``fp8_high_precision_mode="linear"`` (the whole linear in
+    high precision, :attr:`fp8.Float8LinearConfig.high_precision`) the input itself, ``hp`` bytes per feature."""
+    if cfg.fp8_high_precision_mode == "linear":
+        return cfg.hp_bytes * width
     recipe = _recipe(cfg, n_out, width)
     tile, scale_block = _BLOCKS.get(recipe), _SCALE_BLOCK.get(recipe)
     elem = 0.5 if recipe == "nvfp4" else 1  # E2M1: two values per byte (nvfp4 also saves a 0-d fp32 global scale)
