@@ -1,7 +1,14 @@
 """``fp8.initialize`` on tiny random configurations of transformers architectures: the FP8 fraction of the decoder
-blocks' weights and the loss after a few O2 steps against ``opt_level="none"``.
+blocks' weights and the loss of O2 steps against ``opt_level="none"``.
 
     python benchmarks/transformers_architectures.py [--steps 4] [--arch mixtral qwen2_moe ...] [--json out.json]
+    python benchmarks/transformers_architectures.py --steps 100 --batches 3 --seeds 3 --lr 2e-3 --noise-control
+
+With ``--batches N`` the runs cycle N distinct random batches (default 1: one batch, fitted); ``--seeds`` repeats each
+architecture per seed. Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
+10``) and the mean over every step's (``curve``); with ``--noise-control`` also the same figures for a high-precision
+run whose initial weights are multiplied by ``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below
+FP8's rounding, the floor any precision comparison on these tiny runs stands on.
 
 FP8 fraction: elements of the blocks' matrices (parameters with >= 2 dims in the model's decoder-layer list) held as
 FP8 after ``fp8.initialize``, over all of them. ``old rule``: the fraction the converter reached before MoE experts and
@@ -87,17 +94,36 @@ def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: flo
     return model, losses
 
 
-def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, batch: int = 4, seq: int = 32) -> dict:
-    """One architecture: FP8 fractions and the loss of ``opt_level`` against ``none``."""
+def gaps(losses: list[float], reference: list[float]) -> dict[str, float]:
+    """Relative differences of ``losses`` from ``reference``: the last loss, the mean of the last 10, the whole curve."""
+    last10 = min(10, len(losses))
+    return {"last": losses[-1] / reference[-1] - 1,
+            "last10": sum(losses[-last10:]) / sum(reference[-last10:]) - 1,
+            "curve": sum(losses) / sum(reference) - 1}
+
+
+def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, batch: int = 4, seq: int = 32,
+            n_batches: int = 1, lr: float = 1e-3, noise_control: bool = False) -> dict:
+    """One architecture: FP8 fractions and the loss of ``opt_level`` against ``none`` (module docstring)."""
     base = tiny_model(arch, seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    batches = [torch.randint(0, base.config.vocab_size, (batch, seq), generator=generator)] * steps  # one batch, fitted
+    distinct = [torch.randint(0, base.config.vocab_size, (batch, seq), generator=generator) for _ in range(n_batches)]
+    batches = [distinct[i % n_batches] for i in range(steps)]
     before = old_rule_fraction(base)
-    reference, ref_losses = train(copy.deepcopy(base), "none", batches)
-    model, losses = train(base, opt_level, batches)
-    return {"arch": arch, "opt_level": opt_level, "fp8_fraction_old_rule": before, "fp8_fraction": fp8_fraction(model),
-            "loss_none": ref_losses, f"loss_{opt_level}": losses,
-            "final_loss_rel_diff": abs(losses[-1] - ref_losses[-1]) / ref_losses[-1]}
+    perturbed = copy.deepcopy(base) if noise_control else None
+    reference, ref_losses = train(copy.deepcopy(base), "none", batches, lr)
+    model, losses = train(base, opt_level, batches, lr)
+    out = {"arch": arch, "opt_level": opt_level, "seed": seed, "fp8_fraction_old_rule": before,
+           "fp8_fraction": fp8_fraction(model), "loss_none": ref_losses, f"loss_{opt_level}": losses,
+           "final_loss_rel_diff": abs(losses[-1] - ref_losses[-1]) / ref_losses[-1], "gaps": gaps(losses, ref_losses)}
+    if noise_control:
+        g = torch.Generator().manual_seed(seed + 2)
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.mul_(1 + 1e-4 * torch.randn(p.shape, generator=g))
+        _, noisy = train(perturbed, "none", batches, lr)
+        out["noise_gaps"] = gaps(noisy, ref_losses)
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -106,13 +132,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--opt-level", default="O2")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--batches", type=int, default=1, help="distinct random batches, cycled (1: one, fitted)")
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--noise-control", action="store_true",
+                        help="also a high-precision run from weights perturbed by 1e-4 relative")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    results = [measure(arch, args.steps, args.opt_level) for arch in args.arch]
-    print(f"{'architecture':<12} {'FP8 (old rule)':>14} {'FP8 now':>8} {'loss none':>10} {'loss ' + args.opt_level:>9} {'rel':>7}")
+    results = [measure(arch, args.steps, args.opt_level, seed, n_batches=args.batches, lr=args.lr,
+                       noise_control=args.noise_control) for arch in args.arch for seed in range(args.seeds)]
+    print(f"{'architecture':<12} {'seed':>4} {'FP8 (old rule)':>14} {'FP8 now':>8} {'loss none':>10} "
+          f"{'loss ' + args.opt_level:>9} {'last':>7} {'last 10':>8} {'curve':>7}"
+          + (f" {'noise: last 10':>15} {'curve':>7}" if args.noise_control else ""))
     for r in results:
-        print(f"{r['arch']:<12} {r['fp8_fraction_old_rule']:>14.1%} {r['fp8_fraction']:>8.1%} {r['loss_none'][-1]:>10.4f} "
-              f"{r['loss_' + args.opt_level][-1]:>9.4f} {r['final_loss_rel_diff']:>7.2%}")
+        g = r["gaps"]
+        line = (f"{r['arch']:<12} {r['seed']:>4} {r['fp8_fraction_old_rule']:>14.1%} {r['fp8_fraction']:>8.1%} "
+                f"{r['loss_none'][-1]:>10.4f} {r['loss_' + args.opt_level][-1]:>9.4f} {g['last']:>+7.2%} "
+                f"{g['last10']:>+8.2%} {g['curve']:>+7.2%}")
+        if args.noise_control:
+            line += f" {r['noise_gaps']['last10']:>+15.2%} {r['noise_gaps']['curve']:>+7.2%}"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

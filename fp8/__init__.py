@@ -16,6 +16,7 @@ import importlib
 from .cast import dequantize, quantize, quantize_transpose
 from .convert import convert_to_float8_linear, layer_precisions, set_high_precision, set_high_precision_forward
 from .fallback import FallbackConfig
+from .smooth_swiglu import smooth_swiglu
 from .frozen import freeze
 from .formats import E4M3, E5M2, FP8Format, get_format
 from .gemm import fp8_mm, scaled_mm_supported
@@ -36,7 +37,7 @@ __all__ = [
     "ScalingConfig", "ScalingState", "compute_scale", "update_scales", "set_amax_reduction_group",
     "Float8Tensor", "to_float8", "ScaledFloat16Tensor", "to_scaled_fp16", "quantize", "dequantize", "quantize_transpose",
     "fp8_mm", "scaled_mm_supported",
-    "Float8Linear", "Float8LinearConfig", "Float8Experts", "convert_to_float8_linear", "set_high_precision_forward", "set_high_precision", "FallbackConfig", "layer_precisions", "freeze",
+    "Float8Linear", "Float8LinearConfig", "Float8Experts", "convert_to_float8_linear", "set_high_precision_forward", "set_high_precision", "FallbackConfig", "smooth_swiglu", "layer_precisions", "freeze",
     "initialize", "export_fp8", "import_fp8", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level", "memory_report", "MEMORY_CATEGORIES", "safe_globals", "clip_grad_norm_", "optim", "distributed",
 ]
 

@@ -45,12 +45,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .comm import Collectives, CommBytesCounter
 from .distributed.sharding import is_dtensor, local, rows_as_dtensor
+from .fallback import FallbackHooks
 from .formats import byte_view
 from .optim.base import FP8Optimizer
 from .optim.levels import OptLevelMismatchError, level_name
 from .optim.precision import OptimizerPrecision
 from .optim.sharded import ShardedFP8Optimizer
 from .scaling import ScalingState
+from .schedule import PrecisionSchedule
 from .tensor import Float8Tensor
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_atomically", "verify_checksums", "resolve_checkpoint",
@@ -161,7 +163,31 @@ def _meta(module: nn.Module, optimizer: FP8Optimizer, world: int) -> dict[str, A
                   if isinstance(p, Float8Tensor) and id(p) in params}
     return {"version": CHECKPOINT_VERSION, "world_size": world, "param_groups": groups,
             "skipped_steps": optimizer.skipped_steps, "fp8_dtypes": fp8_dtypes, "config": _config(module, optimizer),
-            "opt_level": optimizer.opt_level}
+            "opt_level": optimizer.opt_level, "extensions": _extension_state(optimizer)}
+
+
+def _extensions(optimizer) -> list:
+    """The optimizer's automatic-fallback and scheduled-precision hooks (:func:`fp8.fallback.attach`,
+    :func:`fp8.schedule.attach`), whose state ``optimizer.state_dict()`` carries; this checkpoint, which builds its own
+    flat state, keeps it in its meta."""
+    hooks = list(optimizer._optimizer_state_dict_post_hooks.values())
+    return [h.__self__ for h in hooks if isinstance(getattr(h, "__self__", None), (FallbackHooks, PrecisionSchedule))]
+
+
+def _extension_state(optimizer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for owner in _extensions(optimizer):
+        owner.save_state(optimizer, out)
+    return out
+
+
+def _load_extensions(optimizer, saved: dict[str, Any]) -> None:
+    """Before the tensors are read: the schedule first, then the fallback (its linears at their saved settings, so
+    their weights' scale layouts match the checkpoint's)."""
+    owners = sorted(_extensions(optimizer), key=lambda o: not isinstance(o, PrecisionSchedule))
+    for owner in owners:
+        if owner.KEY in saved:
+            owner.load_state(optimizer, {owner.KEY: saved[owner.KEY]})
 
 
 def _saved_level(meta: dict[str, Any]) -> str | None:
@@ -411,6 +437,7 @@ def load_checkpoint(
     _check_level(path, meta, optimizer)
     _check_config(path, meta.get("config"), _split(model)[0], optimizer)
     saved_world = int(meta["world_size"])
+    _load_extensions(optimizer, meta.get("extensions", {}))
     state = _state(model, optimizer, process_group, rank % saved_world)
     loaded = {k: v for k, v in state.items() if not k.startswith("scaling/")}
     loaded.update({k: v for k, v in state.items() if k.startswith("scaling/")})

@@ -376,13 +376,7 @@ def set_high_precision_forward(model: nn.Module, enabled: bool = True) -> int:
     (``enabled``; the backward GEMMs stay in the recipe's formats: :attr:`Float8LinearConfig.high_precision_forward`)
     or back. Returns how many configs changed. Idempotent, so a loop may call it at every iteration from the one it
     switches at (a resumed run switches again at its first iteration: nothing to save in checkpoints)."""
-    changed = 0
-    for module in model.modules():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, Float8LinearConfig) and value.high_precision_forward != enabled:
-                setattr(module, name, replace(value, high_precision_forward=enabled))
-                changed += 1
-    return changed
+    return _set_flag(model, "high_precision_forward", enabled)
 
 
 def fp8_config_attribute(module: nn.Module) -> str | None:
@@ -399,11 +393,17 @@ def set_high_precision(model: nn.Module, enabled: bool = True) -> int:
     GEMMs in high precision on its weight's values (:attr:`Float8LinearConfig.high_precision`; the weight stays FP8 at
     rest, its optimizer unchanged) or back. Returns how many configs changed; idempotent (a loop may call it at every
     iteration from the one it switches at)."""
+    return _set_flag(model, "high_precision", enabled)
+
+
+def _set_flag(model: nn.Module, field: str, enabled: bool) -> int:
+    """``field`` of every :class:`Float8LinearConfig` held by a module of ``model`` set to ``enabled``; how many
+    changed."""
     changed = 0
     for module in model.modules():
         for name, value in list(vars(module).items()):
-            if isinstance(value, Float8LinearConfig) and value.high_precision != enabled:
-                setattr(module, name, replace(value, high_precision=enabled))
+            if isinstance(value, Float8LinearConfig) and getattr(value, field) != enabled:
+                setattr(module, name, replace(value, **{field: enabled}))
                 changed += 1
     return changed
 

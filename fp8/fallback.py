@@ -44,7 +44,7 @@ from .stats import FP8Statistics, merge_stats
 from .tensor import Float8Tensor, relayout_
 
 __all__ = ["FallbackConfig", "AutoFallback", "Decision", "LADDER", "SETTINGS", "linear_setting", "set_linear_setting",
-           "fallback_linears", "apply_settings", "attach"]
+           "fallback_linears", "apply_settings", "allowed_settings", "attach", "FallbackHooks"]
 
 _LOG = logging.getLogger("fp8.fallback")
 
@@ -117,8 +117,10 @@ class Decision:
                 "non_finite": "of its values are not finite",
                 "loss_spike": "amax growth (x) at a loss spike"}[self.statistic]
         value = f"{self.value:.4g}" if self.statistic == "loss_spike" else f"{self.value:.2%}"
+        change = f"{self.old} -> {self.new}" if self.new != self.old else \
+            f"stays {self.old}, the safest setting on the ladder it can take"
         return (f"iteration {self.iteration}: {self.layer} {self.role}: {value} {what} at {self.checks} consecutive "
-                f"checks: {self.old} -> {self.new}")
+                f"checks: {change}")
 
 
 def linear_setting(module: nn.Module) -> str | None:
@@ -147,74 +149,84 @@ def _setting_problem(module: nn.Module, setting: str) -> str | None:
             return "its input is all-gathered (sequence parallelism)"
         return None
     weight = module.weight
+    config = getattr(module, fp8_config_attribute(module))
+    if type(config) is not Float8LinearConfig and setting != config.recipe:
+        return f"its config is a {type(config).__name__} (e.g. Smooth-SwiGLU), whose quantizers are its own"
+    if not isinstance(weight, Float8Tensor) and setting != config.recipe:
+        return (f"its FP8 weight is sharded ({type(weight).__name__}, FSDP2), which keeps tensor-wise FP8 weights "
+                f"only")
     return get_recipe(setting).dims_problem(weight.shape[1], weight.shape[0])
 
 
+def allowed_settings(module: nn.Module, ladder: tuple[str, ...]) -> tuple[str, ...]:
+    """The settings of ``ladder`` that ``module`` can take (its current one included)."""
+    return tuple(s for s in ladder if s == linear_setting(module) or _setting_problem(module, s) is None)
+
+
 @torch.no_grad()
-def set_linear_setting(module: nn.Module, setting: str) -> None:
-    """Move FP8 linear ``module`` to ``setting`` (:data:`SETTINGS`): ``"high"`` sets
-    :attr:`Float8LinearConfig.high_precision`; a recipe sets it and re-lays the FP8 weight out in that recipe's blocks
-    (module docstring: exact from per-tensor scales), dropping its derived GEMM operands and its gradient (call between
-    an optimizer step and the next backward). Raises ``ValueError`` naming why the module cannot take it."""
-    problem = _setting_problem(module, setting)
-    if problem is not None:
-        raise ValueError(f"{type(module).__name__} cannot run {setting!r}: {problem}")
+def _set_recipe(module: nn.Module, recipe: str, high: bool) -> None:
+    """``module`` at ``recipe`` (its weight re-laid out in that recipe's blocks where it changes), its GEMMs in high
+    precision or not."""
     attribute = fp8_config_attribute(module)
     config: Float8LinearConfig = getattr(module, attribute)
+    if recipe != config.recipe:
+        problem = _setting_problem(module, recipe)
+        if problem is not None:
+            raise ValueError(f"{type(module).__name__} cannot run {recipe!r}: {problem}")
+        relayout_(module.weight, get_recipe(recipe).weight)
+        module.weight.grad = None
+    if high and _setting_problem(module, "high") is not None:
+        raise ValueError(f"{type(module).__name__} cannot run in high precision: {_setting_problem(module, 'high')}")
+    if (recipe, high) != (config.recipe, config.high_precision):
+        setattr(module, attribute, dataclasses.replace(config, recipe=recipe, high_precision=high))
+
+
+def set_linear_setting(module: nn.Module, setting: str, recipe: str | None = None) -> None:
+    """Move FP8 linear ``module`` to ``setting`` (:data:`SETTINGS`): a recipe sets it (all GEMMs in FP8) and re-lays
+    the FP8 weight out in that recipe's blocks (module docstring: exact from per-tensor scales), dropping its derived
+    GEMM operands and its gradient (call between an optimizer step and the next backward); ``"high"`` sets
+    :attr:`Float8LinearConfig.high_precision`, the weight held in ``recipe``'s blocks (default: as it is). Raises
+    ``ValueError`` naming why the module cannot take it."""
     if setting == "high":
-        setattr(module, attribute, dataclasses.replace(config, high_precision=True))
-        return
-    block = get_recipe(setting).weight
-    weight: Float8Tensor = module.weight
-    if setting != config.recipe and not isinstance(weight, Float8Tensor):
-        raise ValueError(f"{type(module).__name__}: moving a sharded FP8 weight ({type(weight).__name__}, FSDP2) to "
-                         f"{setting!r} is not supported (FSDP2 shards tensor-wise FP8 weights); give the fallback a "
-                         f"ladder without per-row or per-block rungs, e.g. FallbackConfig(ladder=('tensorwise', "
-                         f"'high'))")
-    if setting != config.recipe:
-        relayout_(weight, block)
-        weight.grad = None
-    setattr(module, attribute, dataclasses.replace(config, recipe=setting, high_precision=False))
+        _set_recipe(module, recipe or getattr(module, fp8_config_attribute(module)).recipe, True)
+    else:
+        _set_recipe(module, setting, False)
 
 
-def _effective(module: nn.Module, ladder: tuple[str, ...], rung: int) -> str:
-    """The setting ``module`` runs at ladder position ``rung``: that rung's, or the next one down it can take, or
-    (none can) the setting it runs now."""
-    for setting in ladder[rung:]:
-        if _setting_problem(module, setting) is None:
-            return setting
-    return linear_setting(module)
-
-
-def apply_settings(modules: Mapping[str, nn.Module], settings: Mapping[str, str], ladder: tuple[str, ...] = LADDER
-                   ) -> dict[str, str]:
-    """Put each linear of ``modules`` named in ``settings`` at that setting (or the next rung of ``ladder`` it can
-    take); names this process does not hold are skipped (another pipeline stage's). Returns what each one runs."""
-    out = {}
-    for name, setting in settings.items():
-        module = modules.get(name)
-        if module is None:
-            continue
-        run = _effective(module, ladder, ladder.index(setting)) if setting in ladder else setting
-        if linear_setting(module) != run:
-            set_linear_setting(module, run)
-        out[name] = run
-    return out
+def apply_settings(modules: Mapping[str, nn.Module], settings: Mapping[str, str], recipes: Mapping[str, str],
+                   initial: Mapping[str, str] | None = None) -> None:
+    """Put each linear of ``modules`` named in ``settings`` at that setting (``"high"``: its weight in ``recipes``'
+    blocks, the recipe it had before; a controller only chooses settings a linear can take: :func:`allowed_settings`),
+    and with ``initial`` every other one back at its initial setting; names this process does not hold (another
+    pipeline stage's) are skipped."""
+    for name, module in modules.items():
+        setting = settings.get(name, None if initial is None else initial.get(name))
+        if setting is not None:
+            set_linear_setting(module, setting, recipes.get(name, initial.get(name) if initial else None))
 
 
 class AutoFallback:
     """The decisions of automatic fallback (module docstring) from merged statistics; the same on every rank given
     the same inputs. ``initial``: each FP8 linear's setting at the start, by name (every rank's, merged: layers of
-    other pipeline stages included)."""
+    other pipeline stages included); ``allowed``: the ladder's settings each can take (:func:`allowed_settings`;
+    default: all), which the ladder steps through, skipping the others."""
 
-    def __init__(self, config: FallbackConfig, initial: Mapping[str, str]) -> None:
+    def __init__(self, config: FallbackConfig, initial: Mapping[str, str],
+                 allowed: Mapping[str, tuple[str, ...]] | None = None) -> None:
         self.config = config
         self.initial = dict(initial)
+        self.allowed = dict(allowed) if allowed is not None else {}
         self.settings: dict[str, str] = {}  # layers moved: their current rung's setting
+        self.recipes: dict[str, str] = {}  # layers moved: the recipe their weight is held in (for "high": the last)
         self.strikes: dict[str, int] = {}
         self.clean: dict[str, int] = {}
         self.decisions: list[Decision] = []
+        self.exhausted: set[str] = set()  # layers alarmed at the last setting they can take (said once)
         self._amax: dict[str, float] = {}  # the largest operand amax per layer at the previous check
+
+    def _rungs(self, name: str) -> tuple[str, ...]:
+        allowed = self.allowed.get(name)
+        return tuple(s for s in self.config.ladder if allowed is None or s in allowed)
 
     def setting(self, name: str) -> str:
         return self.settings.get(name, self.initial.get(name, ""))
@@ -260,26 +272,40 @@ class AutoFallback:
         for name in sorted(stats):
             if name not in self.initial or self.initial[name] not in cfg.ladder:
                 continue  # not a linear the ladder moves (another recipe, or unknown)
+            if not any(stats[name].get(role) for role in ROLES) and name not in alarms:
+                continue  # nothing observed of its casts at this check: neither alarmed nor clean
             old = self.setting(name)
-            rung = cfg.ladder.index(old)
+            rungs = self._rungs(name)
+            here = rungs.index(old) if old in rungs else 0
             if name in alarms:
                 self.strikes[name] = self.strikes.get(name, 0) + 1
                 self.clean[name] = 0
-                if self.strikes[name] >= cfg.patience and rung + 1 < len(cfg.ladder):
+                if self.strikes[name] >= cfg.patience:
                     role, statistic, value = alarms[name]
-                    out.append(Decision(iteration, name, role, statistic, float(value), old, cfg.ladder[rung + 1],
-                                        self.strikes[name]))
-                    self.strikes[name] = 0
+                    if here + 1 < len(rungs):
+                        out.append(Decision(iteration, name, role, statistic, float(value), old, rungs[here + 1],
+                                            self.strikes[name]))
+                        self.strikes[name] = 0
+                    elif name not in self.exhausted:
+                        self.exhausted.add(name)
+                        out.append(Decision(iteration, name, role, statistic, float(value), old, old,
+                                            self.strikes[name]))
             else:
                 self.strikes[name] = 0
                 self.clean[name] = self.clean.get(name, 0) + 1
-                start = cfg.ladder.index(self.initial[name])
-                if cfg.restore_after and self.clean[name] >= cfg.restore_after and rung > start:
-                    out.append(Decision(iteration, name, "loss", "clean", 0.0, old, cfg.ladder[rung - 1],
+                start = rungs.index(self.initial[name]) if self.initial[name] in rungs else 0
+                if cfg.restore_after and self.clean[name] >= cfg.restore_after and here > start:
+                    out.append(Decision(iteration, name, "loss", "clean", 0.0, old, rungs[here - 1],
                                         self.clean[name]))
                     self.clean[name] = 0
+                    self.exhausted.discard(name)
         for d in out:
-            self.settings[d.layer] = d.new
+            if d.new != d.old:
+                self.settings[d.layer] = d.new
+                if d.new != "high":
+                    self.recipes[d.layer] = d.new
+                else:
+                    self.recipes.setdefault(d.layer, self.initial[d.layer])
         self.decisions += out
         for name, operands in stats.items():
             for role in ROLES:
@@ -291,7 +317,7 @@ class AutoFallback:
         """Plain Python values (checkpoints): the moved layers' settings, counters and decisions."""
         return {"settings": dict(self.settings), "strikes": dict(self.strikes), "clean": dict(self.clean),
                 "decisions": [dataclasses.asdict(d) for d in self.decisions], "amax": dict(self._amax),
-                "ladder": list(self.config.ladder)}
+                "exhausted": sorted(self.exhausted), "recipes": dict(self.recipes), "ladder": list(self.config.ladder)}
 
     def load_state_dict(self, state: Mapping) -> None:
         if tuple(state.get("ladder", self.config.ladder)) != self.config.ladder:
@@ -304,24 +330,26 @@ class AutoFallback:
         self.strikes, self.clean = dict(state["strikes"]), dict(state["clean"])
         self.decisions = [Decision(**d) for d in state["decisions"]]
         self._amax = dict(state.get("amax", {}))
+        self.exhausted = set(state.get("exhausted", ()))
+        self.recipes = dict(state.get("recipes", {}))
 
 
 def _adopt_layout(module, state_dict, prefix, *args) -> None:
     """A model state dict saved after the fallback moved ``module`` holds its weight in the new recipe's blocks: the
-    module is moved to that recipe first, so loading copies like for like (the optimizer's state dict then restores
-    the controller)."""
+    module's weight is re-laid out in those blocks first (its high-precision flag kept), so loading copies like for
+    like (the optimizer's state dict then restores the controller)."""
     incoming = state_dict.get(prefix + "weight")
     if not isinstance(incoming, Float8Tensor) or not isinstance(module.weight, Float8Tensor) or \
             incoming.block == module.weight.block:
         return
-    for setting in SETTINGS[:-1]:
-        block = get_recipe(setting).weight
+    for recipe in SETTINGS[:-1]:
+        block = get_recipe(recipe).weight
         if (None if is_tensorwise(block) else tuple(block)) == incoming.block:
-            set_linear_setting(module, setting)
+            _set_recipe(module, recipe, getattr(module, fp8_config_attribute(module)).high_precision)
             return
 
 
-class _Attached:
+class FallbackHooks:
     """:func:`attach`'s hooks on an optimizer: observe, read, decide and apply after the right steps; the
     controller's state in the optimizer's state dict."""
 
@@ -331,15 +359,20 @@ class _Attached:
                  log: Callable[[str], None]) -> None:
         self.model, self.config, self.group, self.log = model, config, process_group, log
         self.modules = fallback_linears(model)
+        initial = {n: linear_setting(m) for n, m in self.modules.items()}
+        if not any(s in config.ladder for s in initial.values()):
+            raise ValueError(f"auto_fallback: no FP8 linear starts at a setting of the ladder {','.join(config.ladder)} "
+                             f"(their recipes: {', '.join(sorted(set(initial.values()))) or 'no FP8 linear'}); start "
+                             f"the ladder at the model's recipe")
         self.stats = FP8Statistics(model, config.interval)
-        self.controller = AutoFallback(config, {n: linear_setting(m) for n, m in self.modules.items()})
+        self.controller = AutoFallback(config, initial)
         self.step = 0
         self.stats.begin_step(1)
         for module in self.modules.values():
             module.register_load_state_dict_pre_hook(_adopt_layout)
         optimizer.register_step_post_hook(self._after_step)
-        optimizer.register_state_dict_post_hook(self._save)
-        optimizer.register_load_state_dict_pre_hook(self._load)
+        optimizer.register_state_dict_post_hook(self.save_state)
+        optimizer.register_load_state_dict_pre_hook(self.load_state)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
@@ -351,22 +384,25 @@ class _Attached:
                 gathered: list = [None] * world
                 torch.distributed.all_gather_object(gathered, stats, group=self.group)
                 stats = merge_stats(gathered)
+            # what each linear can take now (FSDP2 shards tensor-wise weights only): the same modules on every rank
+            self.controller.allowed = {n: allowed_settings(m, self.config.ladder) for n, m in self.modules.items()}
             for d in self.controller.observe(stats, self.step):
                 self.log(f"FP8 auto fallback, {d.message()}")
-            apply_settings(self.modules, self.controller.settings, self.config.ladder)
+            apply_settings(self.modules, self.controller.settings, self.controller.recipes)
         self.stats.begin_step(self.step + 1)
 
-    def _save(self, optimizer, state_dict: dict) -> dict:
+    def save_state(self, optimizer, state_dict: dict) -> dict:
         state_dict[self.KEY] = {**self.controller.state_dict(), "step": self.step}
         return state_dict
 
-    def _load(self, optimizer, state_dict: dict) -> dict:
+    def load_state(self, optimizer, state_dict: dict) -> dict:
         state_dict = dict(state_dict)
         saved = state_dict.pop(self.KEY, None)
         if saved is not None:
             self.controller.load_state_dict(saved)
             self.step = int(saved["step"])
-            apply_settings(self.modules, self.controller.settings, self.config.ladder)
+            # every linear at the saved state's setting, those it had not moved back at their initial one
+            apply_settings(self.modules, self.controller.settings, self.controller.recipes, self.controller.initial)
             self.stats.begin_step(self.step + 1)
         return state_dict
 
@@ -380,5 +416,5 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, config: FallbackC
     ``fp8.fallback`` logger); ``optimizer.state_dict()`` carries the controller's state under
     ``"fp8_auto_fallback"`` and ``optimizer.load_state_dict`` puts the layers back at their saved settings. Returns
     the controller (:attr:`AutoFallback.decisions`)."""
-    attached = _Attached(model, optimizer, config or FallbackConfig(), process_group, log or _LOG.warning)
+    attached = FallbackHooks(model, optimizer, config or FallbackConfig(), process_group, log or _LOG.warning)
     return attached.controller

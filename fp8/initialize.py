@@ -25,6 +25,7 @@ from .optim.wrap import FP8Weight, wrap_for_level
 from .precision_rules import parse_precision_rules
 from .recipes import get_recipe
 from .schedule import MODES, attach as attach_schedule
+from .smooth_swiglu import smooth_swiglu as apply_smooth_swiglu
 from .tensor import Float8Tensor
 
 __all__ = ["initialize", "OPT_LEVELS", "OPT_LEVEL_ALIASES", "normalize_opt_level"]
@@ -213,6 +214,7 @@ def initialize(
     auto_fallback: bool | FallbackConfig = False,
     high_precision_from_step: int | None = None,
     high_precision_mode: str = "forward",
+    smooth_swiglu: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Convert ``model`` (in place) and wrap ``optimizer`` for FP8 training at ``opt_level``.
 
@@ -293,6 +295,11 @@ def initialize(
     ``high_precision_from_step=N`` (FP8 levels, with an optimizer): from the N-th optimizer step on, every FP8 linear
     runs its forward GEMM (``high_precision_mode="forward"``) or all its GEMMs (``"linear"``) in high precision
     (:mod:`fp8.schedule`); the step count travels in ``optimizer.state_dict()``.
+
+    ``smooth_swiglu=True`` (FP8 levels, tensorwise recipe): the down projection of every transformers gated MLP
+    (Llama, Mistral, Qwen2, Qwen3: ``gate_proj``/``up_proj``/``down_proj``/``act_fn``) scales its input per channel by a
+    power of two before its FP8 cast, the inverse folded into its weight operand: the same function, no saturation on
+    outlier channels (Smooth-SwiGLU, :mod:`fp8.smooth_swiglu`).
     """
     opt_level = normalize_opt_level(opt_level)
     if auto_fallback is True:
@@ -306,6 +313,9 @@ def initialize(
     if high_precision_from_step is not None and (high_precision_from_step < 1 or high_precision_mode not in MODES):
         raise ValueError(f"high_precision_from_step={high_precision_from_step} counts optimizer steps from 1, and "
                          f"high_precision_mode must be one of {MODES}; got mode {high_precision_mode!r}")
+    if smooth_swiglu and opt_level == "none":
+        raise ValueError("smooth_swiglu=True smooths the FP8 cast of gated MLPs' down projections: pass an FP8 "
+                         "opt_level (O1, O2 or O3)")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, (MasterWeightOptimizer, FP8Optimizer)):
@@ -355,6 +365,8 @@ def initialize(
     if fp8_embeddings:
         model, tables = convert_embeddings_to_float8(model, config, module_filter_fn)
         converted = converted + tables
+    if smooth_swiglu:
+        apply_smooth_swiglu(model)
     model = _with_activations(model, fp8_activations)
     follow_fsdp(model, fsdp)
     if optimizer is None:
@@ -370,7 +382,7 @@ def initialize(
     optimizer = wrap_for_level(opt_level, optimizer, weights, scaling_module=model, precision=optimizer_precision,
                                process_group=process_group,
                                **({"counter": fsdp.counter} if opt_level == "O3" else {"comm_counter": fsdp.counter}))
-    if auto_fallback:
+    if auto_fallback:  # before the schedule: its step hook runs after the fallback's (module docstrings)
         attach_fallback(model, optimizer, auto_fallback, process_group)
     if high_precision_from_step is not None:
         attach_schedule(model, optimizer, high_precision_from_step, high_precision_mode)

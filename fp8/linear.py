@@ -44,6 +44,7 @@ from .formats import get_format
 from .eligibility import fp8_dims_problem
 from .gemm import GEMM_BACKENDS, Operand, mm
 from .kernels.backend import KERNEL_BACKENDS
+from .quantizers import observe_cast
 from .recipes import RECIPES, Recipe, get_recipe
 from .scaled_fp16 import ScaledFloat16Tensor
 from .scaling import ScalingConfig, ScalingState
@@ -279,9 +280,9 @@ def linear_forward(ctx, x, weights, bias, input_state, grad_output_state, config
 
         step_guard = input_state.amax_history if recipe.tensorwise else None
         rows, cols = cast() if input_casts is None else input_casts.cast(x, key, cast, step_guard)
-        if not made and recipe.tensorwise and input_state.stats is not None and record:
-            # another reader's cast, shared: this reader's statistics still see the input and the scale it used
-            input_state.stats.observe(x2d, rows.scale_inv.reciprocal(), input_state.format)
+        if not made and record and (recipe.tensorwise or recipe.name in ("rowwise", "blockwise")):
+            # another reader's cast, shared: this reader's statistics still see the input and the scales it used
+            observe_cast(input_state.stats, x2d, rows, "e4m3" if not recipe.tensorwise else input_state.config.fmt)
     gemm_dtype = torch.float32 if hooks.reduce_output is not None else dtype
     ctx.fp8_weights = None if torch.compiler.is_compiling() else list(weights)
     if not grouped:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .formats import get_format
 from .blocks import BLOCK, COLWISE, ROWWISE, TILE, Block
 from .gemm import GemmTarget, Operand, gemm_path
 from .scaling import ScalingState
@@ -35,7 +36,7 @@ from .tensor import Float8Tensor, cached_operand, refresh_cached_operands
 __all__ = [
     "ActivationQuantizer", "TensorwiseQuantizer", "RowwiseQuantizer", "TileQuantizer", "WeightQuantizer",
     "TensorwiseWeightQuantizer", "RowwiseWeightQuantizer", "BlockWeightQuantizer", "GEMM_PAD", "BLOCK_PAD",
-    "refresh_weight_operands", "LinearQuantizers",
+    "refresh_weight_operands", "LinearQuantizers", "observe_cast",
 ]
 
 GEMM_PAD = 16
@@ -81,6 +82,19 @@ class ActivationQuantizer:
         return self.columnwise(x)
 
 
+def observe_cast(stats, x: torch.Tensor, rows: Operand, fmt) -> None:
+    """Hand one cast to FP8 statistics (a :class:`fp8.stats.CastStatistics` or None): ``x`` (2-D) and the scale each
+    element was cast with, from the row-wise operand ``rows`` (one ``scale_inv``, one per row, or one per 1 x tile
+    block). Only while ``stats.active`` (an observed step): no work otherwise."""
+    if stats is None or not stats.active:
+        return
+    inv = rows.scale_inv
+    if inv.dim() == 2 and inv.shape[1] not in (1, x.shape[1]):  # one per 1 x tile block of each row
+        tile = -(-x.shape[1] // inv.shape[1])
+        inv = inv.repeat_interleave(tile, dim=1)[:, :x.shape[1]]
+    stats.observe(x, inv.reciprocal(), get_format(fmt))
+
+
 def _zeros_t(features: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros((features, width), dtype=torch.uint8, device=device).view(dtype)
 
@@ -114,14 +128,18 @@ class TensorwiseQuantizer(ActivationQuantizer):
 
 class RowwiseQuantizer(ActivationQuantizer):
     """One scale per token (row) for the GEMMs summing over features, one per feature (column, over all tokens) for
-    the weight-gradient GEMM (the ``rowwise`` recipe)."""
+    the weight-gradient GEMM (the ``rowwise`` recipe). ``state``: the role's scaling state, whose statistics
+    (``state.stats``, :mod:`fp8.stats`) see the training casts on observed steps."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, state: ScalingState | None = None) -> None:
         self.fmt = fmt
+        self.state = state
 
     def quantize(self, x, record, columnwise, dst_cols=None, t_width=0):
         data, scale_inv = ops.quantize_rows(x, self.fmt)
         rows = Operand(data, scale_inv, ROWWISE)
+        if record and self.state is not None:
+            observe_cast(self.state.stats, x, rows, self.fmt)
         if not columnwise:
             return rows, None
         _refuse_groups(dst_cols, "rowwise")
@@ -146,8 +164,9 @@ class TileQuantizer(ActivationQuantizer):
     ``blockwise`` recipe's 128 (DeepSeek-V3's), MXFP8's 32 (:mod:`fp8.mxfp8`). The tokens of the column-wise operand
     are padded to ``tile`` (the GEMM's K block)."""
 
-    def __init__(self, fmt: str, tile: int = BLOCK_PAD) -> None:
+    def __init__(self, fmt: str, tile: int = BLOCK_PAD, state: ScalingState | None = None) -> None:
         self.fmt = fmt
+        self.state = state  # its statistics see the training casts (RowwiseQuantizer's)
         self.tile = self.pad = tile
         self.block = TILE if tile == ops.TILE else (1, tile)
         self.recipe = "blockwise" if tile == ops.TILE else "mxfp8"
@@ -165,6 +184,8 @@ class TileQuantizer(ActivationQuantizer):
         data, inv, data_c, inv_c = ops.quantize_tiles(x, self.fmt, columnwise, self.pad, None, self.tile,
                                                       self.transpose_c)
         rows = Operand(data, inv, self.block)
+        if record and self.state is not None:
+            observe_cast(self.state.stats, x, rows, self.fmt)
         return rows, (self._cols(data_c, inv_c) if columnwise else None)
 
     per_token = True

@@ -126,8 +126,9 @@ class Recipe:
             return LinearQuantizers(TensorwiseQuantizer(input_state), TensorwiseQuantizer(grad_output_state),
                                     TensorwiseWeightQuantizer())
         if self.blockwise:
-            return LinearQuantizers(TileQuantizer("e4m3"), TileQuantizer(self.grad_fmt), BlockWeightQuantizer())
-        return LinearQuantizers(RowwiseQuantizer("e4m3"), RowwiseQuantizer(self.grad_fmt),
+            return LinearQuantizers(TileQuantizer("e4m3", state=input_state),
+                                    TileQuantizer(self.grad_fmt, state=grad_output_state), BlockWeightQuantizer())
+        return LinearQuantizers(RowwiseQuantizer("e4m3", input_state), RowwiseQuantizer(self.grad_fmt, grad_output_state),
                                 RowwiseWeightQuantizer(weight_fmt))
 
 

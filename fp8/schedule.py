@@ -25,13 +25,13 @@ MODES = ("forward", "linear")
 _LOG = logging.getLogger("fp8.schedule")
 
 
-def switch(model: nn.Module, mode: str) -> int:
-    """Put every FP8 linear of ``model`` in high precision per ``mode`` (:data:`MODES`); returns how many configs
-    changed (0 once switched: idempotent)."""
+def switch(model: nn.Module, mode: str, enabled: bool = True) -> int:
+    """Put every FP8 linear of ``model`` in high precision per ``mode`` (:data:`MODES`), or back (``enabled``
+    False); returns how many configs changed (0 once switched: idempotent)."""
     if mode not in MODES:
         raise ValueError(f"high-precision mode must be one of {MODES} ('forward': the forward GEMM only; 'linear': "
                          f"all three GEMMs), got {mode!r}")
-    return set_high_precision_forward(model) if mode == "forward" else set_high_precision(model)
+    return set_high_precision_forward(model, enabled) if mode == "forward" else set_high_precision(model, enabled)
 
 
 class PrecisionSchedule:
@@ -47,32 +47,39 @@ class PrecisionSchedule:
             raise ValueError(f"high_precision_mode must be one of {MODES}, got {mode!r}")
         self.model, self.from_step, self.mode, self.log = model, from_step, mode, log
         self.step = 0
+        self.switched = False
         self._apply()
         optimizer.register_step_post_hook(self._after_step)
-        optimizer.register_state_dict_post_hook(self._save)
-        optimizer.register_load_state_dict_pre_hook(self._load)
+        optimizer.register_state_dict_post_hook(self.save_state)
+        # first among the load hooks: switching back (a state from before the switch) must not undo what automatic
+        # fallback restores after it (its high-precision linears)
+        optimizer.register_load_state_dict_pre_hook(self.load_state, prepend=True)
 
     def _apply(self) -> None:
         if self.step + 1 >= self.from_step:
             changed = switch(self.model, self.mode)
+            self.switched = True
             if changed:
                 what = "forward GEMMs" if self.mode == "forward" else "GEMMs"
-                self.log(f"step {self.step + 1}: the {what} of {changed} FP8 linear(s) run in high precision from now "
-                         f"on (high_precision_from_step={self.from_step}, mode {self.mode!r})")
+                self.log(f"step {self.step + 1}: the {what} of {changed} FP8 linear(s) run in high precision from "
+                         f"now on (high_precision_from_step={self.from_step}, mode {self.mode!r})")
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
         self._apply()
 
-    def _save(self, optimizer, state_dict: dict) -> dict:
+    def save_state(self, optimizer, state_dict: dict) -> dict:
         state_dict[self.KEY] = {"step": self.step, "from_step": self.from_step, "mode": self.mode}
         return state_dict
 
-    def _load(self, optimizer, state_dict: dict) -> dict:
+    def load_state(self, optimizer, state_dict: dict) -> dict:
         state_dict = dict(state_dict)
         saved = state_dict.pop(self.KEY, None)
         if saved is not None:
             self.step = int(saved["step"])
+            if self.switched and self.step + 1 < self.from_step:  # a state from before the switch: switch back
+                switch(self.model, self.mode, False)
+                self.switched = False
             self._apply()
         return state_dict
 

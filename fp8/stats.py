@@ -10,8 +10,11 @@ cost one pass over each operand every ``interval`` steps; :meth:`FP8Statistics.r
 For a value ``x`` cast with scale ``s`` to a format with largest magnitude ``max`` and smallest subnormal ``tiny``:
 it *flushes to zero* when ``x != 0`` and ``|x| * s <= tiny / 2`` (round to nearest even takes it to 0), and it
 *saturates* when ``|x| * s > max`` (clamped to ``max``). The flush-to-zero fraction is over the non-zero finite
-values observed (zeros cannot flush), the saturated fraction over the finite ones (non-finite values are neither). The tensor-wise recipe's casts are observed; the per-row and per-tile recipes choose a scale per
-block from the block's own amax (no saturation by construction) and are not.
+values observed (zeros cannot flush), the saturated fraction over the finite ones (non-finite values are neither). The
+tensor-wise, per-row and per-tile (``rowwise``, ``blockwise``) recipes' casts are observed (the last two choose each
+row's or tile's scale from its own amax: no saturation by construction, but values far below their row's or tile's
+amax flush to zero, and non-finite values show); the reported ``scale`` is then the largest of the cast's scales.
+MXFP8 and NVFP4 casts are not observed.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class CastStatistics:
             self._amax, self._counts = amax, counts
         else:
             self._amax, self._counts = torch.maximum(self._amax, amax), self._counts + counts
-        self._scale = scale.detach().float().reshape(())
+        self._scale = scale.detach().float().amax().reshape(())  # per-row or per-block scales: the largest
         self._numel += x.numel()
 
     def take(self) -> tuple[list[torch.Tensor], int] | None:

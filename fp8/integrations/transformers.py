@@ -200,6 +200,8 @@ class FP8TrainerMixin:
       optimizer's checkpoint; it reads the statistics itself, so it does not go with ``fp8_stats_interval``.
     - ``fp8_high_precision_from_step`` / ``fp8_high_precision_mode``: from that optimizer step on every FP8 linear runs
       its forward GEMM (``"forward"``) or all its GEMMs (``"linear"``) in high precision (:mod:`fp8.schedule`).
+    - ``fp8_smooth_swiglu``: Smooth-SwiGLU on the gated MLPs' down projections (:func:`fp8.initialize`'s
+      ``smooth_swiglu``; tensorwise recipe).
 
     The model is converted when the optimizer is created (the start of ``train()``), not before.
     """
@@ -210,7 +212,7 @@ class FP8TrainerMixin:
                  fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
                  fp8_precision=None, fp8_stats_interval: int = 0, fp8_auto_fallback=False,
                  fp8_high_precision_from_step: int | None = None, fp8_high_precision_mode: str = "forward",
-                 **kwargs) -> None:
+                 fp8_smooth_swiglu: bool = False, **kwargs) -> None:
         level = _check_choices(fp8_opt_level, fp8_recipe)
         if fp8_config is not None and not isinstance(fp8_config, Float8LinearConfig):
             raise TypeError(f"fp8_config must be an fp8.Float8LinearConfig or None, got {type(fp8_config).__name__}")
@@ -243,6 +245,9 @@ class FP8TrainerMixin:
         self.fp8_auto_fallback = fp8_auto_fallback
         self.fp8_high_precision_from_step = fp8_high_precision_from_step
         self.fp8_high_precision_mode = fp8_high_precision_mode
+        if fp8_smooth_swiglu and level == "none":
+            raise ValueError("fp8_smooth_swiglu=True smooths FP8 casts: it needs an FP8 fp8_opt_level ('O1' or 'O2')")
+        self.fp8_smooth_swiglu = bool(fp8_smooth_swiglu)
         self.fp8_stats: FP8Statistics | None = None
         self._fp8_optimizer = None  # the optimizer fp8.initialize returned (identity: initialize once)
         self._fp8_conv1d: list[str] = []  # the model's transformers Conv1D modules, saved back transposed
@@ -294,7 +299,7 @@ class FP8TrainerMixin:
             fp8_activations=self.fp8_activations, fp8_embeddings=self.fp8_embeddings, min_fp8_dim=self.fp8_min_dim,
             module_filter_fn=self.fp8_module_filter, precision=self.fp8_precision,
             auto_fallback=self.fp8_auto_fallback, high_precision_from_step=self.fp8_high_precision_from_step,
-            high_precision_mode=self.fp8_high_precision_mode)
+            high_precision_mode=self.fp8_high_precision_mode, smooth_swiglu=self.fp8_smooth_swiglu)
         if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
             if target is self.model:
                 self.model = new_model

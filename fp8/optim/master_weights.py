@@ -333,12 +333,17 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Wrapped optimizer state, the master weights (in model order) and ``skipped_steps``."""
         self.follow_sharding()
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "master_weights": [m.detach() for m in self.master_weights],
             "skipped_steps": self.skipped_steps,
             "opt_level": self.opt_level,
         }
+        # the hooks torch.optim.Optimizer.state_dict runs (register_state_dict_post_hook: fp8.fallback,
+        # fp8.schedule), run here as this state dict is not torch's
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state = hook(self, state) or state
+        return state
 
     opt_level = "O1"
     """The opt level this optimizer's state belongs to (recorded in :meth:`state_dict`, checked on load)."""
@@ -349,6 +354,8 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         dict of another opt level is refused (:class:`fp8.optim.levels.OptLevelMismatchError`)."""
         from .levels import check_opt_level
 
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch's load_state_dict runs them
+            state_dict = hook(self, state_dict) or state_dict
         check_opt_level(state_dict, self.opt_level, self)
         self.follow_sharding()
         masters = state_dict["master_weights"]
@@ -362,3 +369,5 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         for (master, _), saved in zip(self.pairs, masters):
             master.copy_(saved)
         self.refresh_fp8_weights()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

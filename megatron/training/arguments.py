@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fp8-high-precision-mode", choices=("forward", "linear"), default="forward",
                    help="what --fp8-high-precision-from-iteration runs in high precision: the forward GEMM or the "
                         "whole linear")
+    f.add_argument("--swiglu-smooth", action="store_true",
+                   help="Smooth-SwiGLU (with --swiglu, the tensorwise recipe, dense MLPs): each MLP's linear_fc2 scales "
+                        "its input (the gated product) per channel by a power of two before the FP8 cast and folds the "
+                        "inverse into its weight operand: the same function, no saturation on outlier channels "
+                        "(fp8.smooth_swiglu; docs/precision.md)")
     f.add_argument("--fp8-gemm-backend", choices=GEMM_BACKENDS, default="auto",
                    help="the FP8 GEMMs of every FP8 linear (Float8LinearConfig.gemm_backend): auto (torch._scaled_mm or "
                         "the Triton block GEMM on a CUDA GPU where they take the operands, the emulation elsewhere, the "
@@ -272,7 +277,9 @@ FP8_ONLY_FLAGS = ("--fp8-amax-history-len", "--fp8-margin", "--fp8-grad-accumula
                   "--fp4-recipe", "--no-fp4-hadamard", "--no-fp4-stochastic-rounding",
                   "--fp8-gemm-backend", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
                   "--num-layers-at-end-in-bf16", "--fp8-precision-config", "--fp8-min-dim",
-                  "--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike", "--fp8-stats-stop")
+                  "--fp8-stats-saturation-alarm", "--fp8-stats-flush-alarm", "--fp8-stats-loss-spike", "--fp8-stats-stop",
+                  "--fp8-auto-fallback", "--fp8-fallback-patience", "--fp8-fallback-ladder", "--fp8-fallback-restore-after",
+                  "--fp8-high-precision-from-iteration", "--fp8-high-precision-mode", "--swiglu-smooth")
 """Flags that only change FP8 training: refused where no FP8 level trains (``--fp8-opt-level none`` and no FP8 level
 in ``--compare``). ``--fp8-activations`` and ``--fp8-pipeline on`` act at every level."""
 
@@ -280,7 +287,8 @@ in ``--compare``). ``--fp8-activations`` and ``--fp8-pipeline on`` act at every 
 def baseline_argv(argv: list[str]) -> list[str]:
     """``argv`` less the :data:`FP8_ONLY_FLAGS` (with their values: ``--flag V`` or ``--flag=V``): the same run at
     ``--fp8-opt-level none``, which refuses them. For harnesses that train one set of flags at several levels."""
-    switches = {"--first-last-layers-bf16", "--fp8-stats-stop", "--no-fp4-hadamard", "--no-fp4-stochastic-rounding"}
+    switches = {"--first-last-layers-bf16", "--fp8-stats-stop", "--no-fp4-hadamard", "--no-fp4-stochastic-rounding",
+                "--fp8-auto-fallback", "--swiglu-smooth"}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -374,9 +382,20 @@ def _check_fp8_stats(args: argparse.Namespace) -> None:
     from .monitoring.fp8_numerics import fallback_config
 
     try:
-        fallback_config(args)
+        ladder = fallback_config(args).ladder
     except ValueError as error:
         raise ConfigurationError(f"--fp8-fallback-*: {error}") from None
+    recipe = "nvfp4" if args.fp4_recipe else args.fp8_recipe
+    if recipe not in ("tensorwise", "rowwise", "blockwise"):
+        raise ConfigurationError(f"--fp8-auto-fallback observes the tensorwise, rowwise and blockwise recipes' casts; "
+                                 f"the run's recipe {recipe} is not one of them: drop the flag")
+    if recipe not in ladder:
+        raise ConfigurationError(f"--fp8-auto-fallback moves linears down --fp8-fallback-ladder from their recipe, and "
+                                 f"--fp8-recipe {recipe} is not on it: start the ladder at it, e.g. '{recipe},high'")
+    if args.sequence_parallel and all(s == "high" for s in ladder[ladder.index(recipe) + 1:]):
+        raise ConfigurationError("--fp8-auto-fallback with --sequence-parallel: linears whose inputs are all-gathered "
+                                 "in FP8 do not run in high precision, so this ladder could never move one; put a "
+                                 "recipe on --fp8-fallback-ladder after the run's (e.g. tensorwise,rowwise,blockwise)")
     if args.fp8_stats_interval == 0:
         args.fp8_stats_interval = 10  # the statistics the fallback decides from: every 10 steps
 
@@ -516,6 +535,15 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         raise ConfigurationError("--fp8-high-precision-mode applies to --fp8-high-precision-from-iteration: add it, or "
                                  "drop the mode")
     _check_fp8_stats(args)
+    if args.swiglu_smooth:
+        for problem, fix in ((not args.swiglu, "add --swiglu (it smooths the gated product)"),
+                             (args.fp8_recipe != "tensorwise" or args.fp4_recipe is not None,
+                              f"the {args.fp4_recipe or args.fp8_recipe} recipe scales each token or tile from its own "
+                              f"amax and never saturates: drop --swiglu-smooth, or use --fp8-recipe tensorwise"),
+                             (args.num_experts is not None, "MoE experts are not smoothed: drop --swiglu-smooth or "
+                                                            "--num-experts")):
+            if problem:
+                raise ConfigurationError(f"--swiglu-smooth: {fix}")
     high_precision_layers(args.first_last_layers_bf16, args.num_layers_at_start_in_bf16,  # checked at start-up
                           args.num_layers_at_end_in_bf16, args.num_layers)
     # the rules of --fp8-precision-config, read and checked once now (matched when the model is built), as the

@@ -114,6 +114,7 @@ class PrecisionConfig:
     fp4_bf16_forward_from_iteration: int | None = None
     fp8_high_precision_from_iteration: int | None = None
     fp8_high_precision_mode: str = "forward"
+    swiglu_smooth: bool = False
     fp8_gemm_backend: str = "auto"
     fp8_activations: bool = False
     first_last_layers_bf16: bool = _match(False)

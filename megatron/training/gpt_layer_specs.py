@@ -33,6 +33,7 @@ from fp8.eligibility import fp8_linear_problem
 from fp8.linear import Float8LinearConfig
 from fp8.parallel import ColumnParallelLinear, RowParallelLinear
 from fp8.parallel.linear import compute_dtype
+from fp8.smooth_swiglu import smooth_config
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -256,6 +257,7 @@ def get_gpt_layer_fp8_spec(
     per_linear: dict[str, dict] | None = None,
     moe_fp8_dispatch: bool = False,
     moe_grouped_gemm: bool = False,
+    swiglu_smooth: bool = False,
 ) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose four linears are fp8lm's parallel linears.
 
@@ -275,10 +277,16 @@ def get_gpt_layer_fp8_spec(
     tokens in E4M3 with a scale per token, the combine and the backwards in the recipe's gradient format
     (:class:`megatron.training.moe.CountedAlltoAllTokenDispatcher`; otherwise in the activations' dtype, counted the
     same way). ``moe_grouped_gemm``: a rank's experts are :class:`megatron.training.moe_grouped.FP8GroupedMLP` (the
-    same experts, each projection of all of them one grouped GEMM) instead of ``SequentialMLP``.
+    same experts, each projection of all of them one grouped GEMM) instead of ``SequentialMLP``. ``swiglu_smooth``
+    (``--swiglu-smooth``): the MLP's ``linear_fc2``, where it runs in FP8, smooths its input (the gated product under
+    ``--swiglu``) per channel before its cast, the inverse scales folded into its weight operand: the same function,
+    no saturation on outlier channels (:mod:`fp8.smooth_swiglu`; tensorwise recipe; dense MLPs).
     """
     if high_precision and fp8 is not None:
         raise ValueError("pass either fp8=... or high_precision=True, not both")
+    if swiglu_smooth and num_experts is not None:
+        raise ValueError("swiglu_smooth (--swiglu-smooth) smooths dense MLPs' linear_fc2; mixture-of-experts layers "
+                         "(--num-experts) have no smoothed experts yet: drop --swiglu-smooth or --num-experts")
     recipe = None if high_precision else (fp8 or Float8LinearConfig())
     linear_params = {"fp8": recipe, "counter": counter, "min_fp8_dim": min_fp8_dim, "kept_reason": kept_reason}
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, num_experts=num_experts, moe_grouped_gemm=False)
@@ -293,7 +301,10 @@ def get_gpt_layer_fp8_spec(
         raise ValueError(f"per_linear: unknown place(s) {sorted(unknown)}; places are {LINEAR_PLACES}")
 
     def linear(cls, place: str) -> ModuleSpec:
-        return ModuleSpec(module=cls, params={**linear_params, **per_linear.get(place, {})})
+        params = {**linear_params, **per_linear.get(place, {})}
+        if swiglu_smooth and place == "mlp.linear_fc2" and params["fp8"] is not None:
+            params["fp8"] = smooth_config(params["fp8"])  # a ValueError naming the fix for another recipe
+        return ModuleSpec(module=cls, params=params)
 
     attention = layer.self_attention.submodules
     attention.linear_qkv = linear(SelectiveColumnParallelLinear, "self_attention.linear_qkv")

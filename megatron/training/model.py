@@ -161,7 +161,8 @@ def _build_chunks(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
     common = {"init_seed": cfg.training.seed, "min_fp8_dim": resolved_min_fp8_dim(cfg), "counter": counter,
               "num_experts": cfg.moe.num_experts,
               "moe_fp8_dispatch": bool(cfg.moe.moe_fp8_dispatch),
-              "moe_grouped_gemm": bool(cfg.moe.moe_grouped_gemm)}
+              "moe_grouped_gemm": bool(cfg.moe.moe_grouped_gemm),
+              "swiglu_smooth": bool(cfg.precision.swiglu_smooth)}
     layer_spec = get_gpt_layer_fp8_spec(fp8, high_precision=fp8 is None, **common)
     spec_for_layer = _spec_for_layer(cfg, fp8, common)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()

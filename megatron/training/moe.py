@@ -8,8 +8,8 @@ Plugged in by :func:`megatron.training.gpt_layer_specs.get_gpt_layer_fp8_spec` (
   alltoall``) by :class:`CountedAlltoAllTokenDispatcher`:
   megatron-core's routing metadata and permutations, the expert-parallel all-to-alls through
   :class:`fp8.comm.Collectives` (counted under ``moe dispatch``/``moe combine``, their backwards under ``... grad``),
-  and with ``--moe-fp8-dispatch`` the tokens in E4M3 with one scale per token, the combine and both backwards in the
-  recipe's gradient format (:func:`fp8.parallel.token_a2a.all_to_all_rows`).
+  and with ``--moe-fp8-dispatch`` the tokens and the combine's expert outputs in E4M3 with one scale per token, both
+  backwards in the recipe's gradient format (:func:`fp8.parallel.token_a2a.all_to_all_rows`).
 - :class:`SeededSequentialMLP`: megatron-core's ``SequentialMLP`` whose experts are initialised from their global
   expert index, so a model split over any number of expert-parallel ranks starts from the same weights as one
   process, and the modules built after the experts (the shared expert) from the same generator state.
@@ -145,7 +145,9 @@ class CountedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.ep_size == 1:
             return hidden_states
         output_splits, input_splits = self._splits()
-        return all_to_all_rows(hidden_states, self.comm, input_splits, output_splits, fmt=self.grad_fmt,
+        # the expert outputs are forward activations: E4M3 like the dispatched tokens (E5M2's 2 mantissa bits would
+        # round each to 1/8 relative); their gradients travel back in the gradient format
+        return all_to_all_rows(hidden_states, self.comm, input_splits, output_splits, fmt=self.fmt,
                                grad_fmt=self.grad_fmt, tag="moe combine")
 
 

@@ -43,7 +43,7 @@ LAYERS = (
     ("fp8.mxfp8", "fp8.nvfp4"),  # the recipe modules: their quantizers on the quantizer core
     ("fp8.recipes",),  # which block each GEMM operand uses; a recipe makes a linear's quantizers
     ("fp8.linear", "fp8.embedding", "fp8.grouped_gemm", "fp8.moe"),  # grouped_gemm/moe: MoE experts; embedding: the FP8 table (E4M3 rows), its gradient per the linear config
-    ("fp8.convert", "fp8.memory", "fp8.activations", "fp8.frozen", "fp8.stats", "fp8.precision_rules", "fp8.debug"),  # frozen: evaluation-only FP8 models; activations: saved-tensor hooks, FP8 in 1x128 tiles
+    ("fp8.convert", "fp8.smooth_swiglu", "fp8.memory", "fp8.activations", "fp8.frozen", "fp8.stats", "fp8.precision_rules", "fp8.debug"),  # frozen: evaluation-only FP8 models; activations: saved-tensor hooks, FP8 in 1x128 tiles
     # closed-loop precision: automatic fallback (decisions from fp8.stats, settings through fp8.convert) and scheduled
     # precision (high precision from a step on)
     ("fp8.fallback", "fp8.schedule"),

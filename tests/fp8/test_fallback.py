@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import fp8
+import fp8.fallback
+import fp8.stats
 from fp8.fallback import AutoFallback, FallbackConfig, set_linear_setting
 from fp8.testing import SaturatingMLP
 
@@ -36,7 +38,9 @@ def test_a_layer_alarmed_at_patience_consecutive_checks_moves_one_rung():
                   ctl.observe(_stats(a=(0.05, 1.0), b=(0.0, 1.0)), iteration=10 * check)]
     assert moves == [(3, "a", "tensorwise", "rowwise", "saturated", "input"),
                      (6, "a", "rowwise", "blockwise", "saturated", "input"),
-                     (9, "a", "blockwise", "high", "saturated", "input")]  # then no rung is left
+                     (9, "a", "blockwise", "high", "saturated", "input"),
+                     (12, "a", "high", "high", "saturated", "input")]  # no rung left: said once, not again
+    assert "stays high, the safest setting on the ladder it can take" in ctl.decisions[-1].message()
     assert ctl.settings == {"a": "high"} and ctl.setting("b") == "tensorwise"
     # an interrupted streak starts again
     ctl2 = AutoFallback(FallbackConfig(patience=2), {"a": "tensorwise"})
@@ -181,19 +185,20 @@ def test_a_saturating_layer_moves_and_the_loss_tracks_high_precision(seed, level
     assert step <= cfg.interval * cfg.patience  # within K checks of the first one
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("optimizer_first", [False, True])
-def test_resume_keeps_the_decisions_and_continues_bit_for_bit(seed, optimizer_first):
+def test_resume_keeps_the_decisions_and_continues_bit_for_bit(seed, level, optimizer_first):
     data = _data(seed)
     kwargs = {"auto_fallback": FallbackConfig(interval=2, patience=3)}
-    full = _train(*_make(seed, "O2", **kwargs), data, 0, 16)
-    net, opt = _make(seed, "O2", **kwargs)
+    full = _train(*_make(seed, level, **kwargs), data, 0, 16)
+    net, opt = _make(seed, level, **kwargs)
     _train(net, opt, data, 0, 8)
     buf = io.BytesIO()
     torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=False)
     assert saved["optimizer"]["fp8_auto_fallback"]["settings"] == {"l1": "rowwise"}
-    net2, opt2 = _make(seed, "O2", **kwargs)
+    net2, opt2 = _make(seed, level, **kwargs)
     if optimizer_first:
         opt2.load_state_dict(saved["optimizer"])
         net2.load_state_dict(saved["model"])
@@ -202,6 +207,64 @@ def test_resume_keeps_the_decisions_and_continues_bit_for_bit(seed, optimizer_fi
         opt2.load_state_dict(saved["optimizer"])
     assert fp8.layer_precisions(net2) == fp8.layer_precisions(net)
     assert _train(net2, opt2, data, 8, 16) == full[8:]
+
+
+def test_resume_mid_streak_and_through_fp8_checkpoint(seed, tmp_path):
+    """A state saved after two alarmed checks, before any move (patience 3), resumes with its counters: the move
+    comes at the same step as in the uninterrupted run; fp8.checkpoint (its own flat state) keeps the fallback in its
+    meta and puts the linear back at its setting before reading the weights."""
+    from fp8.checkpoint import load_checkpoint, save_checkpoint
+
+    data = _data(seed)
+    kwargs = {"auto_fallback": FallbackConfig(interval=2, patience=3)}
+    net, opt = _make(seed, "O2", **kwargs)
+    full = _train(net, opt, data, 0, 16)
+    net, opt = _make(seed, "O2", **kwargs)
+    _train(net, opt, data, 0, 4)  # checks at steps 2 and 4 alarmed, no move yet
+    state = copy.deepcopy(opt.state_dict())
+    assert state["fp8_auto_fallback"]["strikes"]["l1"] == 2 and state["fp8_auto_fallback"]["settings"] == {}
+    model_state = copy.deepcopy(net.state_dict())
+    net2, opt2 = _make(seed, "O2", **kwargs)
+    net2.load_state_dict(model_state)
+    opt2.load_state_dict(state)
+    assert _train(net2, opt2, data, 4, 16) == full[4:]
+    net3, opt3 = _make(seed, "O2", **kwargs)
+    _train(net3, opt3, data, 0, 8)  # moved at step 6
+    save_checkpoint(tmp_path / "ck", net3, opt3)
+    net4, opt4 = _make(seed, "O2", **kwargs)
+    load_checkpoint(tmp_path / "ck", net4, opt4)
+    assert fp8.layer_precisions(net4)["l1"] == "fp8:rowwise"
+    assert _train(net4, opt4, data, 8, 16) == full[8:]
+
+
+def test_a_moved_linear_is_still_observed_and_loading_an_earlier_state_undoes_later_moves(seed):
+    data = _data(seed)
+    net, opt = _make(seed, "O2", auto_fallback=FallbackConfig(interval=2, patience=3))
+    early = copy.deepcopy(opt.state_dict())
+    _train(net, opt, data, 0, 8)
+    assert fp8.layer_precisions(net)["l1"] == "fp8:rowwise"
+    stats = fp8.stats.FP8Statistics(net, interval=1)  # per-row casts are observed too
+    stats.begin_step(1)
+    _train(net, opt, data, 8, 9)
+    assert {"input", "grad_output"} <= set(stats.read()["l1"])
+    opt.load_state_dict(early)  # a state from before the move: l1 back at tensorwise
+    assert fp8.layer_precisions(net)["l1"] == "fp8:tensorwise"
+
+
+def test_a_rung_a_linear_cannot_take_is_skipped_and_said():
+    """A 64 x 48 linear cannot tile 128 x 128 blocks: with the ladder tensorwise,blockwise it stays tensorwise, and
+    the decision says so (once) rather than reporting a move that did not happen."""
+    lin = fp8.Float8Linear.from_linear(nn.Linear(64, 48))
+    model = nn.Sequential(lin)
+    cfg = FallbackConfig(ladder=("tensorwise", "blockwise"), patience=1)
+    allowed = fp8.fallback.allowed_settings(lin, cfg.ladder)
+    assert allowed == ("tensorwise",)
+    ctl = AutoFallback(cfg, {"0": "tensorwise"}, {"0": allowed})
+    [d] = ctl.observe(_stats(**{"0": (0.5, 1.0)}), 1)
+    assert d.new == d.old == "tensorwise" and "stays tensorwise" in d.message()
+    assert ctl.observe(_stats(**{"0": (0.5, 1.0)}), 2) == [] and ctl.settings == {}
+    fp8.fallback.apply_settings({"0": lin}, ctl.settings, ctl.recipes)
+    assert fp8.layer_precisions(model) == {"0": "fp8:tensorwise"}
 
 
 # -- scheduled precision ------------------------------------------------------------------------------------------
@@ -221,6 +284,14 @@ def test_scheduled_precision_switches_at_its_step_and_survives_resume(seed, mode
     opt2.load_state_dict(state)
     assert fp8.layer_precisions(net2) == fp8.layer_precisions(net)
     assert _train(net2, opt2, data, 3, 6) == _train(net, opt, data, 3, 6)
+    # O1 (MasterWeightOptimizer builds its own state dict): the step count travels too
+    net3, opt3 = _make(seed, "O1", high_precision_from_step=4, high_precision_mode=mode)
+    _train(net3, opt3, data, 0, 3)
+    net4, opt4 = _make(seed, "O1", high_precision_from_step=4, high_precision_mode=mode)
+    net4.load_state_dict(net3.state_dict())
+    opt4.load_state_dict(opt3.state_dict())
+    assert opt3.state_dict()["fp8_precision_schedule"]["step"] == 3
+    assert fp8.layer_precisions(net4) == fp8.layer_precisions(net3)
 
 
 def test_initialize_refuses_fallback_and_schedule_without_an_fp8_optimizer():

@@ -139,6 +139,18 @@ def measured():
     return {arch: archs.measure(arch, steps=3, batch=2, seq=16) for arch in archs.ARCHITECTURES}
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_experts_in_fp8_stay_on_the_high_precision_curve(arch):
+    """Issue 36's protocol (3 distinct batches of 4 x 32 tokens cycled, AdamW lr 2e-3) for 30 steps, 3 seeds: O2's
+    mean loss of the last 10 steps within 1.5% of ``none``'s. Measured over 10 seeds: worst 0.61%; at 100 steps the
+    same figure moves by up to 7.7% from a 1e-4 relative perturbation of the initial weights in fp32 alone (top-k
+    routing flips on the memorized tokens), so 100 steps are reported by the benchmark with that noise control
+    (docs/moe.md), not tested."""
+    for seed in range(3):
+        r = archs.measure(arch, steps=30, seed=seed, n_batches=3, lr=2e-3)
+        assert abs(r["gaps"]["last10"]) < 0.015, (seed, r["gaps"])
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "falcon"])
 def test_fp8_fraction_and_o2_loss(measured, arch):
     r = measured[arch]

@@ -43,24 +43,30 @@ def _run(flags, nproc=1, timeout=600):
 
 
 def test_fallback_decides_logs_and_resumes_bit_for_bit(tmp_path):
-    full = _run([*FALLBACK, "--fp8-opt-level", "O2", "--train-iters", "6", "--save", str(tmp_path / "ck"),
-                 "--save-interval", "3", "--log-json", str(tmp_path / "full.jsonl")])
+    """Patience 2: the first check (iteration 1) strikes, the second moves. Resumed from iteration 1 (a strike
+    saved, no move yet) the run moves at iteration 2 as the uninterrupted one did and continues bit for bit; resumed
+    from iteration 3 (moved) with and without the flag, the moved linears keep their settings."""
+    flags = [*FALLBACK[:-4], "--fp8-fallback-patience", "2", *FALLBACK[-2:]]
+    full = _run([*flags, "--fp8-opt-level", "O2", "--train-iters", "6", "--save", str(tmp_path / "ck"),
+                 "--save-interval", "1", "--log-json", str(tmp_path / "full.jsonl")])
     records = _records(tmp_path / "full.jsonl")
-    assert "FP8 auto fallback, iteration 1: decoder.layers." in full.stderr
-    first = records[0]
-    assert first["fp8_fallback"] and all("tensorwise -> rowwise" in line for line in first["fp8_fallback"])
-    precisions = records[-1].get("layer_precisions") or next(r["layer_precisions"] for r in reversed(records)
-                                                             if "layer_precisions" in r)
+    assert "FP8 auto fallback, iteration 2: decoder.layers." in full.stderr
+    assert "fp8_fallback" not in records[0] and records[1]["fp8_fallback"]
+    assert all("at 2 consecutive checks: tensorwise -> rowwise" in line for line in records[1]["fp8_fallback"])
+    precisions = records[1]["layer_precisions"]
     moved = {name for name, setting in precisions.items() if setting == "fp8:rowwise"}
     assert moved and len(precisions) == 16 and set(precisions.values()) <= {"fp8:tensorwise", "fp8:rowwise"}
-    # resumed at iteration 3 (with the fallback, and without it: the layers keep the saved settings)
-    for name, extra in (("resumed", FALLBACK), ("plain", [])):
+    for name, step, extra in (("mid-streak", "1", flags), ("resumed", "3", flags), ("plain", "3", [])):
         proc = _run([*extra, "--fp8-opt-level", "O2", "--train-iters", "6", "--load", str(tmp_path / "ck"),
-                     "--ckpt-step", "3", "--log-json", str(tmp_path / f"{name}.jsonl")])
+                     "--ckpt-step", step, "--log-json", str(tmp_path / f"{name}.jsonl")])
         again = _records(tmp_path / f"{name}.jsonl")
-        assert [r["loss"] for r in again] == [r["loss"] for r in records[3:]], name
-        if not extra:
+        if extra:
+            assert [r["loss"] for r in again] == [r["loss"] for r in records[int(step):]], name
+        else:  # the saved settings kept; the fallback no longer acts after this first step
+            assert again[0]["loss"] == records[int(step)]["loss"]
             assert "they keep those settings (add --fp8-auto-fallback" in proc.stdout
+        if name == "mid-streak":
+            assert again[0]["fp8_fallback"] == records[1]["fp8_fallback"]
 
 
 LAYOUTS = {
@@ -107,10 +113,12 @@ def test_scheduled_precision_switches_at_its_iteration(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--fp8-high-precision-mode", "linear"], "--fp8-high-precision-mode applies to --fp8-high-precision-from-iteration"),
     (["--fp8-high-precision-from-iteration", "0"], "iterations count from 1"),
-    (["--fp8-high-precision-from-iteration", "3", "--fp8-opt-level", "none"], "it needs --fp8-opt-level O1/O2/O3"),
+    (["--fp8-high-precision-from-iteration", "3", "--fp8-opt-level", "none"], "no effect, no FP8 level trains"),
     (["--fp8-fallback-patience", "2"], "apply to --fp8-auto-fallback: add it"),
     (["--fp8-auto-fallback", "--fp8-stats-interval", "1", "--fp8-stats-stop"], "use one of them"),
     (["--fp8-auto-fallback", "--fp8-fallback-ladder", "high,tensorwise"], "'high' is the safest setting"),
+    (["--fp8-auto-fallback", "--fp8-recipe", "blockwise", "--fp8-fallback-ladder", "tensorwise,high"],
+     "start the ladder at it, e.g. 'blockwise,high'"),
 ])
 def test_bad_flags_are_refused_naming_the_fix(flags, message):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "1", "--fp8-opt-level", "O2",

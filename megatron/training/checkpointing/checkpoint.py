@@ -262,7 +262,7 @@ def save_checkpoint(directory: str | os.PathLike, run, iteration: int, consumed_
         "layout": {"tp": ranks["tp_size"], "pp": ranks["pp_size"], "dp": ranks["dp_size"], "ep": ranks["ep_size"],
                    "vp": cfg.parallel.virtual_pipeline_model_parallel_size, "world": dist.get_world_size()},
         "vocab_size": run.vocab_size, "raw_vocab_size": _raw_vocab(cfg), "args": _run_args(cfg), "params": dict(sorted(params.items())),
-        "fp8_auto_fallback": run.numerics.fallback_state() if getattr(run, "numerics", None) is not None else None,
+        "fp8_numerics": run.numerics.state() if getattr(run, "numerics", None) is not None else None,
     }
     state["meta"] = io.BytesIO(json.dumps(meta, default=_jsonable).encode())
     path = checkpoint_dir(directory, iteration)
@@ -497,16 +497,16 @@ def load_checkpoint(directory: str | os.PathLike, run, iteration: int | None = N
 
 
 def _restore_fallback(meta: dict, run, path: Path) -> None:
-    """The linears ``--fp8-auto-fallback`` had moved when the checkpoint was saved, put back at their settings before
-    anything is read (their weights' scale layouts follow the settings), with the controller's state when this run has
-    the fallback too; without it the layers still take the saved settings (their FP8 weights were trained so), said
-    once."""
-    state = meta.get("fp8_auto_fallback")
-    if not state or not state.get("settings"):
-        return
+    """The FP8 statistics monitor's state (the spike alarm's loss window, ``--fp8-auto-fallback``'s controller) and
+    the linears the fallback had moved, put back at their settings before anything is read (their weights' scale
+    layouts follow the settings); without the flag in this run the layers still take the saved settings (their FP8
+    weights were trained so), said once."""
+    state = meta.get("fp8_numerics") or {}
     numerics = getattr(run, "numerics", None)
-    if numerics is not None and numerics.fallback is not None:
-        numerics.restore_fallback(state)
+    if numerics is not None:
+        numerics.load_state(state)
+    saved = state.get("fallback")
+    if not saved or not saved.get("settings") or (numerics is not None and numerics.fallback is not None):
         return
     from fp8.fallback import apply_settings, fallback_linears
 
@@ -516,10 +516,10 @@ def _restore_fallback(meta: dict, run, path: Path) -> None:
     for chunk in run.bare_chunks:
         name = global_module_names(chunk)
         linears.update({name(n): m for n, m in fallback_linears(chunk).items()})
-    apply_settings(linears, state["settings"], tuple(state["ladder"]))
+    apply_settings(linears, saved["settings"], saved.get("recipes", {}))
     if dist.get_rank() == 0:
-        print(f"--load {path}: the checkpoint's run had moved {len(state['settings'])} linear(s) with "
-              f"--fp8-auto-fallback ({', '.join(f'{k}: {v}' for k, v in sorted(state['settings'].items()))}); they "
+        print(f"--load {path}: the checkpoint's run had moved {len(saved['settings'])} linear(s) with "
+              f"--fp8-auto-fallback ({', '.join(f'{k}: {v}' for k, v in sorted(saved['settings'].items()))}); they "
               f"keep those settings (add --fp8-auto-fallback to let them move on)", flush=True)
 
 

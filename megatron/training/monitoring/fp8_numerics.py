@@ -34,7 +34,8 @@ import logging
 import torch
 
 from fp8.comm import Collectives
-from fp8.fallback import AutoFallback, FallbackConfig, apply_settings, fallback_linears, linear_setting
+from fp8.fallback import (AutoFallback, FallbackConfig, allowed_settings, apply_settings, fallback_linears,
+                          linear_setting)
 from fp8.convert import layer_precisions
 from fp8.stats import FP8Statistics, merge_stats
 
@@ -100,13 +101,16 @@ class NumericsMonitor:
         self.linears: dict = {}  # this rank's FP8 linears the fallback moves, by global name
         self._logged_precisions = False
         if stats.fp8_auto_fallback:
+            config = fallback_config(stats)
             for chunk, global_name in zip(chunks, global_names):
                 self.linears.update({global_name(n): m for n, m in fallback_linears(chunk).items()})
             initial: dict = {}
-            for part in world.all_gather_object({n: linear_setting(m) for n, m in self.linears.items()},
-                                                "fp8 fallback"):
-                initial.update(part)
-            self.fallback = AutoFallback(fallback_config(stats), initial)
+            allowed: dict = {}
+            local = {n: (linear_setting(m), allowed_settings(m, config.ladder)) for n, m in self.linears.items()}
+            for part in world.all_gather_object(local, "fp8 fallback"):  # every stage's linears, once at start-up
+                initial.update({n: v[0] for n, v in part.items()})
+                allowed.update({n: tuple(v[1]) for n, v in part.items()})
+            self.fallback = AutoFallback(config, initial, allowed)
 
     def layer_precisions(self) -> dict[str, str]:
         """Every linear's setting (:func:`fp8.layer_precisions`) by global name, over every rank (one
@@ -119,15 +123,22 @@ class NumericsMonitor:
             merged.update(part)
         return dict(sorted(merged.items()))
 
-    def fallback_state(self) -> dict | None:
-        """The controller's state for a checkpoint's meta (the same on every rank), or None without the fallback."""
-        return None if self.fallback is None else self.fallback.state_dict()
+    def state(self) -> dict:
+        """What a checkpoint keeps of the monitor (the same on every rank): the loss window of the spike alarm and the
+        fallback's controller (None without it)."""
+        return {"losses": list(self.losses[-10:]),
+                "fallback": None if self.fallback is None else self.fallback.state_dict()}
 
-    def restore_fallback(self, state: dict) -> None:
-        """A checkpoint's fallback state (:meth:`fallback_state`) into the controller and the linears this rank
-        holds (before the checkpoint's weights are read: their layouts follow the settings)."""
-        self.fallback.load_state_dict(state)
-        apply_settings(self.linears, self.fallback.settings, self.fallback.config.ladder)
+    def load_state(self, state: dict | None) -> None:
+        """A checkpoint's :meth:`state`: the loss window, and the controller with every linear this rank holds at the
+        saved setting (before the checkpoint's weights are read: their layouts follow the settings)."""
+        if not state:
+            return
+        self.losses = list(state.get("losses", []))
+        saved = state.get("fallback")
+        if self.fallback is not None and saved:
+            self.fallback.load_state_dict(saved)
+            apply_settings(self.linears, self.fallback.settings, self.fallback.recipes, self.fallback.initial)
 
     def begin_step(self, iteration: int) -> None:
         for s in self.stats:
@@ -173,7 +184,7 @@ class NumericsMonitor:
         linears; the decisions and every linear's setting into the last record (and at the first check)."""
         decisions = self.fallback.observe(merged, records[-1]["iteration"], spike=spike) if merged else []
         if decisions:
-            apply_settings(self.linears, self.fallback.settings, self.fallback.config.ladder)
+            apply_settings(self.linears, self.fallback.settings, self.fallback.recipes)
             records[-1]["fp8_fallback"] = [d.message() for d in decisions]
             if self.log:
                 for d in decisions:
