@@ -188,6 +188,9 @@ def _load_extensions(optimizer, saved: dict[str, Any]) -> None:
     for owner in owners:
         if owner.KEY in saved:
             owner.load_state(optimizer, {owner.KEY: saved[owner.KEY]})
+    for owner in owners:  # as after optimizer.load_state_dict: the schedule's switch once more, after the fallback
+        if isinstance(owner, PrecisionSchedule):
+            owner.after_load(optimizer)
 
 
 def _saved_level(meta: dict[str, Any]) -> str | None:

@@ -272,8 +272,10 @@ class AutoFallback:
         for name in sorted(stats):
             if name not in self.initial or self.initial[name] not in cfg.ladder:
                 continue  # not a linear the ladder moves (another recipe, or unknown)
-            if not any(stats[name].get(role) for role in ROLES) and name not in alarms:
-                continue  # nothing observed of its casts at this check: neither alarmed nor clean
+            if not any(stats[name].get(role) for role in ROLES) and name not in alarms and \
+                    self.setting(name) != "high":
+                continue  # nothing observed of its casts at this check: neither alarmed nor clean (at "high" there
+                # are no casts to observe: a check without an alarm is clean, so restore_after can step it back)
             old = self.setting(name)
             rungs = self._rungs(name)
             here = rungs.index(old) if old in rungs else 0

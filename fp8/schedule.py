@@ -54,6 +54,9 @@ class PrecisionSchedule:
         # first among the load hooks: switching back (a state from before the switch) must not undo what automatic
         # fallback restores after it (its high-precision linears)
         optimizer.register_load_state_dict_pre_hook(self.load_state, prepend=True)
+        # and once more after every load hook: the fallback puts linears it had not moved back at their initial
+        # setting, which in "linear" mode would clear this switch's flag
+        optimizer.register_load_state_dict_post_hook(self.after_load)
 
     def _apply(self) -> None:
         if self.step + 1 >= self.from_step:
@@ -66,6 +69,9 @@ class PrecisionSchedule:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
+        self._apply()
+
+    def after_load(self, optimizer) -> None:
         self._apply()
 
     def save_state(self, optimizer, state_dict: dict) -> dict:

@@ -63,7 +63,7 @@ class CastStatistics:
     @torch.no_grad()
     def observe(self, x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> None:
         """Accumulate one cast of ``x`` with ``scale`` (a no-op unless :attr:`active`)."""
-        if not self.active:
+        if not self.active or x.numel() == 0:  # an expert or a rank with no token: nothing to count
             return
         ax = x.detach().abs().float()  # one pass for the counts and the amax
         counts = _counts(ax, scale, fmt)

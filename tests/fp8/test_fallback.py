@@ -68,6 +68,27 @@ def test_non_finite_values_flush_and_loss_spikes_are_alarms_and_clean_checks_res
     assert ctl.settings == {"a": "tensorwise", "b": "blockwise"}
 
 
+def test_a_linear_at_high_precision_counts_clean_checks_and_steps_back():
+    """At ``high`` a linear makes no FP8 casts: its statistics hold its weight only, and a check without an alarm is
+    clean, so ``restore_after`` brings it back."""
+    ctl = AutoFallback(FallbackConfig(patience=1, restore_after=2, ladder=("tensorwise", "high")), {"a": "tensorwise"})
+    assert [d.new for d in ctl.observe(_stats(a=(0.5, 1.0)), 1)] == ["high"]
+    weight_only = {"a": {"weight": {"amax": 1.0, "scale": 1.0, "flush_to_zero": 0.0, "saturated": 0.0}}}
+    assert ctl.observe(weight_only, 2) == []
+    assert [(d.old, d.new, d.statistic) for d in ctl.observe(weight_only, 3)] == [("high", "tensorwise", "clean")]
+
+
+def test_empty_inputs_are_observed_without_error():
+    """An expert (or a rank) with no token on an observed step: per-row and per-tile casts of zero rows count
+    nothing."""
+    for recipe in ("tensorwise", "rowwise", "blockwise"):
+        lin = fp8.Float8Linear.from_linear(nn.Linear(128, 128), fp8.Float8LinearConfig(recipe=recipe))
+        stats = fp8.stats.FP8Statistics(nn.Sequential(lin), interval=1)
+        stats.begin_step(1)
+        lin(torch.zeros(0, 128, requires_grad=True)).sum().backward()
+        assert stats.read()["0"].keys() == {"weight"}, recipe
+
+
 def test_the_controller_state_round_trips_and_decides_the_same_afterwards():
     cfg = FallbackConfig(patience=2)
     a, b = AutoFallback(cfg, {"x": "tensorwise"}), None
@@ -292,6 +313,27 @@ def test_scheduled_precision_switches_at_its_step_and_survives_resume(seed, mode
     opt4.load_state_dict(opt3.state_dict())
     assert opt3.state_dict()["fp8_precision_schedule"]["step"] == 3
     assert fp8.layer_precisions(net4) == fp8.layer_precisions(net3)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fallback_and_whole_linear_schedule_together_resume_exactly(seed, level):
+    """Both on one optimizer: after a resume past the switch every linear is still in high precision (the fallback's
+    load, which puts linears it had not moved back at their initial setting, does not undo the schedule) and the run
+    continues bit for bit."""
+    data = _data(seed)
+    kwargs = {"auto_fallback": FallbackConfig(interval=2, patience=3), "high_precision_from_step": 3,
+              "high_precision_mode": "linear"}
+    net, opt = _make(seed, level, **kwargs)
+    full = _train(net, opt, data, 0, 8)
+    net, opt = _make(seed, level, **kwargs)
+    _train(net, opt, data, 0, 4)
+    saved = copy.deepcopy({"model": net.state_dict(), "optimizer": opt.state_dict()})
+    net2, opt2 = _make(seed, level, **kwargs)
+    net2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optimizer"])
+    assert fp8.layer_precisions(net2) == fp8.layer_precisions(net)
+    assert all(v.endswith(":high-precision") for v in fp8.layer_precisions(net2).values())
+    assert _train(net2, opt2, data, 4, 8) == full[4:]
 
 
 def test_initialize_refuses_fallback_and_schedule_without_an_fp8_optimizer():
