@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .blocks import is_tensorwise
+from .comm import Collectives
 from .convert import fp8_config_attribute
 from .linear import Float8LinearConfig
 from .recipes import get_recipe
@@ -360,6 +361,7 @@ class FallbackHooks:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: FallbackConfig, process_group,
                  log: Callable[[str], None]) -> None:
         self.model, self.config, self.group, self.log = model, config, process_group, log
+        self.comm: Collectives | None = None  # the statistics' merge over the ranks (made at the first check)
         self.modules = fallback_linears(model)
         initial = {n: linear_setting(m) for n, m in self.modules.items()}
         if not any(s in config.ladder for s in initial.values()):
@@ -382,10 +384,9 @@ class FallbackHooks:
             stats = self.stats.read()  # one host read per check
             if self.group is not None or (torch.distributed.is_initialized()
                                           and torch.distributed.get_world_size() > 1):
-                world = torch.distributed.get_world_size(self.group)
-                gathered: list = [None] * world
-                torch.distributed.all_gather_object(gathered, stats, group=self.group)
-                stats = merge_stats(gathered)
+                if self.comm is None:
+                    self.comm = Collectives(self.group)
+                stats = merge_stats(self.comm.all_gather_object(stats, "fp8 fallback"))
             # what each linear can take now (FSDP2 shards tensor-wise weights only): the same modules on every rank
             self.controller.allowed = {n: allowed_settings(m, self.config.ladder) for n, m in self.modules.items()}
             for d in self.controller.observe(stats, self.step):

@@ -344,3 +344,29 @@ def test_initialize_refuses_fallback_and_schedule_without_an_fp8_optimizer():
         fp8.initialize(net, torch.optim.AdamW(net.parameters()), "O2", high_precision_from_step=0)
     with pytest.raises(TypeError, match="auto_fallback= takes"):
         fp8.initialize(net, torch.optim.AdamW(net.parameters()), "O2", auto_fallback="yes")
+
+
+def _ranks_worker(rank: int, world: int, port: int, seed: int, out: str) -> None:
+    """One rank of test_ranks_take_the_same_decision: rank 0's l1 input grows 4x per step, rank 1's does not."""
+    from tests.spawn import init_gloo_worker
+
+    init_gloo_worker(rank, world, port)
+    torch.manual_seed(seed)
+    net = SaturatingMLP(growth=4.0 if rank == 0 else 1.0)
+    net, opt = fp8.initialize(net, torch.optim.AdamW(net.parameters(), lr=1e-3), "O2",
+                              auto_fallback=FallbackConfig(interval=2, patience=3))
+    _train(net, opt, _data(seed + rank), 0, 10)
+    torch.save({"precisions": fp8.layer_precisions(net),
+                "decisions": opt.state_dict()["fp8_auto_fallback"]["decisions"]}, f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_take_the_same_decision_from_merged_statistics(seed, tmp_path):
+    """Two gloo ranks (the engine path: statistics all-gathered over the world at each check): only rank 0's linear
+    saturates, yet both ranks move it at the same step; rank 1 alone would not (its own statistics are clean)."""
+    from tests.spawn import free_port
+
+    torch.multiprocessing.spawn(_ranks_worker, args=(2, free_port(), seed, str(tmp_path)), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0 == r1 and r0["precisions"]["l1"] == "fp8:rowwise" and len(r0["decisions"]) == 1
+    assert r0["decisions"][0]["iteration"] == 6 and r0["precisions"]["l0"] == "fp8:tensorwise"
