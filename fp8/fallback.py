@@ -41,7 +41,7 @@ from .comm import Collectives
 from .convert import fp8_config_attribute
 from .linear import Float8LinearConfig
 from .recipes import get_recipe
-from .stats import FP8Statistics, merge_stats
+from .stats import ALARM_STATS, FP8Statistics, merge_stats, operand_alarms
 from .tensor import Float8Tensor, relayout_
 
 __all__ = ["FallbackConfig", "AutoFallback", "Decision", "LADDER", "SETTINGS", "linear_setting", "set_linear_setting",
@@ -233,18 +233,10 @@ class AutoFallback:
         return self.settings.get(name, self.initial.get(name, ""))
 
     def _alarm(self, operands: Mapping) -> tuple[str, str, float] | None:
-        """The worst alarm of one layer's statistics: non-finite, then saturation, then flush to zero."""
-        cfg, found = self.config, []
-        for role in ROLES:
-            values = operands.get(role)
-            if not values:
-                continue
-            if values.get("non_finite", 0.0) > 0:
-                found.append((0, role, "non_finite", values["non_finite"]))
-            if values["saturated"] > cfg.saturation:
-                found.append((1, role, "saturated", values["saturated"]))
-            if values["flush_to_zero"] > cfg.flush:
-                found.append((2, role, "flush_to_zero", values["flush_to_zero"]))
+        """The worst alarm of one layer's statistics (:func:`fp8.stats.operand_alarms`): non-finite, then
+        saturation, then flush to zero."""
+        found = [(ALARM_STATS.index(stat), role, stat, value) for role in ROLES if operands.get(role)
+                 for stat, value in operand_alarms(operands[role], self.config.saturation, self.config.flush)]
         return min(found)[1:] if found else None
 
     def _spike_culprit(self, stats: Mapping) -> tuple[str, str, float] | None:

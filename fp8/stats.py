@@ -25,7 +25,8 @@ from torch import nn
 from .formats import FP8Format
 from .tensor import Float8Tensor
 
-__all__ = ["CastStatistics", "FP8Statistics", "flush_and_saturation_counts", "merge_stats", "STAT_NAMES"]
+__all__ = ["CastStatistics", "FP8Statistics", "flush_and_saturation_counts", "merge_stats", "operand_alarms",
+           "ALARM_STATS", "STAT_NAMES"]
 
 STAT_NAMES = ("amax", "scale", "flush_to_zero", "saturated", "non_finite")
 """The statistics of one cast site, as :meth:`FP8Statistics.read` reports them."""
@@ -196,3 +197,15 @@ def merge_stats(per_rank: list[dict]) -> dict:
                     elif value == value:
                         slot[stat] = max(old, value)
     return merged
+
+
+ALARM_STATS = ("non_finite", "saturated", "flush_to_zero")
+"""The statistics that raise an alarm, worst first."""
+
+
+def operand_alarms(values: dict[str, float], saturation: float, flush: float) -> list[tuple[str, float]]:
+    """``(statistic, value)`` of each alarm one activation operand's statistics (:meth:`FP8Statistics.read`: an
+    ``input`` or ``grad_output`` entry) raise, in :data:`ALARM_STATS` order: any non-finite value, more than
+    ``saturation`` of its values saturated, more than ``flush`` of its non-zero values flushed to zero."""
+    limits = {"non_finite": 0.0, "saturated": saturation, "flush_to_zero": flush}
+    return [(stat, values[stat]) for stat in ALARM_STATS if values.get(stat, 0.0) > limits[stat]]

@@ -37,7 +37,7 @@ from fp8.comm import Collectives
 from fp8.fallback import (AutoFallback, FallbackConfig, allowed_settings, apply_settings, fallback_linears,
                           linear_setting)
 from fp8.convert import layer_precisions
-from fp8.stats import FP8Statistics, merge_stats
+from fp8.stats import FP8Statistics, merge_stats, operand_alarms
 
 from ..config import StatsConfig
 from .health import RunHealthError
@@ -47,29 +47,28 @@ __all__ = ["NumericsMonitor", "merge_rank_stats", "alarms", "fallback_config"]
 _LOG = logging.getLogger("megatron.training")
 
 
-def merge_rank_stats(per_rank: list[dict]) -> dict:
-    """One entry per layer from every rank's statistics (``FP8Statistics.read()``, keyed by the single-process model's
-    layer names: a pipeline stage's layers by their global number): :func:`fp8.stats.merge_stats`."""
-    return merge_stats(per_rank)
+merge_rank_stats = merge_stats
+"""One entry per layer from every rank's statistics (``FP8Statistics.read()``, keyed by the single-process model's
+layer names: a pipeline stage's layers by their global number)."""
 
 
 def alarms(stats: dict, iteration: int, saturation: float, flush: float) -> list[str]:
-    """The alarms of merged statistics (see the module docstring)."""
+    """The alarms of merged statistics (see the module docstring; :func:`fp8.stats.operand_alarms`)."""
     out = []
     for name, operands in stats.items():
         for operand, values in operands.items():
             if operand == "weight":
                 continue  # stored weights: a zero payload may be a zero weight; reported, not alarmed
-            if values.get("non_finite", 0.0) > 0:
-                out.append(f"iteration {iteration}: {name} {operand}: {values['non_finite']:.2%} of its values are not "
-                           f"finite")
-            if values["saturated"] > saturation:
-                out.append(f"iteration {iteration}: {name} {operand}: {values['saturated']:.2%} of its values saturate "
-                           f"(> {saturation:.2%}; amax {values['amax']:.4g}, scale {values['scale']:.4g})")
-            if values["flush_to_zero"] > flush:
-                out.append(f"iteration {iteration}: {name} {operand}: {values['flush_to_zero']:.2%} of its non-zero "
-                           f"values flush to zero (> {flush:.2%}; amax {values['amax']:.4g}, scale "
-                           f"{values['scale']:.4g})")
+            for stat, value in operand_alarms(values, saturation, flush):
+                head = f"iteration {iteration}: {name} {operand}: {value:.2%} of its "
+                if stat == "non_finite":
+                    out.append(head + "values are not finite")
+                elif stat == "saturated":
+                    out.append(head + f"values saturate (> {saturation:.2%}; amax {values['amax']:.4g}, scale "
+                                      f"{values['scale']:.4g})")
+                else:
+                    out.append(head + f"non-zero values flush to zero (> {flush:.2%}; amax {values['amax']:.4g}, "
+                                      f"scale {values['scale']:.4g})")
     return out
 
 
