@@ -3,12 +3,16 @@ blocks' weights and the loss of O2 steps against ``opt_level="none"``.
 
     python benchmarks/transformers_architectures.py [--steps 4] [--arch mixtral qwen2_moe ...] [--json out.json]
     python benchmarks/transformers_architectures.py --steps 100 --batches 3 --seeds 3 --lr 2e-3 --noise-control
+    python benchmarks/transformers_architectures.py --steps 100 --batches 3 --seeds 3 --lr 2e-3 \
+        --controls bf16 O1 O2-exp-avg-fp16 O2-exp-avg-fp32
 
 With ``--batches N`` the runs cycle N distinct random batches (default 1: one batch, fitted); ``--seeds`` repeats each
 architecture per seed. Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
 10``) and the mean over every step's (``curve``); with ``--noise-control`` also the same figures for a high-precision
 run whose initial weights are multiplied by ``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below
-FP8's rounding, the floor any precision comparison on these tiny runs stands on.
+FP8's rounding, the floor any precision comparison on these tiny runs stands on. ``--controls`` adds runs that
+separate the sources of a gap (:data:`CONTROLS`): BF16 autocast, O1 (FP8 GEMMs, fp32 optimizer), and O2 with its
+first moment in FP16 or FP32.
 
 FP8 fraction: elements of the blocks' matrices (parameters with >= 2 dims in the model's decoder-layer list) held as
 FP8 after ``fp8.initialize``, over all of them. ``old rule``: the fraction the converter reached before MoE experts and
@@ -80,13 +84,26 @@ def old_rule_fraction(model: nn.Module) -> float:
     return sum(p.numel() for p in linear) / sum(p.numel() for p in weights)
 
 
-def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: float = 1e-3) -> tuple[nn.Module, list[float]]:
+CONTROLS = {
+    "bf16": ("none", {}, True),
+    "O1": ("O1", {}, False),
+    "O2-exp-avg-fp16": ("O2", {"optimizer_precision": fp8.optim.OptimizerPrecision(exp_avg="fp16")}, False),
+    "O2-exp-avg-fp32": ("O2", {"optimizer_precision": fp8.optim.OptimizerPrecision(exp_avg="fp32")}, False),
+}
+"""``--controls``: name -> (opt level, ``fp8.initialize`` keywords, bf16 autocast). ``bf16``: the high-precision
+model under ``torch.autocast(dtype=torch.bfloat16)`` (BF16 GEMMs, fp32 weights and optimizer); ``O1``: FP8 GEMMs and
+weights with torch's fp32 AdamW; ``O2-exp-avg-*``: O2 with its first moment stored in FP16 or FP32 instead of E4M3."""
+
+
+def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: float = 1e-3, bf16: bool = False,
+          **initialize_kwargs) -> tuple[nn.Module, list[float]]:
     """``fp8.initialize`` at ``opt_level``, then one AdamW step per batch; the losses before each step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model, optimizer = fp8.initialize(model, optimizer, opt_level)
+    model, optimizer = fp8.initialize(model, optimizer, opt_level, **initialize_kwargs)
     losses = []
     for tokens in batches:
-        loss = model(tokens, labels=tokens).loss
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -103,7 +120,7 @@ def gaps(losses: list[float], reference: list[float]) -> dict[str, float]:
 
 
 def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, batch: int = 4, seq: int = 32,
-            n_batches: int = 1, lr: float = 1e-3, noise_control: bool = False) -> dict:
+            n_batches: int = 1, lr: float = 1e-3, noise_control: bool = False, controls: tuple[str, ...] = ()) -> dict:
     """One architecture: FP8 fractions and the loss of ``opt_level`` against ``none`` (module docstring)."""
     base = tiny_model(arch, seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -112,10 +129,16 @@ def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, bat
     before = old_rule_fraction(base)
     perturbed = copy.deepcopy(base) if noise_control else None
     reference, ref_losses = train(copy.deepcopy(base), "none", batches, lr)
+    control_gaps = {}
+    for name in controls:
+        level, kwargs, bf16 = CONTROLS[name]
+        control_gaps[name] = gaps(train(copy.deepcopy(base), level, batches, lr, bf16, **kwargs)[1], ref_losses)
     model, losses = train(base, opt_level, batches, lr)
     out = {"arch": arch, "opt_level": opt_level, "seed": seed, "fp8_fraction_old_rule": before,
            "fp8_fraction": fp8_fraction(model), "loss_none": ref_losses, f"loss_{opt_level}": losses,
            "final_loss_rel_diff": abs(losses[-1] - ref_losses[-1]) / ref_losses[-1], "gaps": gaps(losses, ref_losses)}
+    if controls:
+        out["control_gaps"] = control_gaps
     if noise_control:
         g = torch.Generator().manual_seed(seed + 2)
         with torch.no_grad():
@@ -137,13 +160,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise-control", action="store_true",
                         help="also a high-precision run from weights perturbed by 1e-4 relative")
+    parser.add_argument("--controls", nargs="+", default=[], choices=list(CONTROLS),
+                        help="also these runs against none (last 10 and curve): " + ", ".join(CONTROLS))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     results = [measure(arch, args.steps, args.opt_level, seed, n_batches=args.batches, lr=args.lr,
-                       noise_control=args.noise_control) for arch in args.arch for seed in range(args.seeds)]
+                       noise_control=args.noise_control, controls=tuple(args.controls))
+               for arch in args.arch for seed in range(args.seeds)]
     print(f"{'architecture':<12} {'seed':>4} {'FP8 (old rule)':>14} {'FP8 now':>8} {'loss none':>10} "
           f"{'loss ' + args.opt_level:>9} {'last':>7} {'last 10':>8} {'curve':>7}"
-          + (f" {'noise: last 10':>15} {'curve':>7}" if args.noise_control else ""))
+          + (f" {'noise: last 10':>15} {'curve':>7}" if args.noise_control else "")
+          + "".join(f" {name + ': last 10':>25} {'curve':>7}" for name in args.controls))
     for r in results:
         g = r["gaps"]
         line = (f"{r['arch']:<12} {r['seed']:>4} {r['fp8_fraction_old_rule']:>14.1%} {r['fp8_fraction']:>8.1%} "
@@ -151,6 +178,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{g['last10']:>+8.2%} {g['curve']:>+7.2%}")
         if args.noise_control:
             line += f" {r['noise_gaps']['last10']:>+15.2%} {r['noise_gaps']['curve']:>+7.2%}"
+        for name in args.controls:
+            line += f" {r['control_gaps'][name]['last10']:>+25.2%} {r['control_gaps'][name]['curve']:>+7.2%}"
         print(line)
     if args.json:
         with open(args.json, "w") as f:

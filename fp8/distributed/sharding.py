@@ -85,6 +85,7 @@ class ParamSlots:
 
     def __init__(self, model: nn.Module | None) -> None:
         self.slots: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+        self._groups: list[list[torch.Tensor]] | None = None
         if model is None:
             return
         for fqn, module in model.named_modules():
@@ -106,6 +107,44 @@ class ParamSlots:
                 if record:
                     self.slots[i] = (module, name, fqn, new)
         return found
+
+    def remember(self, param_groups: list[dict]) -> None:
+        """Record the parameters of an optimizer's ``param_groups`` (in order), for :meth:`put_back`."""
+        self._groups = [list(group["params"]) for group in param_groups]
+
+    def put_back(self, param_groups: list[dict]) -> None:
+        """Undo a remap of ``param_groups`` by FSDP2 shards done by someone else since :meth:`remember`: Accelerate's
+        FSDP2 ``prepare`` swaps an optimizer's parameters for the model's sharded ones itself (at every ``prepare``),
+        matched through ``data_ptr()``, which is 0 for every FP8 weight (a wrapper tensor without storage) and every
+        empty shard, so all of those get the same one, while the optimizer's state stays keyed by its own parameters.
+        A group whose changed entries are all DTensors gets its remembered list back, so the optimizer's own follow
+        takes each parameter over with its state (and O3's owners hand theirs over) as after a plain ``fully_shard``.
+        Other edits of the groups (parameters appended or removed in place, no DTensor among them) are the user's:
+        kept, and remembered. A group changed both ways is refused. Host-side only (identity checks)."""
+        if self._groups is None:
+            return
+        accepted = False
+        for index, (group, before) in enumerate(zip(param_groups, self._groups)):
+            now = group["params"]
+            if len(now) == len(before) and all(p is q for p, q in zip(now, before)):
+                continue
+            if len(now) == len(before):
+                changed = [p for p, q in zip(now, before) if p is not q]
+            else:
+                kept = {id(q) for q in before}
+                changed = [p for p in now if id(p) not in kept]
+            shards = [p for p in changed if is_dtensor(p)]
+            if not shards:
+                accepted = True  # the user's own edit (no FSDP2 shard in it)
+            elif len(shards) == len(changed) and len(now) == len(before):
+                group["params"] = list(before)
+            else:
+                raise RuntimeError(
+                    f"param group {index} of fp8's optimizer was changed from outside both with FSDP2 shards and "
+                    f"otherwise; add parameters with optimizer.add_param_group, and shard with fully_shard or "
+                    f"Accelerate's FSDP2 plugin")
+        if accepted:
+            self.remember(param_groups)
 
     def take_sharded(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """:meth:`moved`, each entry checked by :meth:`sharded` before any is recorded: a refused sharding is refused

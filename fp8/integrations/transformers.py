@@ -31,20 +31,28 @@ still compresses the saved activations). Gradient accumulation needs nothing mor
 summed over micro-batches in a scaled FP16 buffer, 2 bytes per element (``Float8LinearConfig.grad_accumulation``,
 through ``fp8_config``).
 
+Under FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...})``, docs/fsdp.md) at O2, Accelerate
+shards the FP8 model and the optimizer follows the shards; ``_clip_grad_norm`` sums the shards' norms over the ranks,
+and ``save_model`` gathers the whole high-precision weights on every rank and writes them from the main process.
+
 Refused up front, each error naming the fix: an unknown level or recipe, ``fp16=True`` (FP8 scales replace the
-loss scaler: use ``bf16=True`` or fp32), DeepSpeed and FSDP (they build or shard the optimizer themselves), more
-than one process, ``"O3"`` (sharded over data-parallel ranks), and a scheduler passed in ``optimizers`` (it
-would keep stepping the replaced optimizer).
+loss scaler: use ``bf16=True`` or fp32), DeepSpeed and FSDP1 (they build or shard the optimizer themselves), more
+than one process without FSDP2, O1 under FSDP2 (Accelerate maps the optimizer's parameters through the model's, and
+O1's masters are not), ``"O3"``, and a scheduler passed in ``optimizers`` (it would keep stepping the replaced
+optimizer).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 import transformers
 from torch import nn
+from transformers.trainer import SCHEDULER_NAME
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..convert import is_conv1d
 from ..export import model_dtype
 from ..initialize import initialize, normalize_opt_level
@@ -60,6 +68,9 @@ from ..stats import FP8Statistics
 from ..scaling import ScalingState
 from ..distributed.sharding import is_dtensor, local, rows_as_dtensor
 from ..tensor import Float8Tensor
+
+FSDP_CHECKPOINT = "fp8_checkpoint"
+"""The sub-directory of a ``Trainer`` checkpoint holding the sharded FP8 model and optimizer under FSDP2."""
 
 __all__ = ["FP8Trainer", "FP8TrainerMixin", "high_precision_state_dict", "fp8_optimizer_of", "conv1d_names"]
 
@@ -93,7 +104,8 @@ def _master_values(optimizer) -> dict[int, torch.Tensor]:
 
 
 def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                              dtype: torch.dtype | None = None, conv1d: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+                              dtype: torch.dtype | None = None, conv1d: Iterable[str] = (),
+                              to_cpu: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as an unconverted model of the same architecture has it: plain tensors only.
 
     Each FP8 weight (a :class:`fp8.Float8Tensor`) is replaced by its master in ``optimizer`` (the returned
@@ -109,7 +121,9 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
     A model sharded by FSDP2 (docs/fsdp.md) gives the same whole tensors on every rank: each parameter's rows (its
     master's, or its dequantized FP8 rows) are all-gathered, one collective per parameter in the model's order, so
-    call it on every rank (and write from one).
+    call it on every rank (and write from one). ``to_cpu``: each tensor moved to host memory as soon as it is whole,
+    so a sharded model is never held whole on the device (a copy per parameter: for saving, not for a training loop).
+    ``keep=False`` (a rank that does not write): every collective is taken part in, nothing is kept (returns ``{}``).
     """
     masters = _master_values(optimizer)
     transposed = {f"{name}.weight" for name in conv1d}
@@ -134,12 +148,13 @@ def high_precision_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             value = rows_as_dtensor(value.detach().contiguous(), sharded).full_tensor()  # one all-gather
         if key in transposed and is_fp8:
             value = value.t()
-        out[key] = value.detach().contiguous()
+        if keep:
+            out[key] = value.detach().contiguous().cpu() if to_cpu else value.detach().contiguous()
     for name, module in model.named_modules():  # MoE experts: fused, transformers' layout, from the masters
-        if isinstance(module, Float8Experts):
+        if keep and isinstance(module, Float8Experts):
             prefix = f"{name}." if name else ""
             for key, value in module.fused_weights(lambda p: masters.get(id(p)), dtype or fp8_dtype).items():
-                out[prefix + key] = value.contiguous()
+                out[prefix + key] = value.contiguous().cpu() if to_cpu else value.contiguous()
     return out
 
 
@@ -160,7 +175,8 @@ def _check_choices(opt_level: str, recipe: str) -> str:
         raise ValueError(f"fp8_recipe: {e}; pass e.g. fp8_recipe='tensorwise'") from None
     if level == "O3":
         raise ValueError("fp8_opt_level='O3' shards the optimizer over data-parallel ranks, which FP8Trainer does "
-                         "not run (one process); use fp8_opt_level='O2' (the same optimizer, unsharded)")
+                         "not run; use fp8_opt_level='O2' (the same optimizer: unsharded in one process, sharded "
+                         "with the weights under FSDP2)")
     return level
 
 
@@ -260,18 +276,43 @@ class FP8TrainerMixin:
         """Whether the model trains in FP8 (``fp8_opt_level`` is not ``"none"``)."""
         return self.fp8_opt_level != "none"
 
+    @property
+    def fp8_fsdp2(self) -> bool:
+        """Whether Accelerate shards the model with FSDP2 (``fsdp_config={'version': 2}``): the FP8 weights are then
+        sharded at rest and all-gathered in FP8, and the O2 optimizer follows the shards (docs/fsdp.md). Decided
+        once, when the trainer is built, as ``Trainer.is_fsdp_enabled`` is."""
+        if "_fp8_fsdp2" not in self.__dict__:
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            self._fp8_fsdp2 = bool(self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 1) == 2)
+        return self._fp8_fsdp2
+
     def _check_fp8_arguments(self) -> None:
         level = self.fp8_opt_level
         if self.args.fp16:
             raise ValueError(f"fp8_opt_level={level!r} does not run with fp16=True (torch's loss scaler would scale "
                              f"FP8 gradients it cannot read; FP8 keeps its own scales): pass bf16=True or neither")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError(f"fp8_opt_level={level!r} does not run under DeepSpeed or FSDP (they build or shard the "
-                             f"optimizer themselves); drop those arguments, or train with fp8_opt_level='none'")
-        if self.args.world_size > 1:
-            raise ValueError(f"FP8Trainer runs one process (world_size={self.args.world_size}); FP8 data parallelism "
-                             f"is fp8.distributed.DistributedDataParallel in your own loop (docs/distributed.md), "
-                             f"or train with fp8_opt_level='none'")
+        fsdp2 = self.fp8_fsdp2
+        if self.is_deepspeed_enabled or (self.is_fsdp_enabled and not fsdp2):
+            raise ValueError(f"fp8_opt_level={level!r} does not run under DeepSpeed or FSDP1 (they build or shard the "
+                             f"optimizer themselves); use FSDP2 (TrainingArguments(fsdp=True, "
+                             f"fsdp_config={{'version': 2}})), drop those arguments, or train with "
+                             f"fp8_opt_level='none'")
+        if fsdp2 and level == "O1":
+            raise ValueError("fp8_opt_level='O1' does not run under FSDP2 with the Trainer: Accelerate maps the "
+                             "optimizer's parameters to their shards through the model's parameters, and O1's "
+                             "optimizer steps fp32 masters that are not the model's; use fp8_opt_level='O2' (FP16 "
+                             "masters with scales, sharded like the weights), or shard with fully_shard in your own "
+                             "loop (docs/fsdp.md)")
+        if fsdp2 and self.args.load_best_model_at_end:
+            raise ValueError("load_best_model_at_end=True under FSDP2: Accelerate would look for its own FSDP model "
+                             "files, and FP8Trainer's checkpoints hold the sharded FP8 model in fp8_checkpoint/; drop "
+                             "load_best_model_at_end and load the best checkpoint's model.safetensors "
+                             "(AutoModelForCausalLM.from_pretrained(checkpoint_dir))")
+        if self.args.world_size > 1 and not fsdp2:
+            raise ValueError(f"FP8Trainer runs one process (world_size={self.args.world_size}) or FSDP2 "
+                             f"(TrainingArguments(fsdp=True, fsdp_config={{'version': 2}}), docs/fsdp.md); FP8 "
+                             f"data parallelism is fp8.distributed.DistributedDataParallel in your own loop "
+                             f"(docs/distributed.md), or train with fp8_opt_level='none'")
         if self.lr_scheduler is not None:
             raise ValueError("a scheduler passed in optimizers=(optimizer, scheduler) would keep stepping the optimizer "
                              "that fp8.initialize replaces; pass optimizers=(optimizer, None), and set the schedule "
@@ -334,7 +375,49 @@ class FP8TrainerMixin:
             grad_norm = clip_grad_norm_(list(model.parameters()), float("inf"))  # the norm, nothing scaled
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    # -- checkpoints under FSDP2: fp8.checkpoint ---------------------------------------------------
+    def _fp8_sharded(self) -> bool:
+        return self.fp8_enabled and self.fp8_fsdp2 and self._fp8_optimizer is not None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under FSDP2: the sharded FP8 model and optimizer through :func:`fp8.checkpoint.save_checkpoint` (every rank
+        its rows, loadable at another world size) in ``output_dir/fp8_checkpoint``, and the scheduler; Accelerate's
+        FSDP saving would gather the FP8 shards as plain tensors. Otherwise ``Trainer``'s own."""
+        if not self._fp8_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(os.path.join(output_dir, FSDP_CHECKPOINT), self.model, self._fp8_optimizer)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Under FSDP2 the model's shards are restored with the optimizer's (:meth:`_load_optimizer_and_scheduler`)."""
+        if not self._fp8_sharded():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, FSDP_CHECKPOINT)):
+            raise ValueError(f"{resume_from_checkpoint} has no {FSDP_CHECKPOINT}/: FP8Trainer under FSDP2 resumes from "
+                             f"the checkpoints it writes itself (fp8.checkpoint); start from the saved model instead "
+                             f"(model=AutoModelForCausalLM.from_pretrained(...), no resume_from_checkpoint)")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._fp8_sharded():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(os.path.join(checkpoint, FSDP_CHECKPOINT), self.model, self._fp8_optimizer)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
     # -- saving: high-precision weights -----------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; under FSDP2 every rank gathers :func:`high_precision_state_dict`'s whole weights
+        (one all-gather per parameter, each tensor moved to host memory once whole) and the main process writes them,
+        whatever ``fsdp_state_dict_type``: the directory is a plain transformers one, as without FSDP2."""
+        if not (self.fp8_enabled and self.fp8_fsdp2 and self._fp8_optimizer is not None):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        state_dict = high_precision_state_dict(self.accelerator.unwrap_model(self.model), self.optimizer,
+                                               conv1d=self._fp8_conv1d, to_cpu=True, keep=self.args.should_save)
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """``Trainer._save`` with :func:`high_precision_state_dict`'s weights: the masters in the model's
         dtype, no FP8 tensors or scaling state, so ``from_pretrained`` needs no ``fp8``."""
@@ -356,6 +439,10 @@ class FP8TrainerMixin:
         if not self.fp8_enabled:
             raise ValueError("export_fp8 writes FP8 weights: this trainer runs fp8_opt_level='none' (high precision); "
                              "use save_model, or train with fp8_opt_level='O1' or 'O2'")
+        if self.fp8_fsdp2:  # refused on every rank (the export itself runs on one)
+            raise ValueError("export_fp8 under FSDP2: the FP8 weights are sharded over the ranks; save_model writes the "
+                             "whole high-precision weights, or export from a single-process model loaded from them "
+                             "(fp8.initialize, then fp8.export.export_fp8)")
         if self._fp8_optimizer is None:
             raise ValueError("export_fp8: the model is not FP8 yet (fp8.initialize runs when train() creates the "
                              "optimizer): call trainer.train() first")

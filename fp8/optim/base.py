@@ -157,6 +157,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         self._comm_counter = comm_counter
         self._shard_comm: Collectives | None = None
         super().__init__(params, defaults)
+        self._slots.remember(self.param_groups)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         device = first.device if first is not None else torch.device("cpu")
         self._init_skipped_counter(device)
@@ -266,6 +267,11 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         refresh_weight_operands(local(p) for group in self.param_groups for p in group["params"])
         return loss
 
+    def add_param_group(self, param_group: dict) -> None:
+        self._slots.put_back(self.param_groups)  # a pending outside remap first, so the snapshot is the optimizer's own
+        super().add_param_group(param_group)
+        self._slots.remember(self.param_groups)
+
     # -- FSDP2 ------------------------------------------------------------------------------------
     @torch.no_grad()
     def follow_sharding(self) -> None:
@@ -275,6 +281,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         scales (the FP8 weights' included) are the whole tensors' and every rank steps or skips together. Called by
         :meth:`step`, :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when
         nothing moved."""
+        self._slots.put_back(self.param_groups)  # a remap from outside (Accelerate's prepare), at any call
         if not self._slots.moved(record=False):
             return
         if self.precision.state_scaling == "delayed":  # refused at every call, not only the first
@@ -284,6 +291,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         moved = self._slots.take_sharded()
         swap_params(self.param_groups, self.state, {id(old): (old, new, new) for _, old, new in moved},
                     as_dtensor=False)
+        self._slots.remember(self.param_groups)
         self.__dict__.pop("_step_workspace", None)
         self.__dict__.pop("_fused_adam_tables", None)
         self._shard_comm = Collectives(moved[0][2].device_mesh.get_group(), self._comm_counter)

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 import torch
 
 from ..cast import payload_and_scale
+from ..comm import Collectives
+from ..distributed.sharding import check_fsdp_placement, is_dtensor, local
 from ..formats import FP8_DTYPES
 from ..tensor import Float8Tensor
 from . import ops
@@ -86,7 +88,9 @@ def clip_grad_norm_(
 
     FP8 gradients are scaled by dividing their scale by the clip coefficient (no re-quantization:
     only the fp32 scale is rounded, and it is no longer a power of two); high-precision gradients are
-    multiplied in place.
+    multiplied in place. Gradients of parameters sharded by FSDP2 (DTensors, ``Shard(0)`` on a 1-D mesh) are clipped
+    by the norm of the whole gradients: one all-reduce over their mesh's group, on every rank of it (call it on every
+    rank).
     No host synchronisation unless ``error_if_nonfinite``.
     """
     if isinstance(parameters, torch.Tensor):
@@ -94,8 +98,11 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    norms = grad_norms(grads, float(norm_type))
-    total = torch.linalg.vector_norm(norms, float(norm_type))
+    if any(is_dtensor(g) for g in grads):  # FSDP2: each rank holds its rows of these gradients
+        total = _sharded_total(grads, float(norm_type))
+        grads = [local(g) for g in grads]
+    else:
+        total = torch.linalg.vector_norm(grad_norms(grads, float(norm_type)), float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
@@ -103,6 +110,48 @@ def clip_grad_norm_(
         )
     scale_grads_to_norm_(grads, total, max_norm)
     return total
+
+
+def _sharded_total(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The global norm when some gradients are FSDP2 shards (DTensors sharded along dim 0: each rank holds its rows,
+    maybe none): the shards' part (sum of p-th powers, or the max for the inf norm) all-reduced over their mesh's
+    group (one collective, tag ``"grad norm"``, on the group's device), the unsharded gradients' part added once:
+    they must be the same on every rank (replicated parameters, reduced), or each rank would clip by its own norm.
+    No host read."""
+    if not (norm_type > 0):
+        raise ValueError(f"clip_grad_norm_ of FSDP2-sharded gradients takes a positive norm_type (or inf), got "
+                         f"{norm_type}")
+    shards, plain, groups = [], [], {}
+    for g in grads:
+        if not is_dtensor(g):
+            plain.append(g)
+            continue
+        check_fsdp_placement(g, "a gradient passed to clip_grad_norm_")  # a replicated one would be counted N times
+        group = g.device_mesh.get_group()
+        groups[id(group)] = group
+        shards.append(local(g))
+    if len(groups) != 1:
+        raise ValueError(f"clip_grad_norm_: the gradients are sharded over {len(groups)} different process groups; "
+                         f"clip each FSDP2 mesh's parameters in its own call")
+    comm = Collectives(next(iter(groups.values())))
+    device = comm.device if comm.device is not None else shards[0].device  # a multi-backend group names none
+    inf = norm_type == float("inf")
+
+    def part(tensors: list[torch.Tensor]) -> torch.Tensor:  # empty shards (fewer rows than ranks) count nothing
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = grad_norms(tensors, norm_type).to(device)
+        return norms.amax() if inf else norms.pow(norm_type).sum()
+
+    total = part(shards)
+    if inf:  # a MAX reduction may drop a NaN: carried as inf, still non-finite on every rank
+        total = torch.nan_to_num(total, nan=float("inf"))
+    comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM,
+                    tag="grad norm").wait()
+    if plain:
+        total = torch.maximum(total, part(plain)) if inf else total + part(plain)
+    return total if inf else total.pow(1.0 / norm_type)
 
 
 def scale_grads_to_norm_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:

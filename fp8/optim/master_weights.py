@@ -67,6 +67,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         self.pairs = pairs
         self.model = model
         self._slots = ParamSlots(model)
+        self._slots.remember(optimizer.param_groups)
         self._comm_counter = comm_counter
         self._shard_comm: Collectives | None = None
         first = next((m for m, _ in pairs), None)
@@ -114,6 +115,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
         like the weight's shard), the wrapped optimizer's other parameters swapped for their shards; the steps then
         agree the finiteness flag and the FP8 weights' amaxes over the shard group. Called by :meth:`step`,
         :meth:`zero_grad`, :meth:`state_dict` and :meth:`load_state_dict`; a host-side scan when nothing moved."""
+        self._slots.put_back(self.optimizer.param_groups)
         moved = self._slots.take_sharded()
         if not moved:
             return
@@ -132,6 +134,7 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
             if id(old) not in swap and not isinstance(local(new), Float8Tensor):
                 swap[id(old)] = (old, new, new)
         swap_params(self.optimizer.param_groups, self.optimizer.state, swap, as_dtensor=True)
+        self._slots.remember(self.optimizer.param_groups)
         self.pairs = pairs
         mesh = moved[0][2].device_mesh
         self._shard_comm = Collectives(mesh.get_group(), self._comm_counter)
@@ -328,7 +331,9 @@ class MasterWeightOptimizer(SkippedStepsCounter, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of high-precision parameters to the wrapped optimizer."""
+        self._slots.put_back(self.optimizer.param_groups)  # a pending outside remap first (FP8Optimizer's reason)
         self.optimizer.add_param_group(param_group)
+        self._slots.remember(self.optimizer.param_groups)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Wrapped optimizer state, the master weights (in model order) and ``skipped_steps``."""

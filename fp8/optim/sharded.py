@@ -239,6 +239,7 @@ class ShardedFP8Optimizer(FP8Optimizer):
         if self._fsdp:
             FP8Optimizer.follow_sharding(self)
             return
+        self._slots.put_back(self.param_groups)  # a remap from outside (Accelerate's prepare)
         moved = self._slots.moved(record=False)
         if not moved:
             return
