@@ -221,6 +221,15 @@ def clip_case(seed: int, world: int, rank: int) -> dict:
                                            norm_type)
         out[norm_type] = {"expected": float(expected), "got": float(got), "clipped": float(clipped),
                           "empty_shard": any(p.to_local().numel() == 0 for p in model.parameters())}
+    torch.manual_seed(seed)  # O3's own clip under FSDP2, before the optimizer's first step (it follows there)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3")
+    fully_shard(model)
+    model(torch.randn(4, 32, generator=torch.Generator().manual_seed(seed))).float().pow(2).mean().backward()
+    whole = [p.grad.full_tensor() for p in model.parameters()]
+    whole = [g.dequantize(torch.float32) if isinstance(g, fp8.Float8Tensor) else g.float() for g in whole]
+    out["o3"] = {"expected": float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in whole]))),
+                 "got": float(optimizer.clip_grad_norm_(float("inf")))}
     mesh = init_device_mesh("cpu", (world,))
     param = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
     param.grad = DTensor.from_local(torch.ones(4), mesh, [Replicate()])

@@ -24,7 +24,7 @@ from ..recipes import refresh_weight_operands
 from ..tensor import Float8Tensor
 from .adam import Adam, AdamW
 from .base import FP8Optimizer, grads_finite_flag
-from .clip import grad_norms, scale_grads_to_norm_
+from .clip import clip_grad_norm_, grad_norms, scale_grads_to_norm_
 from .convert import converted_arguments
 from .partition import ParamPartition, partition_by_size
 from .precision import OptimizerPrecision
@@ -319,9 +319,10 @@ class ShardedFP8Optimizer(FP8Optimizer):
         most ``max_norm``; returns the global norm before clipping, identical on every rank."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"O3 clips with norm_type 2 or inf, got {norm_type}")
-        if self._fsdp:  # FSDP2's gradients are DTensors of each rank's rows: torch's clipping takes the global norm
+        self.follow_sharding()  # FSDP2 may have sharded the model since the last step (before the first one)
+        if self._fsdp:  # FSDP2's gradients are DTensors of each rank's rows: the norm of the whole ones, FP8 exactly
             params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return clip_grad_norm_(params, max_norm, norm_type)
         grads = [p.grad for p in self.owned_params if p.grad is not None]
         # Partial norms live on the parameters' device (the process group's: CUDA for NCCL), also on a rank
         # that owns no gradient this step; the all-reduce then needs no host copy. A fixed number of ops (grad_norms).

@@ -128,6 +128,12 @@ def test_clip_grad_norm_over_fsdp2_shards_is_the_whole_gradients_norm(launched, 
     assert "placements" in launched[0]["clip"]["replicated"]
 
 
+def test_o3s_own_clip_under_fsdp2_takes_the_whole_gradients_norm_before_the_first_step(launched):
+    for rank in launched:
+        got = rank["clip"]["o3"]
+        assert got["expected"] > 0 and got["got"] == pytest.approx(got["expected"], rel=1e-5)
+
+
 def test_param_groups_remapped_from_outside_are_put_back_or_refused(launched):
     """What Accelerate's prepare leaves in the param groups (every FP8 weight's entry the same FP8 shard, as their
     data_ptr() is 0) is put back at the optimizer's next call, before a group added after it too, and each parameter's
