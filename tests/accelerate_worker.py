@@ -101,17 +101,35 @@ def accelerate_case(level: str, seed: int, world: int, rank: int) -> dict:
             "fp8_shards": sum(isinstance(local(p), Float8Tensor) for p in model.parameters())}
 
 
+def fsdp2_args(path: str, seed: int, world: int, **overrides):
+    """The trainer tests' ``TrainingArguments`` under FSDP2 (a unit per decoder layer), each rank its share of the
+    batch."""
+    from tests.fp8.test_trainer_integration import BATCH, training_args
+
+    return training_args(path, seed, per_device_train_batch_size=BATCH // world, fsdp=True,
+                         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+                         **overrides)
+
+
+def whole_grad_norm(model, norm_type: float = 2.0) -> float:
+    """The norm of the whole gradients of a sharded model (each all-gathered, FP8 ones dequantized)."""
+    import fp8
+
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    grads = [g.dequantize(torch.float32) if isinstance(g, fp8.Float8Tensor) else g.float() for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                          norm_type))
+
+
 def trainer_case(seed: int, world: int, out_dir: str) -> dict:
     """FP8Trainer at O2 under FSDP2 for 20 steps with ``max_grad_norm=1.0`` (clipping over the shards), each rank its
     share of every batch, then ``save_model``; the test runs the same in one process on the whole batches."""
-    from tests.fp8.test_trainer_integration import BATCH, PermutationLanguage, tiny_llama, training_args
+    from tests.fp8.test_trainer_integration import PermutationLanguage, tiny_llama
 
     path = os.path.join(out_dir, "trainer")
-    args = training_args(path, seed, max_grad_norm=1.0, per_device_train_batch_size=BATCH // world,
-                         fsdp=True, fsdp_config={"version": 2,
-                                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    args = fsdp2_args(path, seed, world, max_grad_norm=1.0)
     trainer = cpu_fsdp2_trainer()(model=tiny_llama(seed), args=args, train_dataset=PermutationLanguage(),
-                              fp8_opt_level="O2")
+                                  fp8_opt_level="O2")
     trainer.train()
     trainer.save_model(path)
     logs = trainer.state.log_history
@@ -127,9 +145,7 @@ def trainer_case(seed: int, world: int, out_dir: str) -> dict:
         trainer.export_fp8(os.path.join(out_dir, "export"))
     except ValueError as error:
         out["refused"]["export_fp8"] = str(error)
-    best = training_args(path, seed, per_device_train_batch_size=BATCH // world, fsdp=True,
-                         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-                         load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
+    best = fsdp2_args(path, seed, world, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
     try:
         cpu_fsdp2_trainer()(model=tiny_llama(seed), args=best, train_dataset=PermutationLanguage(),
                             eval_dataset=PermutationLanguage(n=8), fp8_opt_level="O2")
@@ -140,14 +156,12 @@ def trainer_case(seed: int, world: int, out_dir: str) -> dict:
 
 def resume_case(seed: int, world: int, out_dir: str) -> dict:
     """FP8Trainer at O2 under FSDP2: 6 steps with a checkpoint at step 3, and a second trainer resumed from it."""
-    from tests.fp8.test_trainer_integration import BATCH, PermutationLanguage, tiny_llama, training_args
+    from tests.fp8.test_trainer_integration import PermutationLanguage, tiny_llama
 
     path = os.path.join(out_dir, "resume")
 
     def trainer(**overrides):
-        args = training_args(path, seed, max_steps=6, per_device_train_batch_size=BATCH // world, fsdp=True,
-                             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-                             **overrides)
+        args = fsdp2_args(path, seed, world, max_steps=6, **overrides)
         return cpu_fsdp2_trainer()(model=tiny_llama(seed), args=args, train_dataset=PermutationLanguage(),
                                fp8_opt_level="O2")
 
@@ -210,26 +224,16 @@ def clip_case(seed: int, world: int, rank: int) -> dict:
         fully_shard(model)
         x, y = next(W.batches("mlp", seed, world))
         (model(x.chunk(world)[rank]).float() - y[:, :1].chunk(world)[rank]).pow(2).mean().backward()
-        whole = [p.grad.full_tensor() for p in model.parameters()]
-        whole = [g.dequantize(torch.float32) if isinstance(g, fp8.Float8Tensor) else g.float() for g in whole]
-        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in whole]),
-                                            norm_type)
-        got = fp8.clip_grad_norm_(model.parameters(), float(expected) / 2, norm_type)
-        after = [p.grad.full_tensor() for p in model.parameters()]
-        after = [g.dequantize(torch.float32) if isinstance(g, fp8.Float8Tensor) else g.float() for g in after]
-        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in after]),
-                                           norm_type)
-        out[norm_type] = {"expected": float(expected), "got": float(got), "clipped": float(clipped),
+        expected = whole_grad_norm(model, norm_type)
+        got = fp8.clip_grad_norm_(model.parameters(), expected / 2, norm_type)
+        out[norm_type] = {"expected": expected, "got": float(got), "clipped": whole_grad_norm(model, norm_type),
                           "empty_shard": any(p.to_local().numel() == 0 for p in model.parameters())}
     torch.manual_seed(seed)  # O3's own clip under FSDP2, before the optimizer's first step (it follows there)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     model, optimizer = fp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3")
     fully_shard(model)
     model(torch.randn(4, 32, generator=torch.Generator().manual_seed(seed))).float().pow(2).mean().backward()
-    whole = [p.grad.full_tensor() for p in model.parameters()]
-    whole = [g.dequantize(torch.float32) if isinstance(g, fp8.Float8Tensor) else g.float() for g in whole]
-    out["o3"] = {"expected": float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in whole]))),
-                 "got": float(optimizer.clip_grad_norm_(float("inf")))}
+    out["o3"] = {"expected": whole_grad_norm(model), "got": float(optimizer.clip_grad_norm_(float("inf")))}
     mesh = init_device_mesh("cpu", (world,))
     param = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
     param.grad = DTensor.from_local(torch.ones(4), mesh, [Replicate()])

@@ -126,17 +126,18 @@ class ParamSlots:
         accepted = False
         for index, (group, before) in enumerate(zip(param_groups, self._groups)):
             now = group["params"]
-            if len(now) == len(before) and all(p is q for p, q in zip(now, before)):
-                continue
-            if len(now) == len(before):
+            same_length = len(now) == len(before)
+            if same_length:
                 changed = [p for p, q in zip(now, before) if p is not q]
+                if not changed:
+                    continue
             else:
                 kept = {id(q) for q in before}
                 changed = [p for p in now if id(p) not in kept]
             shards = [p for p in changed if is_dtensor(p)]
             if not shards:
                 accepted = True  # the user's own edit (no FSDP2 shard in it)
-            elif len(shards) == len(changed) and len(now) == len(before):
+            elif len(shards) == len(changed) and same_length:
                 group["params"] = list(before)
             else:
                 raise RuntimeError(

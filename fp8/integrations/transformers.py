@@ -409,7 +409,7 @@ class FP8TrainerMixin:
         """``Trainer.save_model``; under FSDP2 every rank gathers :func:`high_precision_state_dict`'s whole weights
         (one all-gather per parameter, each tensor moved to host memory once whole) and the main process writes them,
         whatever ``fsdp_state_dict_type``: the directory is a plain transformers one, as without FSDP2."""
-        if not (self.fp8_enabled and self.fp8_fsdp2 and self._fp8_optimizer is not None):
+        if not self._fp8_sharded():
             return super().save_model(output_dir, _internal_call=_internal_call)
         state_dict = high_precision_state_dict(self.accelerator.unwrap_model(self.model), self.optimizer,
                                                conv1d=self._fp8_conv1d, to_cpu=True, keep=self.args.should_save)
