@@ -161,7 +161,7 @@ def main() -> None:
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         base = next((r for r in rows if r["world"] == row["world"] and r["config"] == "torchao"), None)
-        ratio = lambda key: f"{row[key] / base[key]:.2f}x" if base else "-"  # noqa: E731
+        ratio = lambda key: f"{row[key] / base[key]:.3f}x" if base else "-"  # noqa: E731
         print(f"| {row['world']} | {row['config']} | {row['weights']:,} | {row['optimizer']:,} | {row['state']:,} | "
               f"{row['state'] * row['world'] / row['params']:.2f} | {row['grads']:,} | {row['wire']:,.0f} | "
               f"{ratio('state')} | {ratio('wire')} |")

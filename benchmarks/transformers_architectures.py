@@ -89,10 +89,13 @@ CONTROLS = {
     "O1": ("O1", {}, False),
     "O2-exp-avg-fp16": ("O2", {"optimizer_precision": fp8.optim.OptimizerPrecision(exp_avg="fp16")}, False),
     "O2-exp-avg-fp32": ("O2", {"optimizer_precision": fp8.optim.OptimizerPrecision(exp_avg="fp32")}, False),
+    "O2-exp-avg-stochastic": ("O2", {"optimizer_precision": fp8.optim.OptimizerPrecision(
+        exp_avg_rounding="stochastic")}, False),
 }
 """``--controls``: name -> (opt level, ``fp8.initialize`` keywords, bf16 autocast). ``bf16``: the high-precision
 model under ``torch.autocast(dtype=torch.bfloat16)`` (BF16 GEMMs, fp32 weights and optimizer); ``O1``: FP8 GEMMs and
-weights with torch's fp32 AdamW; ``O2-exp-avg-*``: O2 with its first moment stored in FP16 or FP32 instead of E4M3."""
+weights with torch's fp32 AdamW; ``O2-exp-avg-fp16/fp32``: O2 with its first moment stored in FP16 or FP32 instead of
+E4M3; ``O2-exp-avg-stochastic``: O2's E4M3 first moment rounded stochastically."""
 
 
 def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: float = 1e-3, bf16: bool = False,

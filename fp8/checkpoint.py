@@ -254,8 +254,9 @@ def _check_config(path: Path, saved: dict[str, Any] | None, module: nn.Module, o
     diffs = []
     if saved["optimizer"] != mine["optimizer"]:
         diffs.append(f"optimizer {saved['optimizer']} (checkpoint) vs {mine['optimizer']} (this run)")
+    # the rounding mode is not a storage layout: a run may switch it at a resume
     diffs += [f"precision {k} {v!r} (checkpoint) vs {mine['precision'].get(k)!r} (this run)"
-              for k, v in saved["precision"].items() if mine["precision"].get(k) != v]
+              for k, v in saved["precision"].items() if mine["precision"].get(k) != v and k != "exp_avg_rounding"]
     for name in sorted(set(saved["params"]) | set(mine["params"])):
         a, b = saved["params"].get(name), mine["params"].get(name)
         if a != b:

@@ -30,7 +30,9 @@ written as NaN (``0x7F``), never saturated, so a non-finite value reaches the gr
 - :func:`block_mm`: the block-scaled FP8 GEMM (Triton on CUDA; its per-K-block fp32 reference elsewhere).
 - :func:`segment_amax`, :func:`segment_cast`, :func:`segment_sum`: the FSDP2 FP8 reduce-scatter
   (:mod:`fp8.distributed.fsdp`): a buffer whose columns are runs of several FP8 weights' gradients, each weight its
-  own scale: the amaxes per weight, the cast into the all-to-all buffer, and the received rows summed and unscaled.
+  own scale: the amaxes per weight, the cast into the all-to-all buffer, and the received rows summed and unscaled;
+  :func:`row_chunk_sum` the same reduce-scatter's epilogue for embedding tables sent with each sender's scale per row
+  (cast by :func:`quantize_rows`).
 
 Transposes are padded: ``data_t`` is ``(N, ceil(M / pad) * pad)`` with zeros past column ``M`` (``pad`` 1: none), so
 a weight-gradient GEMM summing over ``M`` tokens gets a K that ``torch._scaled_mm`` takes whatever the token count.
@@ -51,7 +53,7 @@ __all__ = [
     "power_of_two_scale", "amax", "cast_transpose", "cast_transpose_from_amax", "quantize_rows", "quantize_cols_t", "quantize_tiles",
     "transpose_fp8", "transpose_fp8_into_", "scaled_fp16", "apply_scales", "update_scales_", "block_mm", "padded", "TILE",
     "mx_scales", "mx_mm", "quantize_mx", "segment_amax", "segment_cast", "segment_sum",
-    "FP16_MAX", "FP16_HEADROOM_BITS",
+    "row_chunk_sum", "FP16_MAX", "FP16_HEADROOM_BITS",
 ]
 
 TILE = 128
@@ -450,6 +452,25 @@ def _(received, offsets, scale_inv, amax, divisor):
     return received.new_empty((received.shape[1],), dtype=torch.float32)
 
 
+@custom_op("fp8lm::row_chunk_sum", mutates_args=())
+def row_chunk_sum(received: Tensor, scale_inv: Tensor, divisor: float) -> Tensor:
+    """fp32 ``(n,)``: the ``C`` rows of ``received`` (FP8, ``(C, n)``: the ranks' contributions to this rank's ``R``
+    table rows of ``n // R`` elements each, laid end to end) decoded, each times its sender's power-of-two
+    ``scale_inv`` of that table row (fp32, ``(C, R)``), summed in fp32 in sender order, over ``divisor`` (the number of
+    ranks for a mean, else 1). A non-finite value stays NaN (its element only). One read of ``received``."""
+    chunks, n = received.shape
+    rows = scale_inv.shape[1]
+    if n == 0:
+        return received.new_empty((0,), dtype=torch.float32)
+    per_element = scale_inv.to(torch.float32).repeat_interleave(n // rows, dim=1, output_size=n)
+    return (received.to(torch.float32) * per_element).sum(dim=0) / divisor
+
+
+@row_chunk_sum.register_fake
+def _(received, scale_inv, divisor):
+    return received.new_empty((received.shape[1],), dtype=torch.float32)
+
+
 # -- delayed scaling: every state's step closed at once ---------------------------------------------------------------
 @custom_op("fp8lm::update_scales_", mutates_args=("histories", "scales", "has_history"))
 def update_scales_(histories: list[Tensor], scales: list[Tensor], has_history: list[Tensor], fmaxes: list[float],
@@ -632,6 +653,11 @@ def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype):
 @sum_chunks.register_kernel("cuda")
 def _(received, chunks, scale_inv, out_dtype):
     return _triton().launch_sum_chunks(received, chunks, scale_inv, out_dtype)
+
+
+@row_chunk_sum.register_kernel("cuda")
+def _(received, scale_inv, divisor):
+    return _triton().launch_row_chunk_sum(received, scale_inv, divisor)
 
 
 @segment_amax.register_kernel("cuda")

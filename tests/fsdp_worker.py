@@ -70,7 +70,7 @@ def loss_of(kind: str, model, x, y):
 
 
 def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, reduce_scatter: str = "fp8",
-        micro: int = 1):
+        micro: int = 1, embeddings: str = "rowwise"):
     import fp8
     from fp8.comm import CommBytesCounter
     from fp8.distributed.fsdp import FSDPConfig
@@ -81,7 +81,8 @@ def run(kind: str, level: str, seed: int, world: int, rank: int, shard: bool, re
     from fp8.comm_trace import CollectiveTrace
 
     counter = CommBytesCounter(trace=CollectiveTrace(rank) if shard else None)  # every call, for NCCL's rules
-    model, optimizer = fp8.initialize(model, optimizer, level, fsdp=FSDPConfig(reduce_scatter, counter))
+    model, optimizer = fp8.initialize(model, optimizer, level, fsdp=FSDPConfig(reduce_scatter, counter,
+                                                                              embeddings=embeddings))
     if shard:
         for block in (mlp_blocks if kind == "mlp" else llama_blocks)(model):
             fully_shard(block)
@@ -215,11 +216,12 @@ def reduce_scatter_case(seed: int, world: int, rank: int) -> dict:
     from fp8.comm import Collectives
     from fp8.distributed.fsdp import ReduceScatterLayout, fp8_reduce_scatter
 
-    lengths, scales = [48, 20, 16, 32], [1e-6, 1.0, 3.0, 1e3]
-    layout = ReduceScatterLayout(lengths, [True, True, False, True])
+    lengths, scales = [48, 20, 16, 32, 40], [1e-6, 1.0, 3.0, 1e3, 1.0]
+    layout = ReduceScatterLayout(lengths, [True, True, False, True, False], [0, 0, 0, 0, 8])  # the last: a table
     g = torch.Generator().manual_seed(seed + 100 * rank)
-    rows = [torch.cat([torch.randn(world, n, generator=g) * s for n, s in zip(lengths, scales)], dim=1)
-            for _ in range(1)][0]
+    rows = torch.cat([torch.randn(world, n, generator=g) * s for n, s in zip(lengths, scales)], dim=1)
+    # the table's 5 rows per rank from 1e-8 to 1e2: rarely and often used embedding rows
+    rows[:, -40:] *= torch.logspace(-8, 2, 5).repeat_interleave(8)
     comm = Collectives()
     out = {}
     for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
@@ -337,6 +339,9 @@ def worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
             result[(kind, level, "fsdp")] = run(kind, level, seed, world, rank, shard=True)
     result[("llama", "O3", "fsdp")] = run("llama", "O3", seed, world, rank, shard=True)  # O3's owners hand over
     result[("mlp", "O2", "fsdp-high")] = run("mlp", "O2", seed, world, rank, shard=True, reduce_scatter="high")
+    # the embedding table's gradient in the buffer's dtype (fp32) instead of row-scaled E4M3
+    result[("llama", "O2", "fsdp-embeddings-high")] = run("llama", "O2", seed, world, rank, shard=True,
+                                                          embeddings="high")
     for level in ("O1", "O2"):  # 2 micro-batches per step, accumulated (FSDP2: set_requires_gradient_sync(False))
         result[("llama", level, "single-accum")] = run("llama", level, seed, world, rank, shard=False, micro=2)
         result[("llama", level, "fsdp-accum")] = run("llama", level, seed, world, rank, shard=True, micro=2)

@@ -14,7 +14,9 @@ FSDP2 users write it. What happens then (docs/fsdp.md):
 - **Reduce-scatter in FP8** (``FSDPConfig(reduce_scatter="fp8")``, the default): :class:`FP8ReduceScatter` puts
   the FP8 weights' gradients of FSDP2's flat buffer on the wire as E4M3 with one scale per weight shared by all ranks
   (one MAX all-reduce of the amaxes, plus a non-finite flag), moves them with one all-to-all (1 byte per element),
-  and sums each rank's pieces in fp32; the unit's high-precision parameters (norms, biases, embeddings) take one
+  and sums each rank's pieces in fp32; embedding tables' gradients (``FSDPConfig(embeddings="rowwise")``, the
+  default) travel as E4M3 too, each sender's rows with their own power-of-two scale (sent beside them, 4 bytes a row),
+  so a rarely used row keeps its precision; the unit's other high-precision parameters (norms, biases) take one
   reduce-scatter in the buffer's dtype. The sum never returns to FP8, so it cannot overflow: FP8-LM's automatic
   scaling factor mu (:mod:`fp8.distributed.auto_scale`), which guards the re-quantized sum of an all-reduce, has
   nothing to guard here; the shared scale from the global amax is the scaling. A non-finite FP8 weight gradient on any
@@ -50,7 +52,7 @@ from ..tensor import Float8Tensor
 from ..scaling import power_of_two_scale, set_amax_reduction_group
 from .sharding import is_dtensor, local
 
-__all__ = ["FSDPConfig", "REDUCE_SCATTER", "FP8ReduceScatter", "ReduceScatterLayout", "CountedAllGather", "fp8_reduce_scatter", "follow_fsdp",
+__all__ = ["FSDPConfig", "REDUCE_SCATTER", "EMBEDDINGS", "FP8ReduceScatter", "ReduceScatterLayout", "CountedAllGather", "fp8_reduce_scatter", "follow_fsdp",
            "install_comms", "check_unit", "FSDPFollower"]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,11 @@ logger = logging.getLogger(__name__)
 REDUCE_SCATTER = ("fp8", "high")
 """Values of ``FSDPConfig.reduce_scatter``: ``"fp8"`` (E4M3 on the wire, per-parameter shared scales, fp32 sums) or
 ``"high"`` (FSDP2's own reduce-scatter in its ``reduce_dtype``)."""
+
+EMBEDDINGS = ("rowwise", "high")
+"""Values of ``FSDPConfig.embeddings``: how ``nn.Embedding`` tables' gradients travel under ``reduce_scatter="fp8"``:
+``"rowwise"`` (E4M3, each sender's power-of-two scale per table row sent beside its rows, fp32 sums) or ``"high"``
+(with the norms and biases, in the buffer's dtype)."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +82,21 @@ class FSDPConfig:
     all amaxes per step once their histories have started, :func:`fp8.set_amax_reduction_group`), so every rank casts
     with the scales the whole batch would give, as one process does."""
 
+    embeddings: str = "rowwise"
+    """:data:`EMBEDDINGS`: under ``reduce_scatter="fp8"``, ``nn.Embedding`` tables' gradients travel as E4M3 with each
+    sender's scale per row (1 + 4 / embedding_dim bytes per element instead of the buffer's 4 or 2: a table is most of
+    what a model's high-precision parameters send), or in the buffer's dtype (``"high"``). Ignored under
+    ``reduce_scatter="high"``."""
+
     def __post_init__(self) -> None:
         if self.reduce_scatter not in REDUCE_SCATTER:
             raise ValueError(
                 f"FSDPConfig.reduce_scatter must be one of {REDUCE_SCATTER}, got {self.reduce_scatter!r} ('fp8': E4M3 "
                 f"on the wire with shared per-parameter scales; 'high': FSDP2's reduce-scatter in its reduce_dtype)")
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(
+                f"FSDPConfig.embeddings must be one of {EMBEDDINGS}, got {self.embeddings!r} ('rowwise': embedding "
+                f"gradients as E4M3 with each sender's scale per row; 'high': in the reduce-scatter buffer's dtype)")
         if self.counter is not None and not isinstance(self.counter, CommBytesCounter):
             raise TypeError(f"FSDPConfig.counter must be an fp8.comm.CommBytesCounter or None, got "
                             f"{type(self.counter).__name__}")
@@ -133,16 +150,26 @@ class CountedAllGather:
 
 class ReduceScatterLayout:
     """One FSDP2 unit's reduce-scatter buffer as :func:`fp8_reduce_scatter` reads it: each parameter's elements per
-    rank (``lengths``, FSDP2's order) and whether it is an FP8 weight (``fp8``): each parameter is one run of columns
-    of the buffer's rows. The FP8 weights' offsets are made once per device (:meth:`fp8_offsets`), so a
-    reduce-scatter copies nothing from the host."""
+    rank (``lengths``, FSDP2's order), whether it is an FP8 weight (``fp8``), and, for an embedding table whose
+    gradient travels with a scale per row (``FSDPConfig(embeddings="rowwise")``), its row width (``rows``; 0 for every
+    other parameter): each parameter is one run of columns of the buffer's rows. The FP8 weights' offsets are made
+    once per device (:meth:`fp8_offsets`), so a reduce-scatter copies nothing from the host."""
 
-    def __init__(self, lengths: list[int], fp8: list[bool]) -> None:
+    def __init__(self, lengths: list[int], fp8: list[bool], rows: list[int] | None = None) -> None:
         self.lengths = [int(n) for n in lengths]
         self.fp8 = list(fp8)
+        self.rows = [int(r) for r in rows] if rows is not None else [0] * len(self.lengths)
+        if len(self.fp8) != len(self.lengths) or len(self.rows) != len(self.lengths):
+            raise ValueError(f"ReduceScatterLayout: {len(self.lengths)} lengths, {len(self.fp8)} fp8 flags and "
+                             f"{len(self.rows)} row widths: give one of each per parameter")
+        for n, f, r in zip(self.lengths, self.fp8, self.rows):
+            if r and (f or r < 0 or n % r):
+                raise ValueError(f"ReduceScatterLayout: a run of {n} elements with rows of {r} (fp8={f}): row-scaled "
+                                 f"runs are whole rows of a high-precision table")
         starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
         self.fp8_runs = [(st, n) for st, n, f in zip(starts, self.lengths, self.fp8) if f]
-        self.high_runs = [(st, n) for st, n, f in zip(starts, self.lengths, self.fp8) if not f]
+        self.row_runs = [(st, n, r) for st, n, r in zip(starts, self.lengths, self.rows) if r]
+        self.high_runs = [(st, n) for st, n, f, r in zip(starts, self.lengths, self.fp8, self.rows) if not f and not r]
         self.width = sum(self.lengths)
         self._lengths_on: dict[str, torch.Tensor] = {}
 
@@ -220,18 +247,22 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
        values NaN where any rank held a non-finite one (the optimizers' agreed finiteness check then skips the step on
        every rank, as it does for a non-finite high-precision gradient).
 
-    The high-precision parameters' pieces (norms, biases, embeddings: few elements, and values an E4M3 scale per
-    tensor could flush, such as rarely used embedding rows) take one reduce-scatter in the buffer's dtype; so does
-    the whole buffer when it is not laid out as ``layout`` (a parameter without a gradient this step) or holds no FP8
-    weight.
+    Embedding tables' pieces (``layout.rows``) travel as E4M3 too, but each sender casts its rows with their own
+    power-of-two scales (:func:`fp8.ops.quantize_rows`: one E4M3 scale per tensor could flush rarely used rows), sent
+    beside them (a second all-to-all, 4 bytes a row); the receiver sums them in fp32 (:func:`fp8.ops.row_chunk_sum`).
+    A non-finite value there stays NaN in its element, which the optimizers' agreed finiteness check sees.
+
+    The other high-precision parameters' pieces (norms, biases: few elements) take one reduce-scatter in the buffer's
+    dtype; so does the whole buffer when it is not laid out as ``layout`` (a parameter without a gradient this step)
+    or holds nothing to cast.
     """
     average = _averages(op)
     world = comm.world_size
     x = input.view(world, -1)
     width = x.shape[1]
     out = output.view(-1)
-    if width != layout.width or not layout.fp8_runs:
-        # a layout this unit did not announce (a parameter without a gradient this step) or no FP8 weight: FSDP2's
+    if width != layout.width or not (layout.fp8_runs or layout.row_runs):
+        # a layout this unit did not announce (a parameter without a gradient this step) or nothing to cast: FSDP2's
         # own reduce-scatter in the buffer's dtype (never E4M3 under a scale another tensor set)
         comm.reduce_scatter(output, input, "fsdp reduce-scatter", op=op).wait()
         return
@@ -240,7 +271,11 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
         reduced = torch.empty(high.shape[1], dtype=high.dtype, device=high.device)
         comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
         _write_runs(out, layout.high_runs, reduced)
-    xf = _runs(x, layout.fp8_runs, not layout.high_runs)
+    if layout.row_runs:
+        _rowwise_reduce_scatter(x, out, comm, layout.row_runs, float(world) if average else 1.0)
+    if not layout.fp8_runs:
+        return
+    xf = _runs(x, layout.fp8_runs, not layout.high_runs and not layout.row_runs)
     offsets = layout.fp8_offsets(x.device)
     agreed = ops.segment_amax(xf, offsets)  # one read: every weight's amax, and the flag
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, tag="fsdp fp8 grad amax").wait()
@@ -249,6 +284,30 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
     result = ops.segment_sum(received, offsets, scale_inv, agreed, float(world) if average else 1.0)
     _write_runs(out, layout.fp8_runs, result)
+
+
+def _rowwise_reduce_scatter(x: torch.Tensor, out: torch.Tensor, comm: Collectives, runs: list[tuple[int, int, int]],
+                            divisor: float) -> None:
+    """The embedding tables' runs of the ``(N, width)`` buffer ``x`` reduce-scattered into ``out`` (this rank's flat
+    chunk): each run's rows cast to E4M3 with this sender's scale per row, the payloads in one all-to-all, the scales
+    in another, each run's ``N`` received pieces summed in fp32 with their senders' scales, over ``divisor``."""
+    world = x.shape[0]
+    payloads, inverses = [], []
+    for start, n, width in runs:
+        data, inv = ops.quantize_rows(x.narrow(1, start, n).reshape(-1, width), "e4m3")  # (world * n / width, width)
+        payloads.append(data.view(world, n))
+        inverses.append(inv.view(world, n // width))
+    payload = payloads[0] if len(runs) == 1 else torch.cat(payloads, dim=1)
+    scale_inv = inverses[0] if len(runs) == 1 else torch.cat(inverses, dim=1)
+    received, received_inv = torch.empty_like(payload), torch.empty_like(scale_inv)
+    comm.all_to_all(received.view(-1), payload.view(-1), "fsdp rowwise reduce-scatter").wait()
+    comm.all_to_all(received_inv.view(-1), scale_inv.view(-1), "fsdp rowwise scales").wait()
+    at = row = 0
+    for start, n, width in runs:
+        rows = n // width
+        total = ops.row_chunk_sum(received.narrow(1, at, n), received_inv.narrow(1, row, rows), divisor)
+        out.narrow(0, start, n).copy_(total)
+        at, row = at + n, row + rows
 
 
 def _unit_params(module: nn.Module) -> list:
@@ -290,6 +349,18 @@ def check_unit(fqn: str, module: nn.Module) -> None:
             f"their own")
 
 
+def _row_width(fsdp_param, config: FSDPConfig) -> int:
+    """The row width an ``nn.Embedding`` table's gradient is reduce-scattered with (one scale per row per sender:
+    ``FSDPConfig(embeddings="rowwise")`` under ``reduce_scatter="fp8"``), 0 for every other parameter."""
+    if config.reduce_scatter != "fp8" or config.embeddings != "rowwise":
+        return 0
+    owner = fsdp_param._module_info.module
+    size = fsdp_param.padded_sharded_param_size
+    if not isinstance(owner, nn.Embedding) or fsdp_param._module_info.param_name != "weight" or len(size) != 2:
+        return 0
+    return int(size[1]) if int(size[1]) > 0 else 0
+
+
 def install_comms(model: nn.Module, config: FSDPConfig) -> int:
     """Check every FSDP2 unit of ``model`` (:func:`check_unit`) and give it the counted all-gather and the
     reduce-scatter of ``config``; returns the number of units."""
@@ -306,7 +377,8 @@ def install_comms(model: nn.Module, config: FSDPConfig) -> int:
             continue
         grads = [p for p in params if p.sharded_param.requires_grad]
         layout = ReduceScatterLayout([int(p.padded_sharded_param_size.numel()) for p in grads],
-                                     [isinstance(local(p.sharded_param), Float8Tensor) for p in grads])
+                                     [isinstance(local(p.sharded_param), Float8Tensor) for p in grads],
+                                     [_row_width(p, config) for p in grads])
         module.set_custom_all_gather(CountedAllGather(comms))
         module.set_custom_reduce_scatter(FP8ReduceScatter(comms, layout, config.reduce_scatter == "fp8"))
         units += 1

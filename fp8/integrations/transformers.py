@@ -62,6 +62,7 @@ from ..optim.base import FP8Optimizer
 from ..optim.clip import clip_grad_norm_
 from ..optim.convert import check_convertible
 from ..optim.master_weights import MasterWeightOptimizer
+from ..optim.precision import OptimizerPrecision
 from ..precision_rules import parse_precision_rules
 from ..recipes import RECIPES, get_recipe
 from ..stats import FP8Statistics
@@ -218,6 +219,9 @@ class FP8TrainerMixin:
       its forward GEMM (``"forward"``) or all its GEMMs (``"linear"``) in high precision (:mod:`fp8.schedule`).
     - ``fp8_smooth_swiglu``: Smooth-SwiGLU on the gated MLPs' down projections (:func:`fp8.initialize`'s
       ``smooth_swiglu``; tensorwise recipe).
+    - ``fp8_optimizer_precision``: the O2 optimizer's state formats, an :class:`fp8.optim.OptimizerPrecision` (for
+      example ``OptimizerPrecision(exp_avg_rounding="stochastic")`` or ``OptimizerPrecision(exp_avg="fp16")``;
+      :func:`fp8.initialize`'s ``optimizer_precision``); None: the O2 preset.
 
     The model is converted when the optimizer is created (the start of ``train()``), not before.
     """
@@ -228,8 +232,17 @@ class FP8TrainerMixin:
                  fp8_min_dim: int | None = None, fp8_module_filter: Callable[[nn.Module, str], bool] | None = None,
                  fp8_precision=None, fp8_stats_interval: int = 0, fp8_auto_fallback=False,
                  fp8_high_precision_from_step: int | None = None, fp8_high_precision_mode: str = "forward",
-                 fp8_smooth_swiglu: bool = False, **kwargs) -> None:
+                 fp8_smooth_swiglu: bool = False, fp8_optimizer_precision: OptimizerPrecision | None = None,
+                 **kwargs) -> None:
         level = _check_choices(fp8_opt_level, fp8_recipe)
+        if fp8_optimizer_precision is not None:
+            if not isinstance(fp8_optimizer_precision, OptimizerPrecision):
+                raise TypeError(f"fp8_optimizer_precision must be an fp8.optim.OptimizerPrecision or None, got "
+                                f"{type(fp8_optimizer_precision).__name__}")
+            if level != "O2":
+                raise ValueError(f"fp8_optimizer_precision sets the O2 optimizer's state formats; with "
+                                 f"fp8_opt_level={level!r} the Trainer's own optimizer steps: use fp8_opt_level='O2'")
+        self.fp8_optimizer_precision = fp8_optimizer_precision
         if fp8_config is not None and not isinstance(fp8_config, Float8LinearConfig):
             raise TypeError(f"fp8_config must be an fp8.Float8LinearConfig or None, got {type(fp8_config).__name__}")
         if fp8_config is not None and fp8_config.recipe not in ("tensorwise", fp8_recipe):
@@ -340,7 +353,8 @@ class FP8TrainerMixin:
             fp8_activations=self.fp8_activations, fp8_embeddings=self.fp8_embeddings, min_fp8_dim=self.fp8_min_dim,
             module_filter_fn=self.fp8_module_filter, precision=self.fp8_precision,
             auto_fallback=self.fp8_auto_fallback, high_precision_from_step=self.fp8_high_precision_from_step,
-            high_precision_mode=self.fp8_high_precision_mode, smooth_swiglu=self.fp8_smooth_swiglu)
+            high_precision_mode=self.fp8_high_precision_mode, smooth_swiglu=self.fp8_smooth_swiglu,
+            optimizer_precision=self.fp8_optimizer_precision)
         if new_model is not target:  # the model was a single linear, replaced (convert_to_float8_linear)
             if target is self.model:
                 self.model = new_model

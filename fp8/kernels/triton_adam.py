@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_formats import decode_to_f32, encode_f32
+from .triton_formats import decode_to_f32, encode_f32, rounding_bits, stochastic_grid
 
 __all__ = [
     "adam_stage1_kernel", "adam_stage2_kernel", "adam_delayed_kernel", "adam_delayed_fixup_kernel", "TABLE_COLUMNS",
@@ -73,22 +73,22 @@ def _store_f32(addr, offs, mask, value, scale, fmax, fmt, scaled):
     if fmt == 0:
         tl.store(_ptr(addr, tl.float32) + offs, value, mask=mask)
         stored = value
-    elif fmt == 1:
-        encoded = encode_f32(value, 1)
-        tl.store(_ptr(addr, tl.int16) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 1)
+    elif fmt == 1:  # one name per branch: Triton types a name defined in several branches once
+        bf16_bits = encode_f32(value, 1)
+        tl.store(_ptr(addr, tl.int16) + offs, bf16_bits, mask=mask)
+        stored = decode_to_f32(bf16_bits, 1)
     elif fmt == 2:
-        encoded = encode_f32(value, 2)
-        tl.store(_ptr(addr, tl.float16) + offs, encoded, mask=mask)
-        stored = encoded.to(tl.float32)
+        half = encode_f32(value, 2)
+        tl.store(_ptr(addr, tl.float16) + offs, half, mask=mask)
+        stored = half.to(tl.float32)
     elif fmt == 3:
-        encoded = encode_f32(value, 3)
-        tl.store(_ptr(addr, tl.uint8) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 3)
+        e4m3_bits = encode_f32(value, 3)
+        tl.store(_ptr(addr, tl.uint8) + offs, e4m3_bits, mask=mask)
+        stored = decode_to_f32(e4m3_bits, 3)
     else:
-        encoded = encode_f32(value, 4)
-        tl.store(_ptr(addr, tl.uint8) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 4)
+        e5m2_bits = encode_f32(value, 4)
+        tl.store(_ptr(addr, tl.uint8) + offs, e5m2_bits, mask=mask)
+        stored = decode_to_f32(e5m2_bits, 4)
     return stored
 
 
@@ -139,11 +139,14 @@ def adam_stage1_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, amax_p
 
 @triton.jit
 def adam_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_ptr, new_ptr, bad_ptr, lr, omb1,
-                       beta2, omb2, eps, weight_decay, decay_factor, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr,
-                       HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
+                       beta2, omb2, eps, weight_decay, decay_factor, steps_ptr=None, row0=0,
+                       MAXIMIZE: tl.constexpr = False, DECOUPLED: tl.constexpr = False,
+                       HAS_DECAY: tl.constexpr = False, BLOCK: tl.constexpr = 1024, STOCHASTIC: tl.constexpr = False):
     """Write moments, master and (has param) the refreshed weight with ``new_ptr[row, 0:4]`` (moment 1,
     moment 2, master, weight); the first block of a tensor also writes its new scales and step + 1.
-    Nothing is written when ``bad_ptr`` is set."""
+    Nothing is written when ``bad_ptr`` is set. ``STOCHASTIC``: the first moment (FP8/FP16) rounded stochastically
+    as the optimizer's row ``row0 + row`` at step ``steps_ptr[row] + 1`` (the counts before this pass: its first
+    blocks increment them while the others run; :func:`fp8.kernels.triton_formats.stochastic_grid`)."""
     pid = tl.program_id(0)
     row = tl.load(blocks_ptr + pid * 2)
     blk = tl.load(blocks_ptr + pid * 2 + 1)
@@ -159,8 +162,16 @@ def adam_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_p
     v_scale = tl.load(new_ptr + row * 4 + 1)
     w_scale = tl.load(new_ptr + row * 4 + 2)
     p_scale = tl.load(new_ptr + row * 4 + 3)
-    _store_f32(tl.load(base + 1), offs, mask, m, m_scale, tl.load(fmax_ptr + row * 4 + 0), (codes >> 4) & 15,
-               (flags & 1) != 0)
+    m_fmt = (codes >> 4) & 15
+    m_fmax = tl.load(fmax_ptr + row * 4 + 0)
+    if STOCHASTIC:
+        if (flags & 1) != 0 and m_fmt >= 2:
+            y = tl.minimum(tl.maximum(m * m_scale, -m_fmax), m_fmax)
+            step = tl.load(steps_ptr + row) + 1.0  # the step being taken
+            m = stochastic_grid(y, rounding_bits(row0 + row, step, offs), m_fmt)
+            m_scale = 1.0
+    _store_f32(tl.load(base + 1), offs, mask, m, m_scale, m_fmax, m_fmt, (flags & 1) != 0)
+    m_scale = tl.load(new_ptr + row * 4 + 0)
     _store_f32(tl.load(base + 2), offs, mask, v, v_scale, tl.load(fmax_ptr + row * 4 + 1), (codes >> 8) & 15,
                (flags & 2) != 0)
     stored = _store_f32(tl.load(base + 0), offs, mask, w, w_scale, tl.load(fmax_ptr + row * 4 + 2), codes & 15,

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from ..formats import byte_view
 
-__all__ = ["FORMAT_CODES", "format_code", "payload_view", "encode_f32", "decode_to_f32"]
+__all__ = ["FORMAT_CODES", "format_code", "payload_view", "encode_f32", "decode_to_f32", "rounding_bits",
+           "stochastic_grid"]
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 """Format code of each payload dtype, as the kernels take it."""
@@ -105,3 +106,46 @@ def decode_to_f32(x, FMT: tl.constexpr):
         return _fp8_value(x.to(tl.int32) & 0xFF, 3, 7, 0.001953125, True)
     else:
         return _fp8_value(x.to(tl.int32) & 0xFF, 2, 15, 0.0000152587890625, False)
+
+
+# -- stochastic rounding (fp8.optim.precision.rounding_bits / stochastic_grid, bit for bit) --------------------------
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), as the torch reference computes it (no int64 overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def rounding_bits(row, step, offs):
+    """20 random bits (int64) per element ``offs`` of the optimizer's row ``row`` at ``step`` (the step being taken,
+    1-based): :func:`fp8.optim.precision.rounding_bits`, the same hash."""
+    key = _mix32((row.to(tl.int64) & 0xFFFFFFFF) ^ 0x5BD1E995)
+    seed = _mix32((step.to(tl.int64) + key) & 0xFFFFFFFF)
+    index = offs.to(tl.int64)
+    return _mix32((index & 0xFFFFFFFF) ^ seed ^ ((index >> 32) & 0xFFFFFFFF)) >> 12
+
+
+@triton.jit
+def stochastic_grid(y, bits, fmt):
+    """fp32 ``y`` (scaled, clamped) on the grid of format code ``fmt`` (2 fp16, 3 E4M3, 4 E5M2), up in magnitude
+    when ``bits < frac * 2**20``: :func:`fp8.optim.precision.stochastic_grid`, bit for bit. NaN stays NaN."""
+    mantissa = tl.where(fmt == 2, 10, tl.where(fmt == 3, 3, 2))
+    emin = tl.where(fmt == 3, -6, -14)
+    magnitude = tl.abs(y)
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    spacing = tl.maximum(exponent, emin) - mantissa
+    t = magnitude * ((127 - spacing) << 23).to(tl.float32, bitcast=True)  # 2 ** -spacing, exact
+    low = tl.floor(t)
+    up = bits.to(tl.float32) < (t - low) * 1048576.0
+    rounded = (low + up.to(tl.float32)) * ((127 + spacing) << 23).to(tl.float32, bitcast=True)
+    signed = tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit: -0.0 stays -0.0
+    return tl.where(y != y, y, signed)

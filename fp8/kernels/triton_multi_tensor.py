@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_formats import decode_to_f32, encode_f32, format_code
+from .triton_formats import rounding_bits, stochastic_grid, decode_to_f32, encode_f32, format_code
 
 __all__ = [
     "BLOCK", "ROWS", "ptr", "load_f32", "store_f32", "pow2_scale", "device_table", "block_table", "row_grid",
@@ -45,7 +45,7 @@ BLOCK = 1024
 """Elements per program of the elementwise kernels."""
 ROWS = 128
 """Tensor rows per program of the per-row kernels."""
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a constexpr: jit functions read it
 STATE_TABLE_COLUMNS = 12
 """Columns of the state table (as :data:`fp8.kernels.triton_adam.TABLE_COLUMNS`): master/weight, first moment, second
 moment and parameter payload addresses; master, first moment, second moment and parameter scale addresses; step
@@ -86,22 +86,22 @@ def store_f32(addr, offs, mask, value, scale, fmax, fmt, scaled):
     if fmt == 0:
         tl.store(ptr(addr, tl.float32) + offs, value, mask=mask)
         stored = value
-    elif fmt == 1:
-        encoded = encode_f32(value, 1)
-        tl.store(ptr(addr, tl.int16) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 1)
+    elif fmt == 1:  # one name per branch: Triton types a name defined in several branches once
+        bf16_bits = encode_f32(value, 1)
+        tl.store(ptr(addr, tl.int16) + offs, bf16_bits, mask=mask)
+        stored = decode_to_f32(bf16_bits, 1)
     elif fmt == 2:
-        encoded = encode_f32(value, 2)
-        tl.store(ptr(addr, tl.float16) + offs, encoded, mask=mask)
-        stored = encoded.to(tl.float32)
+        half = encode_f32(value, 2)
+        tl.store(ptr(addr, tl.float16) + offs, half, mask=mask)
+        stored = half.to(tl.float32)
     elif fmt == 3:
-        encoded = encode_f32(value, 3)
-        tl.store(ptr(addr, tl.uint8) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 3)
+        e4m3_bits = encode_f32(value, 3)
+        tl.store(ptr(addr, tl.uint8) + offs, e4m3_bits, mask=mask)
+        stored = decode_to_f32(e4m3_bits, 3)
     else:
-        encoded = encode_f32(value, 4)
-        tl.store(ptr(addr, tl.uint8) + offs, encoded, mask=mask)
-        stored = decode_to_f32(encoded, 4)
+        e5m2_bits = encode_f32(value, 4)
+        tl.store(ptr(addr, tl.uint8) + offs, e5m2_bits, mask=mask)
+        stored = decode_to_f32(e5m2_bits, 4)
     return stored
 
 
@@ -422,10 +422,14 @@ def sgd_stage1_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, amax_pt
 
 @triton.jit
 def sgd_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_ptr, new_ptr, bad_ptr, lr, momentum, omd,
-                      weight_decay, MAXIMIZE: tl.constexpr, HAS_DECAY: tl.constexpr, MOMENTUM: tl.constexpr,
-                      NESTEROV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                      weight_decay, steps_ptr=None, row0=0, MAXIMIZE: tl.constexpr = False,
+                      HAS_DECAY: tl.constexpr = False, MOMENTUM: tl.constexpr = False,
+                      NESTEROV: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1024,
+                      STOCHASTIC: tl.constexpr = False):
     """SGD's second pass: momentum buffer, master and the refreshed parameter written with ``new_ptr[row, 0:4]``;
-    the first block of a row writes its scales and step + 1. Nothing is written when ``bad_ptr`` is set."""
+    the first block of a row writes its scales and step + 1. Nothing is written when ``bad_ptr`` is set.
+    ``STOCHASTIC``: the momentum buffer (FP8/FP16) rounded stochastically as the optimizer's row ``row0 + row`` at
+    step ``steps_ptr[row] + 1``."""
     row, blk, offs = _block(blocks_ptr, BLOCK_SIZE)
     skip = tl.load(bad_ptr)
     base = table_ptr + row * 12
@@ -438,8 +442,17 @@ def sgd_stage2_kernel(blocks_ptr, table_ptr, grads_ptr, old_ptr, bc_ptr, fmax_pt
     w_scale = tl.load(new_ptr + row * 4 + 2)
     p_scale = tl.load(new_ptr + row * 4 + 3)
     if MOMENTUM:
-        store_f32(tl.load(base + 1), offs, mask, buf, m_scale, tl.load(fmax_ptr + row * 4 + 0), (codes >> 4) & 15,
-                  (flags & 1) != 0)
+        m_fmt = (codes >> 4) & 15
+        m_fmax = tl.load(fmax_ptr + row * 4 + 0)
+        buf_scale = m_scale
+        if STOCHASTIC:
+            if (flags & 1) != 0 and m_fmt >= 2:
+                y = buf * m_scale
+                y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -m_fmax), m_fmax))
+                step = tl.load(steps_ptr + row) + 1.0  # the step being taken
+                buf = stochastic_grid(y, rounding_bits(row0 + row, step, offs), m_fmt)
+                buf_scale = 1.0
+        store_f32(tl.load(base + 1), offs, mask, buf, buf_scale, m_fmax, m_fmt, (flags & 1) != 0)
     stored = store_f32(tl.load(base + 0), offs, mask, w, w_scale, tl.load(fmax_ptr + row * 4 + 2), codes & 15,
                        (flags & 4) != 0) * recip(w_scale)
     if (flags & 32) != 0:

@@ -24,7 +24,7 @@ from .triton_formats import decode_to_f32, encode_f32, format_code, payload_view
 __all__ = [
     "launch_amax", "launch_cast_transpose", "launch_quantize_rows", "launch_quantize_cols_t", "launch_quantize_tiles",
     "launch_transpose_fp8", "launch_scaled_fp16", "launch_apply_scales", "launch_update_scales", "launch_transpose_fp8_into",
-    "launch_sum_chunks", "launch_mx_scales", "launch_quantize_mx", "pow2_scale", "amax_scratch",
+    "launch_sum_chunks", "launch_row_chunk_sum", "launch_mx_scales", "launch_quantize_mx", "pow2_scale", "amax_scratch",
 ]
 
 _FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -716,4 +716,38 @@ def launch_segment_sum(received, offsets, scale_inv, amax, divisor):
         _segment_sum_kernel[(triton.cdiv(cols, block),)](
             payload_view(received), offsets, scale_inv.to(torch.float32), amax.to(torch.float32), out, rows, cols,
             amax.shape[0] - 1, float(divisor), IN_FMT=format_code(received.dtype), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _row_chunk_sum_kernel(src_ptr, inv_ptr, out_ptr, C, N, R, width, src_stride, divisor, IN_FMT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Elements [pid * BLOCK, +BLOCK) of the ``(N,)`` output: the C senders' values decoded, each times its sender's
+    scale_inv of the element's table row (``column // width``), summed in sender order, over ``divisor``."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    row = cols // width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    row_ptr = src_ptr
+    inv_row = inv_ptr
+    for c in range(C):
+        x = decode_to_f32(tl.load(row_ptr + cols, mask=mask, other=0), IN_FMT)
+        acc += x * tl.load(inv_row + row, mask=mask, other=1.0)
+        row_ptr += src_stride  # a pointer per sender: no int32 product of sender and stride
+        inv_row += R
+    acc = tl.math.div_rn(acc, tl.zeros_like(acc) + divisor)
+    tl.store(out_ptr + cols, acc, mask=mask)
+
+
+def launch_row_chunk_sum(received, scale_inv, divisor):
+    if received.stride(-1) != 1:
+        received = received.contiguous()
+    chunks, n = received.shape
+    rows = scale_inv.shape[1]
+    out = torch.empty(n, dtype=torch.float32, device=received.device)
+    block = 1024
+    if n:
+        _row_chunk_sum_kernel[(triton.cdiv(n, block),)](
+            payload_view(received), scale_inv.to(torch.float32).contiguous(), out, chunks, n, rows, n // rows,
+            received.stride(0), float(divisor), IN_FMT=format_code(received.dtype), BLOCK=block)
     return out

@@ -36,7 +36,9 @@ class Adam(FP8Optimizer):
         if stage == 1:
             ops.adam_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
         else:
-            ops.adam_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper)
+            ops.adam_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper,
+                             stochastic_row0=self._stochastic_row0(rows),
+                             rounding_steps=None if ws.steps is None else ws.steps[rows])
 
     def __init__(
         self,
@@ -67,7 +69,8 @@ class Adam(FP8Optimizer):
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
                          kernel_backend=kernel_backend, comm_counter=comm_counter)
 
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False,
+                row: int | None = None) -> None:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         exp_avg = self._load(state, "exp_avg")
@@ -78,7 +81,7 @@ class Adam(FP8Optimizer):
         ops.adam_update_(w, g, exp_avg, exp_avg_sq, lr / bias_correction1, bias_correction2_sqrt, lr=lr, beta1=beta1,
                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          decoupled=group["decoupled_weight_decay"])
-        self._store(state, "exp_avg", "exp_avg", exp_avg, delayed=delayed)
+        self._store(state, "exp_avg", "exp_avg", exp_avg, delayed=delayed, row=row)
         self._store(state, "exp_avg_sq", "exp_avg_sq", exp_avg_sq, delayed=delayed)
 
 

@@ -34,7 +34,8 @@ from . import ops
 from .levels import level_name
 from .skipped import SkippedStepsCounter
 from .precision import (
-    STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, delayed_or_current_scale, encode, encode_delayed,
+    STOCHASTIC_GRIDS, STORAGE_FORMATS, OptimizerPrecision, StorageFormat, decode, delayed_or_current_scale, encode,
+    encode_delayed,
 )
 
 __all__ = ["FP8Optimizer", "grads_are_finite", "grads_finite_flag", "grad_value", "skip_step", "select_where",
@@ -119,6 +120,7 @@ class _Workspace:
         self.amax = buffer[rows * 7: rows * 10].view(rows, 3)
         self.new = buffer[rows * 10:].view(rows, 4)
         self.bad = torch.empty(1, dtype=torch.int32, device=device)
+        self.steps: torch.Tensor | None = None  # stochastic rounding: the step counts before the step, one per row
 
 
 class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
@@ -176,16 +178,27 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         return isinstance(p, Float8Tensor) or p.dtype in (torch.float16, torch.bfloat16)
 
     def _store(self, state: dict, key: str, role: str, value: torch.Tensor, fmt: StorageFormat | None = None,
-               delayed: bool = False) -> None:
+               delayed: bool = False, row: int | None = None) -> None:
         """Store ``value`` as ``state[key]`` in ``role``'s format (or ``fmt``): with ``delayed`` (a step of a
-        parameter whose states use delayed scaling) from its amax history, else with a current scale."""
+        parameter whose states use delayed scaling) from its amax history, else with a current scale; the first
+        moment rounded stochastically as the step's row ``row`` under ``precision.exp_avg_rounding="stochastic"``
+        (the multi-tensor step's bits: :func:`fp8.optim.precision.rounding_bits`)."""
         previous = state.get(f"{key}_scale")
         fmt = fmt or self.precision.format(role)
         if delayed and f"{key}_amax" in state:
             state[key], state[f"{key}_scale"], state[f"{key}_amax"] = encode_delayed(
                 value, fmt, previous, state[f"{key}_amax"])
             return
-        state[key], state[f"{key}_scale"] = encode(value, fmt, previous)
+        stochastic = None
+        if (role == "exp_avg" and row is not None and self.precision.exp_avg_rounding == "stochastic"
+                and fmt.dtype in STOCHASTIC_GRIDS):
+            stochastic = (row, state["step"])  # the step being taken (already counted)
+        state[key], state[f"{key}_scale"] = encode(value, fmt, previous, stochastic)
+
+    def _stochastic_row0(self, rows: slice) -> int:
+        """The ``stochastic_row0`` of a group's update pass over ``rows`` (:func:`fp8.optim.ops.adam_stage2_`): its
+        first row under ``precision.exp_avg_rounding="stochastic"``, else -1 (round to nearest)."""
+        return rows.start if self.precision.exp_avg_rounding == "stochastic" else -1
 
     def _uses_delayed_state_scaling(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s states are stored with delayed scaling (``precision.state_scaling="delayed"``
@@ -248,7 +261,8 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         return self._load(state, "master") if "master" in state else p.detach().to(torch.float32)
 
     # -- the step ---------------------------------------------------------------------------------
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False,
+                row: int | None = None) -> None:
         """Update master value ``w`` in place from gradient ``g`` and store the new moments (``delayed``: as
         :meth:`_store`'s)."""
         raise NotImplementedError
@@ -322,10 +336,12 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             ok = grads_finite_flag(params, self.kernel_backend).to(device)
             if agreed_ok is not None:
                 ok = ok & agreed_ok.to(device)
+            row = 0  # each parameter's row as the multi-tensor step numbers them (stochastic rounding's bits)
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._masked_param_update(p, group, ok)
+                        self._masked_param_update(p, group, ok, row)
+                        row += 1
         self._skipped_counter += (~ok).to(torch.int64)
         if self.scaling_module is not None:
             discard_step_amaxes(self.scaling_module, keep=ok)
@@ -379,6 +395,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             if len(lists["kinds"]) > start:
                 groups.append((group, slice(start, len(lists["kinds"]))))
         ws = self._workspace(len(lists["kinds"]), device)
+        # stochastic rounding's step counts, taken before the passes increment them (one stack: one launch)
+        ws.steps = (torch.stack([s.reshape(()).to(torch.float32) for s in lists["steps"]])
+                    if self.precision.exp_avg_rounding == "stochastic" and lists["steps"] else None)
         tables = self._device_tables(lists, groups, device) if backend == "triton" else None
         state = [lists[key] for key in ops.STATE_LISTS]
         ops.prepare_states_(lists["grad_scales"], *state, lists["kinds"], lists["moments"], lists["beta1"],
@@ -491,8 +510,9 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         ``agreed_ok`` is given and not set; returns the 0-d bool "step taken" flag."""
         raise NotImplementedError
 
-    def _masked_param_update(self, p: torch.Tensor, group: dict, ok: torch.Tensor) -> None:
-        """Update one parameter and its states, every write masked by the 0-d bool ``ok`` (the torch path)."""
+    def _masked_param_update(self, p: torch.Tensor, group: dict, ok: torch.Tensor, row: int | None = None) -> None:
+        """Update one parameter and its states, every write masked by the 0-d bool ``ok`` (the torch path); ``row``:
+        its position among the step's parameters (stochastic rounding's bits)."""
         state = self.state[p]
         before = dict(state)
         g = grad_value(p.grad)
@@ -502,7 +522,7 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
         w = self._load(state, "master") if has_master else p.detach().to(torch.float32, copy=True)
         state["step"] = state["step"] + 1
         delayed = "master_amax" in state  # this parameter's states use delayed scaling
-        self._update(w, g, state, group, delayed=delayed)
+        self._update(w, g, state, group, delayed=delayed, row=row)
         if has_master:
             self._store_master(p, state, w, delayed=delayed)
         for key, old in before.items():

@@ -11,6 +11,7 @@ dicts without a record cannot be told apart and are loaded as before).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .precision import PRECISION_PRESETS, OptimizerPrecision
@@ -24,7 +25,9 @@ class OptLevelMismatchError(ValueError):
 
 def level_name(base: str, precision: OptimizerPrecision) -> str:
     """``base`` ("O2" or "O3") for the FP8-LM precision, else ``base`` with the storage precision spelled out (the
-    ZeRO-1 baseline is O3's machinery at FP32 precision)."""
+    ZeRO-1 baseline is O3's machinery at FP32 precision). The first moment's rounding mode is not part of the level: it
+    changes no storage layout, and a run may switch it at a resume."""
+    precision = dataclasses.replace(precision, exp_avg_rounding="nearest")
     if precision == PRECISION_PRESETS["O2"]:
         return base
     if precision == PRECISION_PRESETS["O1"]:
@@ -63,5 +66,6 @@ def check_opt_level(state_dict: Any, mine: str, optimizer: object) -> None:
         raise OptLevelMismatchError(
             f"this optimizer state was saved at opt level {saved} and cannot be loaded into an opt level {mine} "
             f"optimizer ({type(optimizer).__name__}): each level keeps different states (O1: FP32 master weights, "
-            f"O2: FP8/FP16 moments and masters, O3: O2's sharded over data parallel). Resume at opt level {saved}, "
-            f"or start this level's optimizer from the model's weights without loading the optimizer state")
+            f"O2: FP8/FP16 moments and masters, O3: O2's sharded over data parallel). Resume at opt level {saved} "
+            f"(with the same optimizer_precision: FP8Trainer's fp8_optimizer_precision), or start this level's "
+            f"optimizer from the model's weights without loading the optimizer state")

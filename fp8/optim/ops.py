@@ -46,7 +46,7 @@ from ..blocks import block_size, quantize_to_blocks
 from ..cast import quantize
 from ..formats import FP8_DTYPES, get_format
 from ..scaling import amax_of, power_of_two_scale
-from .precision import decode
+from .precision import STOCHASTIC_GRIDS, decode, round_stochastically
 
 __all__ = [
     "mark_nonfinite_", "amaxes_", "quantize_weights_", "quantize_weight_blocks_", "dequantize_grads", "clone_tensors", "restore_unless_", "prepare_states_",
@@ -331,12 +331,14 @@ def sgd_update(w: Tensor, g: Tensor, previous: Tensor | None, first: Tensor, *, 
     return buf
 
 
-def _encode(value: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``value`` stored in ``dtype`` with ``scale`` (:func:`fp8.optim.precision.encode` given its scale)."""
+def _encode(value: Tensor, scale: Tensor, dtype: torch.dtype, stochastic: tuple | None = None) -> Tensor:
+    """``value`` stored in ``dtype`` with ``scale`` (:func:`fp8.optim.precision.encode` given its scale); rounded
+    stochastically with ``stochastic = (row, step)`` (:func:`fp8.optim.precision.round_stochastically`)."""
     fmax = _scaled_max(dtype)
     if fmax is None:
         return value.to(dtype)
-    return (value * scale).clamp_(-fmax, fmax).to(dtype)
+    scaled = (value * scale).clamp_(-fmax, fmax)
+    return (scaled if stochastic is None else round_stochastically(scaled, *stochastic, dtype)).to(dtype)
 
 
 def _grad_is_finite(grad: Tensor, scale: Tensor) -> Tensor:
@@ -494,12 +496,22 @@ def _record_amaxes(i: int, amax: Tensor, bad: Tensor, grad: Tensor, old: Tensor,
 
 
 def _write_row(i: int, kind: int, ok: Tensor, new: Tensor, w: Tensor, m, v, weights, exp_avgs, exp_avg_sqs, params,
-               weight_scales, exp_avg_scales, exp_avg_sq_scales, param_scales, steps) -> None:
+               weight_scales, exp_avg_scales, exp_avg_sq_scales, param_scales, steps, stochastic_row0: int = -1,
+               rounding_steps: Tensor | None = None) -> None:
     """Store row ``i``'s new moments, master and parameter with the new scales ``new[i]``, every write masked by the
-    0-d bool ``ok``."""
+    0-d bool ``ok``; the first moment rounded stochastically as the optimizer's row ``stochastic_row0 + i`` at step
+    ``rounding_steps[i] + 1`` when ``stochastic_row0 >= 0`` (and its format takes it:
+    :data:`fp8.optim.precision.STOCHASTIC_GRIDS`)."""
     for value, payloads, scales, k in ((m, exp_avgs, exp_avg_scales, 0), (v, exp_avg_sqs, exp_avg_sq_scales, 1)):
         if value is not None:
-            payloads[i].data.copy_(select_where(ok, _encode(value, new[i, k], payloads[i].dtype), payloads[i]))
+            stochastic = None
+            if k == 0 and stochastic_row0 >= 0 and payloads[i].dtype in STOCHASTIC_GRIDS:
+                if rounding_steps is None:
+                    raise ValueError("stochastic rounding (stochastic_row0 >= 0) needs rounding_steps: the step counts "
+                                     "before this step, one per row")
+                stochastic = (stochastic_row0 + i, rounding_steps[i] + 1)  # the step being taken
+            payloads[i].data.copy_(select_where(ok, _encode(value, new[i, k], payloads[i].dtype, stochastic),
+                                                payloads[i]))
             scales[i].data.copy_(torch.where(ok, new[i, k], scales[i]))
     if kind == 0:  # the fp32 parameter is its own master
         weights[i].data.copy_(torch.where(ok, w.to(weights[i].dtype), weights[i]))
@@ -524,6 +536,16 @@ def _adam_rows(grads, weights, exp_avgs, exp_avg_sqs, old, bc, lr, beta1, beta2,
         adam_update_(w, g, m, v, bc[i, 0], bc[i, 1], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                      weight_decay=weight_decay, decoupled=decoupled)
         yield i, w, m, v
+
+
+def _rounding_args(rounding_steps: Tensor | None, stochastic_row0: int) -> dict:
+    """A stage-2 kernel's stochastic-rounding arguments (none when it rounds to nearest)."""
+    if stochastic_row0 < 0:
+        return {}
+    if rounding_steps is None:
+        raise ValueError("stochastic rounding (stochastic_row0 >= 0) needs rounding_steps: the step counts before "
+                         "this step, one per row")
+    return dict(steps_ptr=rounding_steps.to(torch.float32).contiguous(), row0=stochastic_row0, STOCHASTIC=True)
 
 
 def _adam_kernel_args(lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
@@ -583,44 +605,50 @@ def adam_stage2_(grads: list[Tensor], weights: list[Tensor], exp_avgs: list[Tens
                  params: list[Tensor], weight_scales: list[Tensor], exp_avg_scales: list[Tensor],
                  exp_avg_sq_scales: list[Tensor], param_scales: list[Tensor], steps: list[Tensor], kinds: list[int],
                  old: Tensor, bc: Tensor, new: Tensor, bad: Tensor, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, decoupled: bool, maximize: bool, tables: list[Tensor], *,
-                 backend: str = "torch") -> None:
+                 weight_decay: float, decoupled: bool, maximize: bool, tables: list[Tensor],
+                 rounding_steps: Tensor | None = None, *, backend: str = "torch", stochastic_row0: int = -1) -> None:
     """Adam's second pass over a param group (``fp8.kernels.triton_adam.adam_stage2_kernel``): the moments, the
     master and the parameter refreshed from it written with the new scales ``new`` (:func:`state_scales_`), then the
-    scales and the step count + 1; nothing where ``bad`` is set."""
+    scales and the step count + 1; nothing where ``bad`` is set. ``stochastic_row0 >= 0``: the first moments rounded
+    stochastically (``OptimizerPrecision(exp_avg_rounding="stochastic")``), the group's first row being the optimizer's
+    row ``stochastic_row0``, with the step counts before this step in ``rounding_steps`` (fp32, one per row of the
+    group: a copy taken before the pass, since the pass itself increments the counts while its blocks run)."""
     _check_backend(backend)
     return _adam_stage2_reference(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                                   exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, beta1, beta2,
-                                  eps, weight_decay, decoupled, maximize, tables)
+                                  eps, weight_decay, decoupled, maximize, tables, rounding_steps,
+                                  stochastic_row0)
 
 
 def _adam_stage2_reference(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                            exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, beta1, beta2, eps,
-                           weight_decay, decoupled, maximize, tables=None):
+                           weight_decay, decoupled, maximize, tables=None, rounding_steps=None,
+                           stochastic_row0=-1):
     ok = bad.reshape(()) == 0
     for i, w, m, v in _adam_rows(grads, weights, exp_avgs, exp_avg_sqs, old, bc, lr, beta1, beta2, eps, weight_decay,
                                  decoupled, maximize):
         _write_row(i, kinds[i], ok, new, w, m, v, weights, exp_avgs, exp_avg_sqs, params, weight_scales,
-                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps)
+                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps, stochastic_row0, rounding_steps)
 
 
 def _adam_stage2_launch(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                         exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, beta1, beta2, eps,
-                        weight_decay, decoupled, maximize, tables=None):
+                        weight_decay, decoupled, maximize, tables=None, rounding_steps=None, stochastic_row0=-1):
     from ..kernels import triton_adam
 
     table, fmax, blocks, n_blocks = _state_tables(tables, weights, exp_avgs, exp_avg_sqs, params, weight_scales,
                                                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps, kinds, 2)
     scalars, flags = _adam_kernel_args(lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
     _launchers().launch_state_stage(triton_adam.adam_stage2_kernel, blocks, n_blocks, table,
-                                    [g.contiguous() for g in grads], old, bc, fmax, new, bad, **scalars, **flags)
+                                    [g.contiguous() for g in grads], old, bc, fmax, new, bad, **scalars, **flags,
+                                    **_rounding_args(rounding_steps, stochastic_row0))
 
 
 _implementations(adam_stage2_, _adam_stage2_reference, _adam_stage2_launch)
 
 
 @adam_stage2_.register_fake
-def _(*args, backend="torch"):
+def _(*args, backend="torch", stochastic_row0=-1):
     return None
 
 
@@ -689,41 +717,42 @@ def sgd_stage2_(grads: list[Tensor], weights: list[Tensor], exp_avgs: list[Tenso
                 params: list[Tensor], weight_scales: list[Tensor], exp_avg_scales: list[Tensor],
                 exp_avg_sq_scales: list[Tensor], param_scales: list[Tensor], steps: list[Tensor], kinds: list[int],
                 old: Tensor, bc: Tensor, new: Tensor, bad: Tensor, lr: float, momentum: float, dampening: float,
-                weight_decay: float, nesterov: bool, maximize: bool, tables: list[Tensor], *,
-                backend: str = "torch") -> None:
+                weight_decay: float, nesterov: bool, maximize: bool, tables: list[Tensor],
+                rounding_steps: Tensor | None = None, *, backend: str = "torch", stochastic_row0: int = -1) -> None:
     """SGD's second pass over a param group: momentum buffer, master and parameter written with the new scales
-    ``new``, then the scales and the step count + 1; nothing where ``bad`` is set."""
+    ``new``, then the scales and the step count + 1; nothing where ``bad`` is set. ``stochastic_row0`` and
+    ``rounding_steps``: as :func:`adam_stage2_`'s, for the momentum buffer."""
     _check_backend(backend)
     return _sgd_stage2_reference(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                                  exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, momentum,
-                                 dampening, weight_decay, nesterov, maximize, tables)
+                                 dampening, weight_decay, nesterov, maximize, tables, rounding_steps, stochastic_row0)
 
 
 def _sgd_stage2_reference(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                           exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, momentum, dampening,
-                          weight_decay, nesterov, maximize, tables=None):
+                          weight_decay, nesterov, maximize, tables=None, rounding_steps=None, stochastic_row0=-1):
     ok = bad.reshape(()) == 0
     for i, w, buf in _sgd_rows(grads, weights, exp_avgs, old, bc, lr, momentum, dampening, weight_decay, nesterov,
                                maximize):
         _write_row(i, kinds[i], ok, new, w, buf, None, weights, exp_avgs, exp_avg_sqs, params, weight_scales,
-                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps)
+                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps, stochastic_row0, rounding_steps)
 
 
 def _sgd_stage2_launch(grads, weights, exp_avgs, exp_avg_sqs, params, weight_scales, exp_avg_scales,
                        exp_avg_sq_scales, param_scales, steps, kinds, old, bc, new, bad, lr, momentum, dampening,
-                       weight_decay, nesterov, maximize, tables=None):
+                       weight_decay, nesterov, maximize, tables=None, rounding_steps=None, stochastic_row0=-1):
     triton = _launchers()
     table, fmax, blocks, n_blocks = _state_tables(tables, weights, exp_avgs, exp_avg_sqs, params, weight_scales,
                                                   exp_avg_scales, exp_avg_sq_scales, param_scales, steps, kinds,
                                                   1 if momentum else 0)
     scalars, flags = _sgd_kernel_args(lr, momentum, dampening, weight_decay, nesterov, maximize)
     triton.launch_state_stage(triton.sgd_stage2_kernel, blocks, n_blocks, table, [g.contiguous() for g in grads], old,
-                              bc, fmax, new, bad, **scalars, **flags)
+                              bc, fmax, new, bad, **scalars, **flags, **_rounding_args(rounding_steps, stochastic_row0))
 
 
 _implementations(sgd_stage2_, _sgd_stage2_reference, _sgd_stage2_launch)
 
 
 @sgd_stage2_.register_fake
-def _(*args, backend="torch"):
+def _(*args, backend="torch", stochastic_row0=-1):
     return None

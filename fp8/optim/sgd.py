@@ -46,7 +46,8 @@ class SGD(FP8Optimizer):
         super().__init__(params, defaults, precision, initial_masters, scaling_module=scaling_module,
                          kernel_backend=kernel_backend, comm_counter=comm_counter)
 
-    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False) -> None:
+    def _update(self, w: torch.Tensor, g: torch.Tensor, state: dict, group: dict, delayed: bool = False,
+                row: int | None = None) -> None:
         momentum = group["momentum"]
         previous = self._load(state, "momentum_buffer") if momentum else None
         # First step: the buffer starts as the gradient itself (torch semantics).
@@ -54,7 +55,7 @@ class SGD(FP8Optimizer):
                              dampening=group["dampening"], weight_decay=group["weight_decay"],
                              nesterov=group["nesterov"])
         if momentum:
-            self._store(state, "momentum_buffer", "exp_avg", buf, delayed=delayed)
+            self._store(state, "momentum_buffer", "exp_avg", buf, delayed=delayed, row=row)
 
     def _stage(self, stage, group, lists, ws, rows, backend, tables) -> None:
         args = self._state_args(lists, rows, ws)
@@ -64,4 +65,6 @@ class SGD(FP8Optimizer):
         if stage == 1:
             ops.sgd_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
         else:
-            ops.sgd_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper)
+            ops.sgd_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper,
+                            stochastic_row0=self._stochastic_row0(rows),
+                            rounding_steps=None if ws.steps is None else ws.steps[rows])

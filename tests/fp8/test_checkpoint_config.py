@@ -38,8 +38,25 @@ def test_the_same_configuration_loads(tmp_path, seed):
                            b.float() if not isinstance(b, fp8.Float8Tensor) else b.dequantize())
 
 
+@pytest.mark.parametrize("saved,loaded", [
+    (OptimizerPrecision(exp_avg_rounding="stochastic"), None),
+    (None, OptimizerPrecision(exp_avg_rounding="stochastic")),
+], ids=["stochastic-to-nearest", "nearest-to-stochastic"])
+def test_the_first_moments_rounding_mode_may_change_at_a_resume(tmp_path, seed, saved, loaded):
+    """Not a storage layout: the states load bit for bit either way."""
+    model, opt = _build(seed, precision=saved)
+    _step(model, opt, seed)
+    save_checkpoint(tmp_path / "c", model, opt)
+    again, again_opt = _build(seed + 1, precision=loaded)
+    load_checkpoint(tmp_path / "c", again, again_opt)
+    for (p, s), (q, t) in zip(opt.state.items(), again_opt.state.items()):
+        assert torch.equal(s["exp_avg"].view(torch.uint8), t["exp_avg"].view(torch.uint8))
+
+
 @pytest.mark.parametrize("change,named", [
     ({"precision": OptimizerPrecision(exp_avg="fp16")}, "precision exp_avg 'e4m3' (checkpoint) vs 'fp16' (this run)"),
+    ({"precision": OptimizerPrecision(exp_avg="fp16", exp_avg_rounding="stochastic")},
+     "precision exp_avg 'e4m3' (checkpoint) vs 'fp16' (this run)"),
     ({"optimizer": torch.optim.AdamW}, "optimizer Adam (checkpoint) vs AdamW (this run)"),
     ({"hidden": 48}, "parameter 0.weight [[64, 32], 'torch.float8_e4m3fn'] (checkpoint) vs [[48, 32], "
                      "'torch.float8_e4m3fn'] (this run)"),

@@ -86,6 +86,20 @@ def test_fp8_reduce_scatter_sends_a_quarter_of_fsdp2s_fp32_bytes(launched):
         high["fsdp reduce-scatter"])
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_embedding_table_is_reduce_scattered_in_e4m3_with_a_scale_per_row(launched, level):
+    world, results = launched
+    per_step = results[0][("llama", level, "fsdp")]["step_bytes"][-1]
+    rows = -(-128 // world) * world  # the tiny Llama's 128 x 64 table, rows padded by FSDP2 to the rank count
+    assert "fsdp rowwise reduce-scatter" not in results[0][("llama", "O2", "fsdp-embeddings-high")]["step_bytes"][-1]
+    # the fp32 table gradient (embeddings="high") tracks one process too: the row-scaled one is checked by
+    # test_llama_loss_matches_one_process_after_20_steps
+    assert _final_gap(results, "llama", "O2", "fsdp-embeddings-high") <= LLAMA_TOL
+    sent = (world - 1) / world  # counted as the bytes that leave the rank
+    assert per_step["fsdp rowwise reduce-scatter"] == pytest.approx(rows * 64 * sent)  # 1 byte per element
+    assert per_step["fsdp rowwise scales"] == pytest.approx(rows * 4 * sent)  # one fp32 scale per row and sender
+
+
 @pytest.mark.parametrize("case", [("mlp", "O1", "fsdp"), ("mlp", "O2", "fsdp-high"), ("llama", "O2", "fsdp"),
                                   ("llama", "O2", "fsdp-accum"), ("llama", "O3", "fsdp")])
 def test_every_collective_follows_nccls_rules(launched, case):
@@ -207,7 +221,7 @@ def test_activation_checkpointing_changes_nothing(launched):
 
 def test_fp8_reduce_scatter_across_ranks_against_float64(launched):
     world, results = launched
-    lengths, fp8 = [48, 20, 16, 32], [True, True, False, True]
+    lengths, kinds = [48, 20, 16, 32, 40], ["fp8", "fp8", "high", "fp8", "rows"]
     inputs = [results[r]["reduce_scatter"]["input"].double() for r in range(world)]  # (world, width) per rank
     for rank in range(world):
         want_sum = sum(x[rank] for x in inputs)
@@ -215,12 +229,17 @@ def test_fp8_reduce_scatter_across_ranks_against_float64(launched):
         for name, divisor in (("sum", 1), ("avg", world)):
             got = results[rank]["reduce_scatter"][name].double()
             start = 0
-            for n, is_fp8 in zip(lengths, fp8):
+            for n, kind in zip(lengths, kinds):
                 piece = slice(start, start + n)
                 err = (got[piece] - want_sum[piece] / divisor).abs()
-                if is_fp8:  # each rank's value rounded once to E4M3 under the weight's shared scale
+                if kind == "fp8":  # each rank's value rounded once to E4M3 under the weight's shared scale
                     amax = max(x[:, piece].abs().max() for x in inputs)
                     bound = (magnitude[piece] * 2.0**-4 + world * amax * 2.0**-17) / divisor
+                elif kind == "rows":  # each rank's value rounded once to E4M3 under its own scale of that table row
+                    row_amax = sum(x[rank, piece].view(-1, 8).abs().amax(1).repeat_interleave(8) for x in inputs)
+                    bound = (magnitude[piece] * 2.0**-4 + row_amax * 2.0**-17) / divisor + magnitude[piece] * 1e-6
+                    # every row keeps its precision, the 1e-8 row too (one scale per tensor would flush it)
+                    assert (err <= 2.0**-4 * magnitude[piece] / divisor + 1e-30).all(), (rank, name)
                 else:  # fp32 sums of the high-precision parameter
                     bound = magnitude[piece] * 1e-6 / divisor
                 assert (err <= bound).all(), (rank, name, start)
@@ -284,6 +303,37 @@ def test_fp8_reduce_scatter_scales_each_fp8_weight_and_keeps_high_precision_exac
     assert torch.isnan(out[:136]).all() and torch.isnan(out[168:]).all()  # the step is skipped on every rank
 
 
+def test_embedding_rows_travel_in_e4m3_with_each_rows_own_scale(gen):
+    import torch.distributed as dist
+    from fp8.distributed.fsdp import ReduceScatterLayout, fp8_reduce_scatter
+
+    # an FP8 weight, an embedding table of 6 rows of 8 from 1e-8 to 1e2 (rarely and often used rows), a norm
+    table = torch.randn(6, 8, generator=gen) * torch.logspace(-8, 2, 6).unsqueeze(1)
+    parts = [torch.randn(40, generator=gen), table.reshape(-1), torch.randn(16, generator=gen)]
+    layout = ReduceScatterLayout([40, 48, 16], [True, False, False], [0, 8, 0])
+    x = torch.cat(parts)
+    out = torch.empty_like(x)
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.SUM, layout)
+    got = out[40:88].view(6, 8).double()
+    # half an E4M3 ulp of each row's own scale: 2**-4 relative, subnormals below 2**-17 of the row's amax
+    bound = torch.maximum(table.double().abs() * 2.0**-4, table.double().abs().amax(1, keepdim=True) * 2.0**-17)
+    assert ((got - table.double()).abs() <= bound).all()
+    assert (got[0] != 0).all()  # the 1e-8 row survives: under one scale per tensor it would be flushed to zero
+    assert torch.equal(out[88:], parts[2])  # the norm: not quantized
+    x[45] = float("nan")  # one table element: NaN there only (the optimizers' finiteness check skips the step)
+    fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.SUM, layout)
+    assert torch.isnan(out[40:88]).nonzero().flatten().tolist() == [5] and torch.isfinite(out[:40]).all()
+    with pytest.raises(ValueError, match="whole rows"):
+        ReduceScatterLayout([40], [False], [7])
+
+
+def test_misconfigured_embeddings_are_refused_naming_the_values():
+    from fp8.distributed.fsdp import FSDPConfig
+
+    with pytest.raises(ValueError, match="'rowwise'"):
+        FSDPConfig(embeddings="e4m3")
+
+
 def test_fp8_reduce_scatter_is_three_fused_kernels_besides_its_copies(gen):
     """Counted at the dispatcher (each op a GPU launch): per unit and backward, the FP8 weights' amaxes, the cast into
     the all-to-all buffer and the unscaled sum are one custom op each (fp8.ops.segment_*: torch reference on CPU,
@@ -306,6 +356,17 @@ def test_fp8_reduce_scatter_is_three_fused_kernels_besides_its_copies(gen):
     # high-precision runs and the FP8 runs written back (one multi-tensor copy each)
     assert counter.launches <= 10, counter.by_op
     assert counter.full_size_passes <= 10, counter.by_op
+    # an embedding table beside them: one row-wise cast and one scaled sum more, besides its two all-to-alls' copies
+    # and its piece's gather and write-back
+    layout = ReduceScatterLayout([*lengths, 4096], [*fp8, False], [0] * len(lengths) + [64])
+    x = torch.randn(layout.width, generator=gen)
+    out = torch.empty_like(x)
+    with LaunchCounter(full_size=4096) as counter:
+        fp8_reduce_scatter(out, x.clone(), _OneRank(), dist.ReduceOp.AVG, layout)
+    fused = {op: n for op, n in counter.by_op.items() if op.startswith("fp8lm.")}
+    assert fused == {"fp8lm.segment_amax.default": 1, "fp8lm.segment_cast.default": 1, "fp8lm.segment_sum.default": 1,
+                     "fp8lm.quantize_rows.default": 1, "fp8lm.row_chunk_sum.default": 1}
+    assert counter.launches <= 17, counter.by_op
 
 
 def test_an_unsharded_model_is_unaffected_by_the_follower():

@@ -362,3 +362,28 @@ def test_segment_kernels_match_the_references(dtype):
             assert torch.allclose(ops.segment_sum(data, offsets, inv, amax, 1.0).double(), expect, rtol=1e-6, atol=0)
     empty = ops.segment_cast(x[:0], offsets, amax, "e4m3")  # no rows: still every segment's scale_inv
     _same(tq.launch_segment_cast(x[:0], offsets, amax, torch.float8_e4m3fn)[1], empty[1], "segment_cast, no rows")
+
+
+def test_row_chunk_sum_kernel_matches_the_reference():
+    """The FSDP2 reduce-scatter's epilogue for embedding tables (each sender's scale per table row): the Triton kernel
+    against the torch reference bit for bit, on a strided view of the received buffer (a run of its columns), a NaN
+    kept in its element only, and the reference against float64."""
+    tq = _needs_triton()
+    torch.manual_seed(0)
+    senders, rows, width = 3, 37, 24
+    table = torch.randn(senders * rows, width) * torch.logspace(-9, 3, senders * rows).unsqueeze(1)
+    data, inv = ops.quantize_rows(table, "e4m3")
+    buffer = torch.zeros(senders, 5 + rows * width + 7, dtype=torch.float8_e4m3fn)
+    buffer[:, 5:5 + rows * width] = data.view(senders, rows * width)
+    received = buffer[:, 5:5 + rows * width]  # strided: a run of columns, as the reduce-scatter reads it
+    scale_inv = inv.view(senders, rows)
+    for divisor in (1.0, 3.0):
+        ref = ops.row_chunk_sum(received, scale_inv, divisor)
+        _same(tq.launch_row_chunk_sum(received, scale_inv, divisor), ref, "row_chunk_sum")
+    expect = (data.double() * inv.double()).view(senders, rows * width).sum(0)
+    assert torch.allclose(ops.row_chunk_sum(received, scale_inv, 1.0).double(), expect, rtol=1e-6, atol=0)
+    buffer[1, 5 + 100] = float("nan")
+    ref = ops.row_chunk_sum(received, scale_inv, 1.0)
+    _same(tq.launch_row_chunk_sum(received, scale_inv, 1.0), ref, "row_chunk_sum, NaN")
+    assert torch.isnan(ref).nonzero().flatten().tolist() == [100]
+    assert ops.row_chunk_sum(received[:, :0], scale_inv[:, :0], 1.0).shape == (0,)

@@ -441,3 +441,17 @@ def test_auto_fallback_and_scheduled_precision_through_the_trainer(tmp_path):
     with pytest.raises(ValueError, match="drop fp8_stats_interval, or the fallback"):
         FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=PermutationLanguage(),
                    fp8_opt_level="O2", fp8_stats_interval=2, fp8_auto_fallback=True)
+
+
+def test_the_optimizer_precision_reaches_the_o2_optimizer(tmp_path):
+    """``fp8_optimizer_precision``: the O2 optimizer stores its states as asked (here its E4M3 first moment rounded
+    stochastically) and trains; other levels and other types are refused naming the fix."""
+    precision = fp8.optim.OptimizerPrecision(exp_avg_rounding="stochastic")
+    trainer = train(tmp_path, "O2", max_steps=3, fp8_kwargs={"fp8_optimizer_precision": precision})
+    assert trainer._fp8_optimizer.precision == precision
+    assert all(torch.isfinite(torch.tensor(losses(trainer))))
+    with pytest.raises(ValueError, match="use fp8_opt_level='O2'"):
+        FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), fp8_opt_level="O1",
+                   fp8_optimizer_precision=precision)
+    with pytest.raises(TypeError, match="fp8.optim.OptimizerPrecision"):
+        FP8Trainer(model=tiny_llama(), args=training_args(tmp_path), fp8_optimizer_precision="O2")
