@@ -13,7 +13,8 @@ step of 8 sequences of 64 tokens per rank. Every configuration starts from fp32 
   torchao's per-step amax all-reduce for the FP8 all-gather scales runs inside DTensor and is not counted (4 bytes
   per weight).
 - ``fp8lm O1`` / ``fp8lm O2``: ``fp8.initialize`` then ``fully_shard`` under the same policy (docs/fsdp.md): FP8
-  shards, FP8 all-gather, FP8 reduce-scatter; O1 fp32 masters and moments, O2 FP16 masters with E4M3/FP16 moments
+  shards, FP8 all-gather, FP8 reduce-scatter (the embedding table's gradient as E4M3 rows, each with its sender's
+  scale: ``FSDPConfig(embeddings="rowwise")``); O1 fp32 masters and moments, O2 FP16 masters with E4M3/FP16 moments
   (O3's memory: under FSDP2, O2 is sharded like the weights).
 
 Every linear is FP8 in the FP8 configurations (the LM head included), embeddings and norms stay fp32 shards.
