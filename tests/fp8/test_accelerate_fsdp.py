@@ -30,7 +30,9 @@ SEED = 0
 # FP8Trainer under FSDP2 (2 ranks) against one process, measured over seeds 0-3
 # (PYTHONPATH=. python tests/fp8/test_accelerate_fsdp.py):
 FINAL_TOL = 1e-3  # mean loss of the last 5 steps, relative (the issue's bound); max measured 3.5e-4
-GRAD_NORM_TOL = 5e-2  # each step's logged gradient norm, relative; max measured 2.2e-2 (one rank's shards: ~0.29)
+# each step's logged gradient norm, relative; max measured 3.0e-2 over seeds 0-3 with the embedding table's gradient
+# reduce-scattered in E4M3 rows (2.2e-2 with it in fp32); one rank's shards alone: ~0.29
+GRAD_NORM_TOL = 7e-2
 RELOAD_TOL = 1e-3  # the saved models' loss on held-out sequences, relative; max measured 3.1e-4
 
 _launch = CachedLaunch(worker, "accelerate")
