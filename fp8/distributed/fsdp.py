@@ -256,8 +256,8 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
     dtype; so does the whole buffer when it is not laid out as ``layout`` (a parameter without a gradient this step)
     or holds nothing to cast.
     """
-    average = _averages(op)
     world = comm.world_size
+    divisor = float(world) if _averages(op) else 1.0
     x = input.view(world, -1)
     width = x.shape[1]
     out = output.view(-1)
@@ -272,7 +272,7 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
         comm.reduce_scatter(reduced, high.reshape(-1), "fsdp reduce-scatter", op=op).wait()
         _write_runs(out, layout.high_runs, reduced)
     if layout.row_runs:
-        _rowwise_reduce_scatter(x, out, comm, layout.row_runs, float(world) if average else 1.0)
+        _rowwise_reduce_scatter(x, out, comm, layout.row_runs, divisor)
     if not layout.fp8_runs:
         return
     xf = _runs(x, layout.fp8_runs, not layout.high_runs and not layout.row_runs)
@@ -282,7 +282,7 @@ def fp8_reduce_scatter(output: torch.Tensor, input: torch.Tensor, comm: Collecti
     payload, scale_inv = ops.segment_cast(xf, offsets, agreed, "e4m3")  # one read, written where it is sent from
     received = torch.empty_like(payload)
     comm.all_to_all(received.view(-1), payload.view(-1), "fsdp fp8 reduce-scatter").wait()
-    result = ops.segment_sum(received, offsets, scale_inv, agreed, float(world) if average else 1.0)
+    result = ops.segment_sum(received, offsets, scale_inv, agreed, divisor)
     _write_runs(out, layout.fp8_runs, result)
 
 
@@ -358,7 +358,7 @@ def _row_width(fsdp_param, config: FSDPConfig) -> int:
     size = fsdp_param.padded_sharded_param_size
     if not isinstance(owner, nn.Embedding) or fsdp_param._module_info.param_name != "weight" or len(size) != 2:
         return 0
-    return int(size[1]) if int(size[1]) > 0 else 0
+    return int(size[1])
 
 
 def install_comms(model: nn.Module, config: FSDPConfig) -> int:

@@ -37,8 +37,7 @@ class Adam(FP8Optimizer):
             ops.adam_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
         else:
             ops.adam_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper,
-                             stochastic_row0=self._stochastic_row0(rows),
-                             rounding_steps=None if ws.steps is None else ws.steps[rows])
+                             **self._rounding_args(rows, ws))
 
     def __init__(
         self,

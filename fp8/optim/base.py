@@ -195,10 +195,14 @@ class FP8Optimizer(SkippedStepsCounter, torch.optim.Optimizer):
             stochastic = (row, state["step"])  # the step being taken (already counted)
         state[key], state[f"{key}_scale"] = encode(value, fmt, previous, stochastic)
 
-    def _stochastic_row0(self, rows: slice) -> int:
-        """The ``stochastic_row0`` of a group's update pass over ``rows`` (:func:`fp8.optim.ops.adam_stage2_`): its
-        first row under ``precision.exp_avg_rounding="stochastic"``, else -1 (round to nearest)."""
-        return rows.start if self.precision.exp_avg_rounding == "stochastic" else -1
+    @staticmethod
+    def _rounding_args(rows: slice, ws: "_Workspace") -> dict:
+        """The stochastic-rounding keywords of a group's second pass over ``rows`` (:func:`fp8.optim.ops.adam_stage2_`,
+        ``sgd_stage2_``): its first row and the step counts taken before the step (``ws.steps``, set only under
+        ``precision.exp_avg_rounding="stochastic"``); none when the first moments round to nearest."""
+        if ws.steps is None:
+            return {}
+        return dict(stochastic_row0=rows.start, rounding_steps=ws.steps[rows])
 
     def _uses_delayed_state_scaling(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s states are stored with delayed scaling (``precision.state_scaling="delayed"``

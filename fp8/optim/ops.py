@@ -506,10 +506,7 @@ def _write_row(i: int, kind: int, ok: Tensor, new: Tensor, w: Tensor, m, v, weig
         if value is not None:
             stochastic = None
             if k == 0 and stochastic_row0 >= 0 and payloads[i].dtype in STOCHASTIC_GRIDS:
-                if rounding_steps is None:
-                    raise ValueError("stochastic rounding (stochastic_row0 >= 0) needs rounding_steps: the step counts "
-                                     "before this step, one per row")
-                stochastic = (stochastic_row0 + i, rounding_steps[i] + 1)  # the step being taken
+                stochastic = (stochastic_row0 + i, _steps_before(rounding_steps)[i] + 1)  # the step being taken
             payloads[i].data.copy_(select_where(ok, _encode(value, new[i, k], payloads[i].dtype, stochastic),
                                                 payloads[i]))
             scales[i].data.copy_(torch.where(ok, new[i, k], scales[i]))
@@ -538,14 +535,20 @@ def _adam_rows(grads, weights, exp_avgs, exp_avg_sqs, old, bc, lr, beta1, beta2,
         yield i, w, m, v
 
 
+def _steps_before(rounding_steps: Tensor | None) -> Tensor:
+    """Stochastic rounding's step counts (taken before the pass), refused when missing."""
+    if rounding_steps is None:
+        raise ValueError("stochastic rounding (stochastic_row0 >= 0) needs rounding_steps: the step counts before "
+                         "this step, one per row")
+    return rounding_steps
+
+
 def _rounding_args(rounding_steps: Tensor | None, stochastic_row0: int) -> dict:
     """A stage-2 kernel's stochastic-rounding arguments (none when it rounds to nearest)."""
     if stochastic_row0 < 0:
         return {}
-    if rounding_steps is None:
-        raise ValueError("stochastic rounding (stochastic_row0 >= 0) needs rounding_steps: the step counts before "
-                         "this step, one per row")
-    return dict(steps_ptr=rounding_steps.to(torch.float32).contiguous(), row0=stochastic_row0, STOCHASTIC=True)
+    return dict(steps_ptr=_steps_before(rounding_steps).to(torch.float32).contiguous(), row0=stochastic_row0,
+                STOCHASTIC=True)
 
 
 def _adam_kernel_args(lr, beta1, beta2, eps, weight_decay, decoupled, maximize):

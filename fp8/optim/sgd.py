@@ -66,5 +66,4 @@ class SGD(FP8Optimizer):
             ops.sgd_stage1_(lists["grads"][rows], *args, ws.amax[rows], ws.bad, **hyper)
         else:
             ops.sgd_stage2_(lists["grads"][rows], *args, ws.new[rows], ws.bad, **hyper,
-                            stochastic_row0=self._stochastic_row0(rows),
-                            rounding_steps=None if ws.steps is None else ws.steps[rows])
+                            **self._rounding_args(rows, ws))
