@@ -5,9 +5,15 @@ blocks' weights and the loss of O2 steps against ``opt_level="none"``.
     python benchmarks/transformers_architectures.py --steps 100 --batches 3 --seeds 3 --lr 2e-3 --noise-control
     python benchmarks/transformers_architectures.py --steps 100 --batches 3 --seeds 3 --lr 2e-3 \
         --controls bf16 O1 O2-exp-avg-fp16 O2-exp-avg-fp32
+    python benchmarks/transformers_architectures.py --data shakespeare --batch 8 --seq 64 --steps 300 --seeds 3 \
+        --lr 2e-3 --schedule cosine --warmup 10 --noise-control --controls bf16
 
 With ``--batches N`` the runs cycle N distinct random batches (default 1: one batch, fitted); ``--seeds`` repeats each
-architecture per seed. Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
+architecture per seed. ``--data shakespeare`` draws a fresh batch every step instead: ``--batch`` windows of ``--seq``
+bytes from the training split of the byte-level Shakespeare corpus (``megatron.training.data.corpus``; the vocabulary
+is 256 bytes, as the configurations'), seeded per seed, so the runs learn a text distribution instead of memorizing
+random tokens. ``--schedule cosine`` warms the learning rate up linearly over ``--warmup`` steps and decays it along a
+cosine to a tenth of ``--lr`` at the last step (default ``constant``). Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
 10``) and the mean over every step's (``curve``); with ``--noise-control`` also the same figures for a high-precision
 run whose initial weights are multiplied by ``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below
 FP8's rounding, the floor any precision comparison on these tiny runs stands on. ``--controls`` adds runs that
@@ -27,6 +33,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 
 import torch
 from torch import nn
@@ -98,13 +105,30 @@ weights with torch's fp32 AdamW; ``O2-exp-avg-fp16/fp32``: O2 with its first mom
 E4M3; ``O2-exp-avg-stochastic``: O2's E4M3 first moment rounded stochastically."""
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0) -> float:
+    """The learning rate of ``step`` (0-based) over ``lr``: 1 for ``constant``; for ``cosine``, a linear warm-up over
+    ``warmup`` steps times a cosine from 1 at step 0 to 0.1 at step ``steps - 1``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if schedule == "constant":
+        return 1.0
+    ramp = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    return ramp * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, steps - 1))))
+
+
 def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: float = 1e-3, bf16: bool = False,
-          **initialize_kwargs) -> tuple[nn.Module, list[float]]:
-    """``fp8.initialize`` at ``opt_level``, then one AdamW step per batch; the losses before each step."""
+          schedule: str = "constant", warmup: int = 0, **initialize_kwargs) -> tuple[nn.Module, list[float]]:
+    """``fp8.initialize`` at ``opt_level``, then one AdamW step per batch at ``lr`` times :func:`lr_factor`; the losses
+    before each step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = fp8.initialize(model, optimizer, opt_level, **initialize_kwargs)
     losses = []
-    for tokens in batches:
+    for step, tokens in enumerate(batches):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(step, len(batches), schedule, warmup)
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(tokens, labels=tokens).loss
         loss.backward()
@@ -122,21 +146,51 @@ def gaps(losses: list[float], reference: list[float]) -> dict[str, float]:
             "curve": sum(losses) / sum(reference) - 1}
 
 
-def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, batch: int = 4, seq: int = 32,
-            n_batches: int = 1, lr: float = 1e-3, noise_control: bool = False, controls: tuple[str, ...] = ()) -> dict:
-    """One architecture: FP8 fractions and the loss of ``opt_level`` against ``none`` (module docstring)."""
-    base = tiny_model(arch, seed)
+DATA = ("random", "shakespeare")
+
+
+def token_batches(data: str, steps: int, seed: int, batch: int = 4, seq: int = 32, n_batches: int = 1,
+                  vocab_size: int = 256, max_positions: int = 64) -> list[torch.Tensor]:
+    """The ``[batch, seq]`` token batch of every step. ``random``: ``n_batches`` distinct uniformly random batches,
+    cycled; ``shakespeare``: a fresh batch of byte windows from the corpus's training split every step. Seeded by
+    ``seed``."""
+    if data not in DATA:
+        raise ValueError(f"data={data!r}: use one of {DATA}")
+    if seq > max_positions:
+        raise ValueError(f"seq={seq} is longer than the configurations' {max_positions} positions: use seq <= "
+                         f"{max_positions}")
     generator = torch.Generator().manual_seed(seed + 1)
-    distinct = [torch.randint(0, base.config.vocab_size, (batch, seq), generator=generator) for _ in range(n_batches)]
-    batches = [distinct[i % n_batches] for i in range(steps)]
+    if data == "random":
+        distinct = [torch.randint(0, vocab_size, (batch, seq), generator=generator) for _ in range(n_batches)]
+        return [distinct[i % n_batches] for i in range(steps)]
+    if n_batches != 1:
+        raise ValueError("data='shakespeare' draws a fresh batch every step: leave --batches out")
+    if vocab_size != 256:
+        raise ValueError(f"data='shakespeare' is byte-level (256 tokens); the model's vocabulary is {vocab_size}")
+    from megatron.training.data.corpus import get_batch, load_corpus
+
+    corpus, _ = load_corpus()
+    return [get_batch(corpus, batch, seq, generator)[0] for _ in range(steps)]
+
+
+def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, batch: int = 4, seq: int = 32,
+            n_batches: int = 1, lr: float = 1e-3, noise_control: bool = False, controls: tuple[str, ...] = (),
+            data: str = "random", schedule: str = "constant", warmup: int = 0) -> dict:
+    """One architecture: FP8 fractions and the loss of ``opt_level`` against ``none`` (module docstring)."""
+    lr_factor(0, steps, schedule, warmup)  # refuse a bad schedule before any run
+    base = tiny_model(arch, seed)
+    batches = token_batches(data, steps, seed, batch, seq, n_batches, base.config.vocab_size,
+                            base.config.max_position_embeddings)
     before = old_rule_fraction(base)
     perturbed = copy.deepcopy(base) if noise_control else None
-    reference, ref_losses = train(copy.deepcopy(base), "none", batches, lr)
+    run = dict(lr=lr, schedule=schedule, warmup=warmup)
+    reference, ref_losses = train(copy.deepcopy(base), "none", batches, **run)
     control_gaps = {}
     for name in controls:
         level, kwargs, bf16 = CONTROLS[name]
-        control_gaps[name] = gaps(train(copy.deepcopy(base), level, batches, lr, bf16, **kwargs)[1], ref_losses)
-    model, losses = train(base, opt_level, batches, lr)
+        control_gaps[name] = gaps(train(copy.deepcopy(base), level, batches, bf16=bf16, **run, **kwargs)[1],
+                                  ref_losses)
+    model, losses = train(base, opt_level, batches, **run)
     out = {"arch": arch, "opt_level": opt_level, "seed": seed, "fp8_fraction_old_rule": before,
            "fp8_fraction": fp8_fraction(model), "loss_none": ref_losses, f"loss_{opt_level}": losses,
            "final_loss_rel_diff": abs(losses[-1] - ref_losses[-1]) / ref_losses[-1], "gaps": gaps(losses, ref_losses)}
@@ -147,7 +201,7 @@ def measure(arch: str, steps: int = 4, opt_level: str = "O2", seed: int = 0, bat
         with torch.no_grad():
             for p in perturbed.parameters():
                 p.mul_(1 + 1e-4 * torch.randn(p.shape, generator=g))
-        _, noisy = train(perturbed, "none", batches, lr)
+        _, noisy = train(perturbed, "none", batches, **run)
         out["noise_gaps"] = gaps(noisy, ref_losses)
     return out
 
@@ -159,6 +213,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--opt-level", default="O2")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--batches", type=int, default=1, help="distinct random batches, cycled (1: one, fitted)")
+    parser.add_argument("--data", default="random", choices=DATA,
+                        help="random: --batches random batches, cycled; shakespeare: a fresh corpus batch every step")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (at most 64)")
+    parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
+                        help="cosine: linear warm-up over --warmup steps, then a cosine down to lr / 10")
+    parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise-control", action="store_true",
@@ -167,8 +228,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="also these runs against none (last 10 and curve): " + ", ".join(CONTROLS))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    results = [measure(arch, args.steps, args.opt_level, seed, n_batches=args.batches, lr=args.lr,
-                       noise_control=args.noise_control, controls=tuple(args.controls))
+    results = [measure(arch, args.steps, args.opt_level, seed, args.batch, args.seq, n_batches=args.batches, lr=args.lr,
+                       noise_control=args.noise_control, controls=tuple(args.controls), data=args.data,
+                       schedule=args.schedule, warmup=args.warmup)
                for arch in args.arch for seed in range(args.seeds)]
     print(f"{'architecture':<12} {'seed':>4} {'FP8 (old rule)':>14} {'FP8 now':>8} {'loss none':>10} "
           f"{'loss ' + args.opt_level:>9} {'last':>7} {'last 10':>8} {'curve':>7}"

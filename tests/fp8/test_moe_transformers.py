@@ -5,6 +5,7 @@ Falcon (benchmarks/transformers_architectures.py), and checkpoints saved back in
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -149,6 +150,46 @@ def test_moe_experts_in_fp8_stay_on_the_high_precision_curve(arch):
     for seed in range(3):
         r = archs.measure(arch, steps=30, seed=seed, n_batches=3, lr=2e-3)
         assert abs(r["gaps"]["last10"]) < 0.015, (seed, r["gaps"])
+
+
+def test_benchmark_corpus_batches_are_fresh_seeded_byte_windows():
+    """``--data shakespeare``: a new batch of byte windows every step, the same for a seed, another for another seed;
+    bad requests are refused naming the fix."""
+    batches = archs.token_batches("shakespeare", steps=4, seed=0, batch=3, seq=64)
+    assert [tuple(b.shape) for b in batches] == [(3, 64)] * 4
+    assert all(b.dtype == torch.long and 0 <= int(b.min()) and int(b.max()) < 256 for b in batches)
+    assert len({tuple(b.flatten().tolist()) for b in batches}) == 4  # fresh every step, not cycled
+    again = archs.token_batches("shakespeare", steps=4, seed=0, batch=3, seq=64)
+    assert all(torch.equal(a, b) for a, b in zip(batches, again))
+    other = archs.token_batches("shakespeare", steps=4, seed=1, batch=3, seq=64)
+    assert not any(torch.equal(a, b) for a, b in zip(batches, other))
+    text = bytes(batches[0][0].tolist()).decode("utf-8", errors="replace")
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.8 * len(text)  # English text, not random bytes
+    cycled = archs.token_batches("random", steps=5, seed=0, n_batches=2)
+    assert torch.equal(cycled[0], cycled[2]) and not torch.equal(cycled[0], cycled[1])
+    with pytest.raises(ValueError, match="leave --batches out"):
+        archs.token_batches("shakespeare", steps=2, seed=0, n_batches=3)
+    with pytest.raises(ValueError, match="seq <= 64"):
+        archs.token_batches("shakespeare", steps=2, seed=0, seq=65)
+    with pytest.raises(ValueError, match="use one of"):
+        archs.token_batches("wiki", steps=2, seed=0)
+    with pytest.raises(ValueError, match="byte-level"):
+        archs.token_batches("shakespeare", steps=2, seed=0, vocab_size=1000)
+
+
+def test_benchmark_cosine_schedule():
+    """``--schedule cosine --warmup W``: a linear ramp over W steps, then a cosine from lr to lr / 10 at the last step;
+    ``constant`` keeps lr (the published random-token figures were measured so)."""
+    steps, warmup = 100, 10
+    factors = [archs.lr_factor(i, steps, "cosine", warmup) for i in range(steps)]
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * i / (steps - 1))) for i in range(steps)]
+    assert factors[:warmup] == pytest.approx([(i + 1) / warmup * cosine[i] for i in range(warmup)], rel=1e-12)
+    assert factors[warmup:] == pytest.approx(cosine[warmup:], rel=1e-12)
+    assert factors[-1] == pytest.approx(0.1, rel=1e-12)
+    assert all(a > b for a, b in zip(factors[warmup - 1:], factors[warmup:]))
+    assert {archs.lr_factor(i, steps) for i in range(steps)} == {1.0}
+    with pytest.raises(ValueError, match="use one of"):
+        archs.lr_factor(0, steps, "linear")
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "falcon"])
