@@ -12,8 +12,8 @@ With ``--batches N`` the runs cycle N distinct random batches (default 1: one ba
 architecture per seed. ``--data shakespeare`` draws a fresh batch every step instead: ``--batch`` windows of ``--seq``
 bytes from the training split of the byte-level Shakespeare corpus (``megatron.training.data.corpus``; the vocabulary
 is 256 bytes, as the configurations'), seeded per seed, so the runs learn a text distribution instead of memorizing
-random tokens. ``--schedule cosine`` warms the learning rate up linearly over ``--warmup`` steps and decays it along a
-cosine to a tenth of ``--lr`` at the last step (default ``constant``). Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
+random tokens. ``--schedule cosine`` multiplies a cosine from ``--lr`` at the first step to a tenth of it at the last by a linear
+warm-up ramp over the first ``--warmup`` steps (default ``constant``). Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
 10``) and the mean over every step's (``curve``); with ``--noise-control`` also the same figures for a high-precision
 run whose initial weights are multiplied by ``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below
 FP8's rounding, the floor any precision comparison on these tiny runs stands on. ``--controls`` adds runs that
@@ -113,6 +113,8 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup: int = 0
     ``warmup`` steps times a cosine from 1 at step 0 to 0.1 at step ``steps - 1``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if warmup < 0 or (warmup and schedule == "constant"):
+        raise ValueError(f"warmup={warmup}: use warmup >= 0, and only with schedule='cosine'")
     if schedule == "constant":
         return 1.0
     ramp = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
@@ -218,8 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (at most 64)")
     parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
-                        help="cosine: linear warm-up over --warmup steps, then a cosine down to lr / 10")
-    parser.add_argument("--warmup", type=int, default=0)
+                        help="cosine: a cosine from lr down to lr / 10 at the last step, times a linear ramp over --warmup steps")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps (with --schedule cosine)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise-control", action="store_true",
@@ -227,6 +229,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--controls", nargs="+", default=[], choices=list(CONTROLS),
                         help="also these runs against none (last 10 and curve): " + ", ".join(CONTROLS))
     args = parser.parse_args(argv)
+    try:  # refuse a bad schedule before any model is built
+        lr_factor(0, args.steps, args.schedule, args.warmup)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     results = [measure(arch, args.steps, args.opt_level, seed, args.batch, args.seq, n_batches=args.batches, lr=args.lr,
                        noise_control=args.noise_control, controls=tuple(args.controls), data=args.data,

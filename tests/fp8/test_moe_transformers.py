@@ -185,11 +185,30 @@ def test_benchmark_cosine_schedule():
     cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * i / (steps - 1))) for i in range(steps)]
     assert factors[:warmup] == pytest.approx([(i + 1) / warmup * cosine[i] for i in range(warmup)], rel=1e-12)
     assert factors[warmup:] == pytest.approx(cosine[warmup:], rel=1e-12)
+    assert factors[0] == pytest.approx(0.1, rel=1e-12)  # 1/10 of the ramp, at the cosine's top
+    assert factors[warmup - 1] == pytest.approx(0.98177, abs=1e-5)  # the peak: the cosine at step 9 of 99
     assert factors[-1] == pytest.approx(0.1, rel=1e-12)
     assert all(a > b for a, b in zip(factors[warmup - 1:], factors[warmup:]))
     assert {archs.lr_factor(i, steps) for i in range(steps)} == {1.0}
     with pytest.raises(ValueError, match="use one of"):
         archs.lr_factor(0, steps, "linear")
+    with pytest.raises(ValueError, match="only with schedule='cosine'"):
+        archs.lr_factor(0, steps, "constant", warmup)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        archs.lr_factor(0, steps, "cosine", -1)
+    with pytest.raises(SystemExit):  # refused before any model is built
+        archs.main(["--warmup", "5"])
+
+
+@pytest.mark.parametrize("level", ["none", "O2"])
+def test_benchmark_schedule_reaches_the_optimizer(monkeypatch, level):
+    """The learning rate of every step reaches the (FP8) optimizer: at factor 0 nothing moves, the loss stays."""
+    batches = [archs.token_batches("random", steps=1, seed=0, batch=2, seq=16)[0]] * 3
+    moving = archs.train(archs.tiny_model("qwen3_moe"), level, batches, lr=1e-2, schedule="cosine", warmup=1)[1]
+    assert moving[-1] < moving[0]
+    monkeypatch.setattr(archs, "lr_factor", lambda step, steps, schedule, warmup: 0.0)
+    frozen = archs.train(archs.tiny_model("qwen3_moe"), level, batches, lr=1e-2, schedule="cosine", warmup=1)[1]
+    assert frozen[0] == moving[0] and frozen[1] == frozen[0] and frozen[2] == frozen[0]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "falcon"])
