@@ -12,11 +12,12 @@ With ``--batches N`` the runs cycle N distinct random batches (default 1: one ba
 architecture per seed. ``--data shakespeare`` draws a fresh batch every step instead: ``--batch`` windows of ``--seq``
 bytes from the training split of the byte-level Shakespeare corpus (``megatron.training.data.corpus``; the vocabulary
 is 256 bytes, as the configurations'), seeded per seed, so the runs learn a text distribution instead of memorizing
-random tokens. ``--schedule cosine`` multiplies a cosine from ``--lr`` at the first step to a tenth of it at the last by a linear
-warm-up ramp over the first ``--warmup`` steps (default ``constant``). Reported per run: the last loss's relative difference, the mean of the last 10 losses' (``last
-10``) and the mean over every step's (``curve``); with ``--noise-control`` also the same figures for a high-precision
-run whose initial weights are multiplied by ``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below
-FP8's rounding, the floor any precision comparison on these tiny runs stands on. ``--controls`` adds runs that
+random tokens. ``--schedule cosine`` multiplies a cosine from ``--lr`` at the first step to a tenth of it at the
+last by a linear warm-up ramp over the first ``--warmup`` steps (default ``constant``). Reported per run: the last
+loss's relative difference, the mean of the last 10 losses' (``last 10``) and the mean over every step's (``curve``);
+with ``--noise-control`` also the same figures for a high-precision run whose initial weights are multiplied by
+``1 + 1e-4 * N(0, 1)``: how far a run moves from a perturbation far below FP8's rounding, the floor any precision
+comparison on these tiny runs stands on. ``--controls`` adds runs that
 separate the sources of a gap (:data:`CONTROLS`): BF16 autocast, O1 (FP8 GEMMs, fp32 optimizer), and O2 with its
 first moment in FP16 or FP32.
 
@@ -129,8 +130,9 @@ def train(model: nn.Module, opt_level: str, batches: list[torch.Tensor], lr: flo
     model, optimizer = fp8.initialize(model, optimizer, opt_level, **initialize_kwargs)
     losses = []
     for step, tokens in enumerate(batches):
+        step_lr = lr * lr_factor(step, len(batches), schedule, warmup)
         for group in optimizer.param_groups:
-            group["lr"] = lr * lr_factor(step, len(batches), schedule, warmup)
+            group["lr"] = step_lr
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(tokens, labels=tokens).loss
         loss.backward()
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (at most 64)")
     parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
-                        help="cosine: a cosine from lr down to lr / 10 at the last step, times a linear ramp over --warmup steps")
+                        help="cosine: a cosine from lr down to lr / 10 at the last step, times a linear ramp "
+                             "over --warmup steps")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps (with --schedule cosine)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -234,8 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    results = [measure(arch, args.steps, args.opt_level, seed, args.batch, args.seq, n_batches=args.batches, lr=args.lr,
-                       noise_control=args.noise_control, controls=tuple(args.controls), data=args.data,
+    results = [measure(arch, args.steps, args.opt_level, seed, args.batch, args.seq, n_batches=args.batches,
+                       lr=args.lr, noise_control=args.noise_control, controls=tuple(args.controls), data=args.data,
                        schedule=args.schedule, warmup=args.warmup)
                for arch in args.arch for seed in range(args.seeds)]
     print(f"{'architecture':<12} {'seed':>4} {'FP8 (old rule)':>14} {'FP8 now':>8} {'loss none':>10} "
